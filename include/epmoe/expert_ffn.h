@@ -1,0 +1,68 @@
+// Expert FFN: the local experts of one layer in a kernel's layout, run over grouped rows.
+//
+// An expert is a SwiGLU FFN: out = down( silu(gate x) * (up x) ), gate and up [I x H], down [H x I].
+// ExpertStore holds a set of experts packed once (at load) in one weight format; Run applies each
+// expert to its contiguous group of rows. Slices of experts (a range of the intermediate dimension)
+// are experts too, so sliced options reuse the same store. An ExpertStore is immutable after
+// packing; Run is thread-safe (it uses the pool it is given for its parallelism).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "epmoe/matrix.h"
+#include "epmoe/status.h"
+#include "epmoe/weight_format.h"
+
+namespace epmoe {
+
+class ThreadPool;
+
+// One expert's fp32 weights: the source every format is packed from, and the reference's input.
+struct ExpertWeights {
+  Matrix gate;  // [intermediate x hidden]
+  Matrix up;    // [intermediate x hidden]
+  Matrix down;  // [hidden x intermediate]
+  int64_t hidden() const { return gate.cols; }
+  int64_t intermediate() const { return gate.rows; }
+};
+
+// Plain per-row SwiGLU in fp32 with double accumulation: the reference every kernel is tested against.
+void ReferenceExpertFfn(const ExpertWeights& expert, std::span<const float> row, std::span<float> out);
+
+class ExpertStore {
+ public:
+  virtual ~ExpertStore() = default;
+
+  virtual WeightFormat format() const = 0;
+  virtual int num_experts() const = 0;
+  virtual int64_t hidden() const = 0;
+  virtual int64_t intermediate() const = 0;
+  // Exact bytes of expert e's weights as stored, scales included.
+  virtual int64_t expert_bytes(int expert) const = 0;
+  // Which kernel runs (e.g. "fp32/reference"), for reports.
+  virtual std::string kernel_name() const = 0;
+
+  // rows: [offsets[E] x hidden]; rows offsets[e] .. offsets[e+1]-1 belong to expert e (E + 1
+  // offsets, non-decreasing, offsets[0] == 0). Writes each row's expert output to the same row of
+  // out ([offsets[E] x hidden]). Experts with no rows are not read.
+  virtual void Run(const float* rows, std::span<const int64_t> offsets, float* out,
+                   ThreadPool& pool) const = 0;
+};
+
+struct PackOptions {
+  WeightFormat format = WeightFormat::kFp32;
+  // Highest instruction set the kernel may use: "auto" (best the CPU has), or a name from the
+  // kernel list (e.g. "avx2", "reference") to force a lower one.
+  std::string isa = "auto";
+};
+
+// Packs the given experts (all with the same shape) into one store. Refuses shapes the format
+// cannot hold (see CheckShape) and empty or mismatched inputs.
+Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
+                                                 const PackOptions& options);
+
+}  // namespace epmoe

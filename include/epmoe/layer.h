@@ -1,0 +1,98 @@
+// One MoE layer in one process: permute picks by expert, grouped expert FFN, weight, unpermute and
+// sum, plus the shared expert. Two implementations that must agree:
+//   ReferenceMoeForward  a plain per-row loop in fp32/double, obviously right;
+//   MoeLayer             the production path (counting-sort permutation, packed ExpertStore,
+//                        threads) that the kernels and the expert-parallel executors plug into.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "epmoe/expert_ffn.h"
+#include "epmoe/matrix.h"
+#include "epmoe/model.h"
+#include "epmoe/router.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+class ThreadPool;
+
+// All weights of one MoE layer in fp32.
+struct MoeLayerWeights {
+  int layer = 0;
+  Matrix router;                        // [E x hidden]
+  std::vector<float> correction_bias;   // E values, or empty
+  std::vector<ExpertWeights> experts;   // E routed experts
+  std::vector<ExpertWeights> shared;    // num_shared_experts shared experts
+};
+
+// Synthetic weights for MoE layer `layer` (see synthetic.h): deterministic from the seed.
+MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed,
+                                   ThreadPool* pool = nullptr);
+// Expert e of layer `layer`, or the intermediate slice [begin, end) of it (still a valid expert:
+// the full expert's output is the sum of its slices' outputs).
+ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed,
+                                  int64_t slice_begin = 0, int64_t slice_end = -1);
+ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int index, uint64_t seed,
+                                        int64_t slice_begin = 0, int64_t slice_end = -1);
+
+// out[r] = routed_sum(r) + shared(r), row by row, pick by pick.
+Status ReferenceMoeForward(const ModelConfig& model, const MoeLayerWeights& weights, const Matrix& rows,
+                           const Picks& picks, Matrix* out);
+
+// Picks sorted by expert (stable counting sort): the permuted position p holds pick
+// source_pick[p] = r*k + j; expert e owns positions [offsets[e], offsets[e+1]).
+struct PermutedPicks {
+  std::vector<int64_t> offsets;      // E + 1
+  std::vector<int64_t> source_pick;  // permuted position -> pick index r*k + j
+};
+PermutedPicks PermuteByExpert(const Picks& picks, int num_experts);
+
+// permuted.row(p) = rows.row(source_pick[p] / k).
+void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out);
+// out.row(r) = sum over the k picks of row r of weight * expert_out.row(position of that pick),
+// summed in pick order j = 0..k-1 (deterministic). `out` is overwritten.
+void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks,
+                         Matrix* out);
+
+// Per-layer figures of one forward pass.
+struct LayerStats {
+  double route_us = 0;
+  double permute_us = 0;     // counting sort and gathering rows
+  double experts_us = 0;     // grouped expert FFN
+  double combine_us = 0;     // weighting, unpermuting and summing the k results
+  double shared_us = 0;      // shared expert
+  int experts_touched = 0;
+  int64_t picks = 0;
+  int64_t max_picks_per_expert = 0;
+  double mean_picks_per_touched_expert = 0;
+  int64_t expert_bytes_read = 0;  // bytes of the touched experts' weights (+ shared experts)
+};
+
+class MoeLayer {
+ public:
+  // Packs the layer's experts (and shared experts) once.
+  static Result<std::unique_ptr<MoeLayer>> Create(const ModelConfig& model, const MoeLayerWeights& weights,
+                                                  const PackOptions& options);
+
+  // The model's router on these rows.
+  Status Route(const Matrix& rows, Picks* picks) const;
+
+  // out = the layer's output for rows and picks (stats may be null).
+  Status Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool,
+                 LayerStats* stats) const;
+
+  const ExpertStore& routed() const { return *routed_; }
+
+ private:
+  MoeLayer() = default;
+  ModelConfig model_;
+  Matrix router_;
+  std::vector<float> correction_bias_;
+  std::unique_ptr<ExpertStore> routed_;
+  std::unique_ptr<ExpertStore> shared_;  // null without shared experts
+};
+
+}  // namespace epmoe

@@ -1,0 +1,36 @@
+// Matrix: a dense row-major fp32 matrix, the type of a batch of rows and of reference weights.
+// A plain value (thread-compatible); rows are contiguous, `cols` floats each.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace epmoe {
+
+struct Matrix {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<float> data;
+
+  Matrix() = default;
+  Matrix(int64_t rows_, int64_t cols_) : rows(rows_), cols(cols_), data(rows_ * cols_, 0.0f) {}
+
+  float* row(int64_t i) { return data.data() + i * cols; }
+  const float* row(int64_t i) const { return data.data() + i * cols; }
+  std::span<float> row_span(int64_t i) { return {row(i), static_cast<size_t>(cols)}; }
+  std::span<const float> row_span(int64_t i) const { return {row(i), static_cast<size_t>(cols)}; }
+  float& at(int64_t i, int64_t j) { return data[i * cols + j]; }
+  float at(int64_t i, int64_t j) const { return data[i * cols + j]; }
+};
+
+// Index of the first non-finite value (NaN or Inf), or -1 when all are finite.
+int64_t FirstNonFinite(std::span<const float> values);
+
+// Order-independent-of-threads checksum of a matrix: the sum of all values in double, for reports.
+double Checksum(const Matrix& m);
+
+// max |a - b| / max(max |b|, tiny): the normalized error the tests bound per weight format.
+double NormalizedMaxError(const Matrix& actual, const Matrix& expected);
+
+}  // namespace epmoe

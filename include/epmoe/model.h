@@ -1,0 +1,61 @@
+// Model presets: the shape and routing rules of an MoE model, loaded from JSON.
+//
+// Presets live in configs/models/<name>.json and are compiled into the binary, so
+// LoadModel("qwen3-30b-a3b") works anywhere; a path to a .json file loads that file instead.
+// ModelConfig is a plain value (thread-compatible).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+// How router logits become expert scores.
+enum class Scoring {
+  kSoftmax,      // softmax over all experts, then top-k (Qwen3, OLMoE)
+  kSoftmaxTopk,  // top-k of the logits, then softmax over the k chosen (Mixtral, gpt-oss)
+  kSigmoid,      // sigmoid; a per-expert correction bias is added for choosing only (DeepSeek-V3)
+};
+const char* ScoringName(Scoring scoring);
+
+struct ModelConfig {
+  std::string name;
+  int hidden = 0;                   // d: numbers per row
+  int num_experts = 0;              // E: routed (logical) experts per MoE layer
+  int expert_intermediate = 0;      // intermediate size of one routed expert
+  int top_k = 0;                    // k: experts picked per row
+  int num_shared_experts = 0;       // experts every row goes through (no routing)
+  int shared_intermediate = 0;      // intermediate size of the shared expert(s), each
+  int num_layers = 0;               // all transformer layers
+  int num_dense_layers = 0;         // the first layers, with a dense FFN instead of MoE
+  int dense_intermediate = 0;       // intermediate size of a dense layer's FFN (0 if none)
+  Scoring scoring = Scoring::kSoftmax;
+  bool correction_bias = false;     // sigmoid only: a bias added to scores for choosing
+  int num_expert_groups = 1;        // experts split into this many groups (1: no group limit)
+  int topk_groups = 1;              // groups a row may choose from
+  bool renormalize = false;         // scale the k weights of a row to sum to 1
+  double routed_scaling = 1.0;      // routed experts' weighted sum is multiplied by this
+
+  int num_moe_layers() const { return num_layers - num_dense_layers; }
+};
+
+// Checks every field; the message names the field (and `source`, e.g. the file).
+Status ValidateModel(const ModelConfig& model, std::string_view source);
+
+// Loads a preset by name (see ListModelPresets) or a JSON file by path (anything ending in .json or
+// containing '/'). Every field must be present; errors name the file and the field.
+Result<ModelConfig> LoadModel(std::string_view name_or_path);
+// Parses preset JSON text; `source` names it in errors.
+Result<ModelConfig> ParseModel(std::string_view json_text, std::string_view source);
+std::string ModelToJson(const ModelConfig& model);
+std::vector<std::string> ListModelPresets();
+
+// The same model with hidden and intermediate sizes replaced (0 keeps a size): tests and quick runs
+// use real routing shapes at reduced widths.
+ModelConfig ScaledModel(const ModelConfig& model, int hidden, int intermediate);
+
+}  // namespace epmoe

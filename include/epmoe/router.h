@@ -1,0 +1,72 @@
+// Router (gating): which k experts each row meets, and with what weight.
+//
+// Scoring follows the model preset (softmax, softmax over the chosen, or sigmoid with a correction
+// bias used for choosing only, as DeepSeek-V3 does); then grouped top-k when the preset limits
+// groups (groups ranked by the sum of their two best scores, the best topk_groups kept), optional
+// renormalization, and the routed scaling factor. Ties break toward the lower expert id. Rows or
+// scores holding NaN or Inf are refused with the row and column named.
+// Simulated routing (round robin, uniform) and replayed picks produce the same Picks type.
+// Router is immutable after construction and thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/matrix.h"
+#include "epmoe/model.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+// The router's choice for a batch: row r's j-th pick is experts[r*k + j] with weights[r*k + j].
+// Within a row, picks are ordered by descending choosing score (ties: lower id first).
+struct Picks {
+  int64_t rows = 0;
+  int k = 0;
+  std::vector<int32_t> experts;
+  std::vector<float> weights;
+
+  int32_t expert(int64_t row, int j) const { return experts[row * k + j]; }
+  float weight(int64_t row, int j) const { return weights[row * k + j]; }
+};
+
+// Checks shape, ids in [0, num_experts), no repeated expert within a row, finite weights.
+Status ValidatePicks(const Picks& picks, int num_experts);
+
+// Picks per expert: counts[e] = number of picks of expert e.
+std::vector<int64_t> CountPicks(const Picks& picks, int num_experts);
+
+enum class RoutingMode {
+  kScores,      // the model's router on the rows
+  kRoundRobin,  // row r, pick j -> expert (r*k + j) mod E: spread evenly over experts and ranks
+  kUniform,     // k distinct experts per row, uniformly at random from a seed
+  kReplay,      // picks and weights from a routing trace
+};
+const char* RoutingModeName(RoutingMode mode);
+Result<RoutingMode> ParseRoutingMode(std::string_view name);
+
+class Router {
+ public:
+  explicit Router(const ModelConfig& model);
+
+  // logits: [rows x E] router outputs. correction_bias: E values (sigmoid presets with a
+  // correction bias) or empty.
+  Status RouteLogits(const Matrix& logits, std::span<const float> correction_bias, Picks* picks) const;
+
+  // rows: [T x hidden]; router_weight: [E x hidden]. Computes logits = rows * router_weight^T.
+  Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> correction_bias,
+               Picks* picks) const;
+
+ private:
+  ModelConfig model_;
+};
+
+// Simulated routing. Weights are 1/k each (times the routed scaling factor) for round robin, and a
+// seeded random split of 1 (times the scaling factor) for uniform. `first_row` is the global index of
+// the first row, so that ranks holding parts of a batch agree with a single process.
+Picks RoundRobinPicks(const ModelConfig& model, int64_t rows, int64_t first_row = 0);
+Picks UniformPicks(const ModelConfig& model, int64_t rows, uint64_t seed, int64_t first_row = 0);
+
+}  // namespace epmoe

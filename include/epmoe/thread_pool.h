@@ -1,0 +1,48 @@
+// ThreadPool: a fixed set of worker threads for data-parallel loops.
+//
+// ParallelFor is called from one thread at a time (the pool is not reentrant: do not call it from
+// inside a task); tasks run on the workers and on the calling thread. With threads = 1 everything
+// runs inline on the caller.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace epmoe {
+
+class ThreadPool {
+ public:
+  // threads <= 0 means std::thread::hardware_concurrency().
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Runs body(begin, end) over [0, n) in chunks of `grain` items handed out dynamically, so uneven
+  // work (experts with different row counts) still spreads over all threads. Returns when all
+  // chunks are done.
+  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
+
+  // Runs body(thread_index) once on each of the size() threads.
+  void RunOnAll(const std::function<void(int)>& body);
+
+ private:
+  void WorkerLoop(int index);
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable work_done_;
+  const std::function<void(int)>* task_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stopping_ = false;
+};
+
+}  // namespace epmoe

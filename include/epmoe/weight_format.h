@@ -1,0 +1,56 @@
+// Weight formats and their exact sizes in bytes, scales included.
+//
+// The recorder, the balancer and the planner all reason in bytes read, so ByteCount must equal what
+// the kernels store. A matrix is [out_features x in_features]; quantization blocks run along
+// in_features (the dot-product direction).
+//   fp32   4 bytes a weight.
+//   bf16   2 bytes a weight.
+//   int8   1 byte a weight + one fp32 scale per output channel.
+//   nvfp4  E2M1 values (4 bits) + one FP8-E4M3 scale per 16 weights + one fp32 scale per matrix.
+//   mxfp4  E2M1 values (4 bits) + one E8M0 (power of two) scale per 32 weights.
+// Block formats need in_features to be a multiple of their block (16 or 32): every preset's sizes
+// are; other shapes are refused by CheckShape, not padded.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+enum class WeightFormat { kFp32, kBf16, kInt8, kNvfp4, kMxfp4 };
+
+const char* WeightFormatName(WeightFormat format);
+Result<WeightFormat> ParseWeightFormat(std::string_view name);
+std::vector<WeightFormat> AllWeightFormats();
+
+// Weights per quantization block along in_features (1 for unblocked formats).
+int BlockSize(WeightFormat format);
+
+// NVFP4 block: 16 E2M1 values, two per byte (low nibble first), and their E4M3 scale.
+struct BlockNvfp4 {
+  uint8_t scale_e4m3;
+  uint8_t packed[8];
+};
+static_assert(sizeof(BlockNvfp4) == 9);
+
+// MXFP4 block: 32 E2M1 values, two per byte (low nibble first), and their E8M0 scale.
+struct BlockMxfp4 {
+  uint8_t scale_e8m0;
+  uint8_t packed[16];
+};
+static_assert(sizeof(BlockMxfp4) == 17);
+
+// Refuses shapes the format cannot store (in_features not a multiple of the block).
+Status CheckShape(WeightFormat format, int64_t out_features, int64_t in_features);
+
+// Exact bytes of one [out_features x in_features] matrix, scales included.
+int64_t ByteCount(WeightFormat format, int64_t out_features, int64_t in_features);
+
+// Exact bytes of one SwiGLU expert: gate and up [intermediate x hidden], down [hidden x intermediate].
+int64_t ExpertByteCount(WeightFormat format, int64_t hidden, int64_t intermediate);
+
+}  // namespace epmoe

@@ -1,0 +1,222 @@
+#include "epmoe/model.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace epmoe::embedded {
+extern const std::vector<std::pair<std::string_view, std::string_view>> kModelPresets;
+}
+
+namespace epmoe {
+namespace {
+
+using nlohmann::json;
+
+Result<Scoring> ParseScoring(const std::string& name) {
+  if (name == "softmax") return Scoring::kSoftmax;
+  if (name == "softmax_topk") return Scoring::kSoftmaxTopk;
+  if (name == "sigmoid") return Scoring::kSigmoid;
+  return InvalidArgument(fmt::format("unknown scoring '{}' (expected softmax, softmax_topk or sigmoid)", name));
+}
+
+// Reads field `key` of object `j` into `out`; errors name the source and the field.
+template <typename T>
+Status ReadField(const json& j, const char* key, std::string_view source, T* out) {
+  auto it = j.find(key);
+  if (it == j.end()) return InvalidArgument(fmt::format("{}: missing field '{}'", source, key));
+  try {
+    if constexpr (std::is_same_v<T, int>) {
+      if (!it->is_number_integer())
+        return InvalidArgument(fmt::format("{}: field '{}' must be an integer, got {}", source, key, it->dump()));
+    } else if constexpr (std::is_same_v<T, double>) {
+      if (!it->is_number())
+        return InvalidArgument(fmt::format("{}: field '{}' must be a number, got {}", source, key, it->dump()));
+    } else if constexpr (std::is_same_v<T, bool>) {
+      if (!it->is_boolean())
+        return InvalidArgument(fmt::format("{}: field '{}' must be true or false, got {}", source, key, it->dump()));
+    } else {
+      if (!it->is_string())
+        return InvalidArgument(fmt::format("{}: field '{}' must be a string, got {}", source, key, it->dump()));
+    }
+    if constexpr (std::is_same_v<T, int>) {
+      const int64_t value = it->get<int64_t>();
+      if (value < INT32_MIN || value > INT32_MAX)
+        return InvalidArgument(fmt::format("{}: field '{}' = {} is out of range", source, key, value));
+      *out = static_cast<int>(value);
+    } else {
+      *out = it->get<T>();
+    }
+  } catch (const json::exception& e) {
+    return InvalidArgument(fmt::format("{}: field '{}': {}", source, key, e.what()));
+  }
+  return Status::Ok();
+}
+
+Status Positive(std::string_view source, const char* field, double value) {
+  if (value > 0) return Status::Ok();
+  return InvalidArgument(fmt::format("{}: field '{}' must be positive, got {}", source, field, value));
+}
+Status NonNegative(std::string_view source, const char* field, double value) {
+  if (value >= 0) return Status::Ok();
+  return InvalidArgument(fmt::format("{}: field '{}' must not be negative, got {}", source, field, value));
+}
+
+bool LooksLikePath(std::string_view s) {
+  return s.find('/') != std::string_view::npos || (s.size() > 5 && s.substr(s.size() - 5) == ".json");
+}
+
+}  // namespace
+
+const char* ScoringName(Scoring scoring) {
+  switch (scoring) {
+    case Scoring::kSoftmax: return "softmax";
+    case Scoring::kSoftmaxTopk: return "softmax_topk";
+    case Scoring::kSigmoid: return "sigmoid";
+  }
+  return "unknown";
+}
+
+Status ValidateModel(const ModelConfig& m, std::string_view source) {
+  EPMOE_RETURN_IF_ERROR(Positive(source, "hidden", m.hidden));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "num_experts", m.num_experts));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "expert_intermediate", m.expert_intermediate));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "top_k", m.top_k));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "num_shared_experts", m.num_shared_experts));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "shared_intermediate", m.shared_intermediate));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "num_layers", m.num_layers));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "num_dense_layers", m.num_dense_layers));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "dense_intermediate", m.dense_intermediate));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "num_expert_groups", m.num_expert_groups));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "topk_groups", m.topk_groups));
+  EPMOE_RETURN_IF_ERROR(Positive(source, "routed_scaling", m.routed_scaling));
+  if (m.top_k > m.num_experts)
+    return InvalidArgument(fmt::format("{}: field 'top_k' = {} exceeds num_experts = {}", source, m.top_k, m.num_experts));
+  if (m.num_shared_experts > 0 && m.shared_intermediate == 0)
+    return InvalidArgument(fmt::format("{}: field 'shared_intermediate' must be positive when num_shared_experts > 0", source));
+  if (m.num_dense_layers >= m.num_layers)
+    return InvalidArgument(fmt::format("{}: field 'num_dense_layers' = {} leaves no MoE layer of num_layers = {}",
+                                       source, m.num_dense_layers, m.num_layers));
+  if (m.num_dense_layers > 0 && m.dense_intermediate == 0)
+    return InvalidArgument(fmt::format("{}: field 'dense_intermediate' must be positive when num_dense_layers > 0", source));
+  if (m.num_experts % m.num_expert_groups != 0)
+    return InvalidArgument(fmt::format("{}: field 'num_expert_groups' = {} does not divide num_experts = {}", source,
+                                       m.num_expert_groups, m.num_experts));
+  if (m.topk_groups > m.num_expert_groups)
+    return InvalidArgument(fmt::format("{}: field 'topk_groups' = {} exceeds num_expert_groups = {}", source,
+                                       m.topk_groups, m.num_expert_groups));
+  const int per_group = m.num_experts / m.num_expert_groups;
+  if (m.num_expert_groups > 1 && per_group < 2)
+    return InvalidArgument(fmt::format("{}: field 'num_expert_groups' = {} leaves fewer than 2 experts per group "
+                                       "(groups are ranked by their two best scores)", source, m.num_expert_groups));
+  if (m.topk_groups * per_group < m.top_k)
+    return InvalidArgument(fmt::format("{}: field 'topk_groups' = {} allows only {} experts, fewer than top_k = {}",
+                                       source, m.topk_groups, m.topk_groups * per_group, m.top_k));
+  if (m.correction_bias && m.scoring != Scoring::kSigmoid)
+    return InvalidArgument(fmt::format("{}: field 'correction_bias' needs scoring 'sigmoid'", source));
+  return Status::Ok();
+}
+
+Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    return InvalidArgument(fmt::format("{}: not valid JSON: {}", source, e.what()));
+  }
+  if (!j.is_object()) return InvalidArgument(fmt::format("{}: expected a JSON object", source));
+  ModelConfig m;
+  std::string scoring;
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "name", source, &m.name));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "hidden", source, &m.hidden));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts", source, &m.num_experts));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "expert_intermediate", source, &m.expert_intermediate));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "top_k", source, &m.top_k));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_shared_experts", source, &m.num_shared_experts));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "shared_intermediate", source, &m.shared_intermediate));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_layers", source, &m.num_layers));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_dense_layers", source, &m.num_dense_layers));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "dense_intermediate", source, &m.dense_intermediate));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "scoring", source, &scoring));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "correction_bias", source, &m.correction_bias));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_expert_groups", source, &m.num_expert_groups));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "topk_groups", source, &m.topk_groups));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "renormalize", source, &m.renormalize));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "routed_scaling", source, &m.routed_scaling));
+  auto parsed_scoring = ParseScoring(scoring);
+  if (!parsed_scoring.ok()) return parsed_scoring.status().WithContext(fmt::format("{}: field 'scoring'", source));
+  m.scoring = *parsed_scoring;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    static const char* kKnown[] = {"name", "hidden", "num_experts", "expert_intermediate", "top_k",
+                                   "num_shared_experts", "shared_intermediate", "num_layers",
+                                   "num_dense_layers", "dense_intermediate", "scoring", "correction_bias",
+                                   "num_expert_groups", "topk_groups", "renormalize", "routed_scaling",
+                                   "description"};
+    if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return it.key() == k; }) ==
+        std::end(kKnown))
+      return InvalidArgument(fmt::format("{}: unknown field '{}'", source, it.key()));
+  }
+  EPMOE_RETURN_IF_ERROR(ValidateModel(m, source));
+  return m;
+}
+
+std::string ModelToJson(const ModelConfig& m) {
+  json j = {{"name", m.name},
+            {"hidden", m.hidden},
+            {"num_experts", m.num_experts},
+            {"expert_intermediate", m.expert_intermediate},
+            {"top_k", m.top_k},
+            {"num_shared_experts", m.num_shared_experts},
+            {"shared_intermediate", m.shared_intermediate},
+            {"num_layers", m.num_layers},
+            {"num_dense_layers", m.num_dense_layers},
+            {"dense_intermediate", m.dense_intermediate},
+            {"scoring", ScoringName(m.scoring)},
+            {"correction_bias", m.correction_bias},
+            {"num_expert_groups", m.num_expert_groups},
+            {"topk_groups", m.topk_groups},
+            {"renormalize", m.renormalize},
+            {"routed_scaling", m.routed_scaling}};
+  return j.dump(2);
+}
+
+std::vector<std::string> ListModelPresets() {
+  std::vector<std::string> names;
+  for (const auto& [name, text] : embedded::kModelPresets) names.emplace_back(name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Result<ModelConfig> LoadModel(std::string_view name_or_path) {
+  if (LooksLikePath(name_or_path)) {
+    std::string path(name_or_path);
+    std::ifstream in(path);
+    if (!in) return NotFound(fmt::format("{}: cannot open model file", path));
+    std::stringstream text;
+    text << in.rdbuf();
+    return ParseModel(text.str(), path);
+  }
+  for (const auto& [name, text] : embedded::kModelPresets) {
+    if (name == name_or_path) return ParseModel(text, fmt::format("configs/models/{}.json", name));
+  }
+  std::string known;
+  for (const auto& n : ListModelPresets()) known += (known.empty() ? "" : ", ") + n;
+  return NotFound(fmt::format("no model preset named '{}' (known: {}; or give a path to a .json file)",
+                              name_or_path, known));
+}
+
+ModelConfig ScaledModel(const ModelConfig& model, int hidden, int intermediate) {
+  ModelConfig scaled = model;
+  if (hidden > 0) scaled.hidden = hidden;
+  if (intermediate > 0) {
+    scaled.expert_intermediate = intermediate;
+    if (scaled.num_shared_experts > 0) scaled.shared_intermediate = intermediate;
+    if (scaled.num_dense_layers > 0) scaled.dense_intermediate = intermediate;
+  }
+  return scaled;
+}
+
+}  // namespace epmoe

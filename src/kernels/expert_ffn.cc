@@ -1,0 +1,50 @@
+#include "epmoe/expert_ffn.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "kernels/ref/fp32_store.h"
+
+namespace epmoe {
+
+void ReferenceExpertFfn(const ExpertWeights& expert, std::span<const float> row, std::span<float> out) {
+  const int64_t hidden = expert.hidden();
+  const int64_t inter = expert.intermediate();
+  std::vector<double> act(inter);
+  for (int64_t i = 0; i < inter; ++i) {
+    double g = 0, u = 0;
+    for (int64_t c = 0; c < hidden; ++c) {
+      g += static_cast<double>(expert.gate.at(i, c)) * row[c];
+      u += static_cast<double>(expert.up.at(i, c)) * row[c];
+    }
+    act[i] = g / (1.0 + std::exp(-g)) * u;
+  }
+  for (int64_t h = 0; h < hidden; ++h) {
+    double acc = 0;
+    for (int64_t i = 0; i < inter; ++i) acc += static_cast<double>(expert.down.at(h, i)) * act[i];
+    out[h] = static_cast<float>(acc);
+  }
+}
+
+Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
+                                                 const PackOptions& options) {
+  if (experts.empty()) return InvalidArgument("pack experts: no experts given");
+  const int64_t hidden = experts[0]->hidden();
+  const int64_t inter = experts[0]->intermediate();
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const ExpertWeights& x = *experts[e];
+    if (x.gate.rows != inter || x.gate.cols != hidden || x.up.rows != inter || x.up.cols != hidden ||
+        x.down.rows != hidden || x.down.cols != inter)
+      return InvalidArgument(fmt::format("pack experts: expert {} has shapes gate {}x{}, up {}x{}, down {}x{}; expected "
+                                         "gate and up {}x{}, down {}x{}", e, x.gate.rows, x.gate.cols, x.up.rows,
+                                         x.up.cols, x.down.rows, x.down.cols, inter, hidden, hidden, inter));
+  }
+  EPMOE_RETURN_IF_ERROR(CheckShape(options.format, inter, hidden));
+  EPMOE_RETURN_IF_ERROR(CheckShape(options.format, hidden, inter));
+  if (options.format != WeightFormat::kFp32)
+    return InvalidArgument(fmt::format("pack experts: weight format {} has no kernel yet", WeightFormatName(options.format)));
+  return std::unique_ptr<ExpertStore>(std::make_unique<Fp32ReferenceStore>(experts));
+}
+
+}  // namespace epmoe

@@ -1,0 +1,213 @@
+#include "epmoe/layer.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+namespace {
+
+double MicrosSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+}
+
+ExpertWeights MakeExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer,
+                         int index, uint64_t seed, int64_t begin, int64_t end) {
+  if (end < 0) end = inter;
+  const int64_t width = end - begin;
+  ExpertWeights w;
+  w.gate = Matrix(width, hidden);
+  w.up = Matrix(width, hidden);
+  w.down = Matrix(hidden, width);
+  FillSynthetic(seed, {gate, layer, index, inter, hidden}, begin, width, 0, hidden, w.gate.data.data());
+  FillSynthetic(seed, {up, layer, index, inter, hidden}, begin, width, 0, hidden, w.up.data.data());
+  FillSynthetic(seed, {down, layer, index, hidden, inter}, 0, hidden, begin, width, w.down.data.data());
+  return w;
+}
+
+Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& picks) {
+  if (rows.cols != model.hidden)
+    return InvalidArgument(fmt::format("layer: rows have {} columns, the model's hidden size is {}", rows.cols, model.hidden));
+  if (picks.rows != rows.rows)
+    return InvalidArgument(fmt::format("layer: {} rows but picks for {} rows", rows.rows, picks.rows));
+  if (picks.k != model.top_k)
+    return InvalidArgument(fmt::format("layer: picks have k = {}, the model's top_k is {}", picks.k, model.top_k));
+  EPMOE_RETURN_IF_ERROR(ValidatePicks(picks, model.num_experts));
+  const int64_t bad = FirstNonFinite(rows.data);
+  if (bad >= 0)
+    return InvalidArgument(fmt::format("layer: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
+  return Status::Ok();
+}
+
+}  // namespace
+
+ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed, int64_t begin,
+                                  int64_t end) {
+  return MakeExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
+                    model.expert_intermediate, layer, expert, seed, begin, end);
+}
+
+ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int index, uint64_t seed, int64_t begin,
+                                        int64_t end) {
+  return MakeExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
+                    model.shared_intermediate, layer, index, seed, begin, end);
+}
+
+MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool) {
+  MoeLayerWeights w;
+  w.layer = layer;
+  w.router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
+  if (model.correction_bias) {
+    w.correction_bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts}).data;
+  }
+  w.experts.resize(model.num_experts);
+  auto make = [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) w.experts[e] = MakeSyntheticExpert(model, layer, static_cast<int>(e), seed);
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(model.num_experts, 1, make);
+  } else {
+    make(0, model.num_experts);
+  }
+  for (int s = 0; s < model.num_shared_experts; ++s) w.shared.push_back(MakeSyntheticSharedExpert(model, layer, s, seed));
+  return w;
+}
+
+Status ReferenceMoeForward(const ModelConfig& model, const MoeLayerWeights& weights, const Matrix& rows,
+                           const Picks& picks, Matrix* out) {
+  EPMOE_RETURN_IF_ERROR(CheckRows(model, rows, picks));
+  *out = Matrix(rows.rows, model.hidden);
+  std::vector<float> y(model.hidden);
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    std::vector<double> acc(model.hidden, 0.0);
+    for (int j = 0; j < picks.k; ++j) {
+      ReferenceExpertFfn(weights.experts[picks.expert(r, j)], rows.row_span(r), y);
+      for (int h = 0; h < model.hidden; ++h) acc[h] += static_cast<double>(picks.weight(r, j)) * y[h];
+    }
+    for (const ExpertWeights& shared : weights.shared) {
+      ReferenceExpertFfn(shared, rows.row_span(r), y);
+      for (int h = 0; h < model.hidden; ++h) acc[h] += y[h];
+    }
+    for (int h = 0; h < model.hidden; ++h) out->at(r, h) = static_cast<float>(acc[h]);
+  }
+  return Status::Ok();
+}
+
+PermutedPicks PermuteByExpert(const Picks& picks, int num_experts) {
+  PermutedPicks p;
+  p.offsets.assign(num_experts + 1, 0);
+  for (int32_t e : picks.experts) ++p.offsets[e + 1];
+  for (int e = 0; e < num_experts; ++e) p.offsets[e + 1] += p.offsets[e];
+  std::vector<int64_t> cursor(p.offsets.begin(), p.offsets.end() - 1);
+  p.source_pick.resize(picks.experts.size());
+  for (size_t i = 0; i < picks.experts.size(); ++i) p.source_pick[cursor[picks.experts[i]]++] = static_cast<int64_t>(i);
+  return p;
+}
+
+void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out) {
+  const int64_t n = static_cast<int64_t>(permuted.source_pick.size());
+  if (out->rows != n || out->cols != rows.cols) *out = Matrix(n, rows.cols);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* src = rows.row(permuted.source_pick[p] / k);
+    std::copy(src, src + rows.cols, out->row(p));
+  }
+}
+
+void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out) {
+  const int64_t n = static_cast<int64_t>(permuted.source_pick.size());
+  std::vector<int64_t> position(n);
+  for (int64_t p = 0; p < n; ++p) position[permuted.source_pick[p]] = p;
+  if (out->rows != picks.rows || out->cols != expert_out.cols) *out = Matrix(picks.rows, expert_out.cols);
+  for (int64_t r = 0; r < picks.rows; ++r) {
+    float* y = out->row(r);
+    std::fill(y, y + out->cols, 0.0f);
+    for (int j = 0; j < picks.k; ++j) {
+      const float w = picks.weight(r, j);
+      const float* src = expert_out.row(position[r * picks.k + j]);
+      for (int64_t h = 0; h < out->cols; ++h) y[h] += w * src[h];
+    }
+  }
+}
+
+Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const MoeLayerWeights& weights,
+                                                   const PackOptions& options) {
+  if (static_cast<int>(weights.experts.size()) != model.num_experts)
+    return InvalidArgument(fmt::format("layer: {} experts given, the model has {}", weights.experts.size(), model.num_experts));
+  std::unique_ptr<MoeLayer> layer(new MoeLayer());
+  layer->model_ = model;
+  layer->router_ = weights.router;
+  layer->correction_bias_ = weights.correction_bias;
+  std::vector<const ExpertWeights*> routed;
+  for (const auto& e : weights.experts) routed.push_back(&e);
+  EPMOE_ASSIGN_OR_RETURN(layer->routed_, PackExperts(routed, options));
+  if (!weights.shared.empty()) {
+    std::vector<const ExpertWeights*> shared;
+    for (const auto& e : weights.shared) shared.push_back(&e);
+    EPMOE_ASSIGN_OR_RETURN(layer->shared_, PackExperts(shared, options));
+  }
+  return layer;
+}
+
+Status MoeLayer::Route(const Matrix& rows, Picks* picks) const {
+  return Router(model_).Route(rows, router_, correction_bias_, picks);
+}
+
+Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool,
+                         LayerStats* stats) const {
+  EPMOE_RETURN_IF_ERROR(CheckRows(model_, rows, picks));
+  LayerStats local;
+  auto t0 = std::chrono::steady_clock::now();
+  const PermutedPicks permuted = PermuteByExpert(picks, model_.num_experts);
+  Matrix gathered, expert_out;
+  GatherPermutedRows(rows, permuted, picks.k, &gathered);
+  local.permute_us = MicrosSince(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  expert_out = Matrix(gathered.rows, model_.hidden);
+  routed_->Run(gathered.data.data(), permuted.offsets, expert_out.data.data(), pool);
+  local.experts_us = MicrosSince(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  CombinePermutedRows(expert_out, permuted, picks, out);
+  local.combine_us = MicrosSince(t0);
+
+  if (shared_ != nullptr) {
+    t0 = std::chrono::steady_clock::now();
+    // Each shared expert sees every row: rows are already grouped, one group per shared expert.
+    const int shared_count = shared_->num_experts();
+    Matrix shared_in(rows.rows * shared_count, model_.hidden), shared_out(rows.rows * shared_count, model_.hidden);
+    std::vector<int64_t> offsets(shared_count + 1);
+    for (int s = 0; s <= shared_count; ++s) offsets[s] = s * rows.rows;
+    for (int s = 0; s < shared_count; ++s) std::copy(rows.data.begin(), rows.data.end(), shared_in.row(s * rows.rows));
+    shared_->Run(shared_in.data.data(), offsets, shared_out.data.data(), pool);
+    for (int s = 0; s < shared_count; ++s) {
+      for (int64_t i = 0; i < rows.rows * model_.hidden; ++i) out->data[i] += shared_out.data[s * rows.rows * model_.hidden + i];
+    }
+    local.shared_us = MicrosSince(t0);
+  }
+
+  if (stats != nullptr) {
+    local.picks = static_cast<int64_t>(picks.experts.size());
+    for (int e = 0; e < model_.num_experts; ++e) {
+      const int64_t count = permuted.offsets[e + 1] - permuted.offsets[e];
+      if (count == 0) continue;
+      ++local.experts_touched;
+      local.max_picks_per_expert = std::max(local.max_picks_per_expert, count);
+      local.expert_bytes_read += routed_->expert_bytes(e);
+    }
+    if (shared_ != nullptr && rows.rows > 0) {
+      for (int s = 0; s < shared_->num_experts(); ++s) local.expert_bytes_read += shared_->expert_bytes(s);
+    }
+    local.mean_picks_per_touched_expert =
+        local.experts_touched ? static_cast<double>(local.picks) / local.experts_touched : 0.0;
+    local.route_us = stats->route_us;
+    *stats = local;
+  }
+  return Status::Ok();
+}
+
+}  // namespace epmoe

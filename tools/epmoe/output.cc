@@ -1,0 +1,78 @@
+#include "output.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include <fmt/format.h>
+
+namespace epmoe::cli {
+
+int ReportError(const Status& status) {
+  std::fprintf(stderr, "epmoe: %s\n", status.message().c_str());
+  return 1;
+}
+
+namespace {
+CLI::Validator SignValidator(bool allow_zero) {
+  return CLI::Validator(
+      [allow_zero](std::string& input) -> std::string {
+        double value = 0;
+        try {
+          size_t used = 0;
+          value = std::stod(input, &used);
+          if (used != input.size()) return "'" + input + "' is not a number";
+        } catch (const std::exception&) {
+          return "'" + input + "' is not a number";
+        }
+        if (allow_zero ? value < 0 : value <= 0)
+          return input + (allow_zero ? " must not be negative" : " must be positive");
+        return "";
+      },
+      allow_zero ? "NONNEGATIVE" : "POSITIVE");
+}
+}  // namespace
+
+const CLI::Validator kNonNegative = SignValidator(true);
+const CLI::Validator kPositive = SignValidator(false);
+
+void AddFormatOption(CLI::App* command, std::string* format, const std::vector<std::string>& allowed) {
+  command->add_option("--format", *format, "Output format")->check(CLI::IsMember(allowed))->capture_default_str();
+}
+
+namespace {
+std::string Scaled(double value, const char* const* units, int count) {
+  int unit = 0;
+  while (std::fabs(value) >= 1000.0 && unit + 1 < count) {
+    value /= 1000.0;
+    ++unit;
+  }
+  return fmt::format("{:.{}f} {}", value, unit == 0 ? 0 : 2, units[unit]);
+}
+}  // namespace
+
+std::string HumanCount(int64_t n) {
+  static const char* const kUnits[] = {"", "K", "M", "G", "T"};
+  return Scaled(static_cast<double>(n), kUnits, 5);
+}
+
+std::string HumanBytes(int64_t bytes) {
+  static const char* const kUnits[] = {"B", "KB", "MB", "GB", "TB"};
+  return Scaled(static_cast<double>(bytes), kUnits, 5);
+}
+
+double Quantile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t index = static_cast<size_t>(std::ceil(q * static_cast<double>(values.size()))) ;
+  return values[std::min(values.size() - 1, index == 0 ? 0 : index - 1)];
+}
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+}  // namespace epmoe::cli

@@ -1,0 +1,32 @@
+// Small helpers shared by the commands: error reporting and human-readable numbers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "epmoe/status.h"
+
+namespace epmoe::cli {
+
+// Prints "epmoe: <message>" to stderr and returns the exit code for a failed command (1).
+int ReportError(const Status& status);
+
+// Validators with one-line messages ("must not be negative", "must be positive").
+extern const CLI::Validator kNonNegative;
+extern const CLI::Validator kPositive;
+
+// Adds `--format` with the given allowed values.
+void AddFormatOption(CLI::App* command, std::string* format, const std::vector<std::string>& allowed);
+
+// 1234567 -> "1.23 M"; bytes -> "1.23 GB" (powers of 1,000, as the seeds quote sizes).
+std::string HumanCount(int64_t n);
+std::string HumanBytes(int64_t bytes);
+
+// Median and the q-quantile (0..1, nearest rank) of a list of values (empty -> 0).
+double Median(std::vector<double> values);
+double Quantile(std::vector<double> values, double q);
+
+}  // namespace epmoe::cli
