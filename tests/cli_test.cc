@@ -1,0 +1,101 @@
+// The epmoe program as a user meets it: help, refusals of bad flags, JSON output, a checked run.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <sys/wait.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct CommandResult {
+  int exit_code;
+  std::string out;  // stdout and stderr together
+};
+
+CommandResult Epmoe(const std::string& args) {
+  const char* binary = std::getenv("EPMOE_BINARY");
+  const std::string command = std::string(binary ? binary : EPMOE_BINARY_DIR "/epmoe") + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {-1, "popen failed"};
+  std::string out;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(Cli, EveryCommandHasHelp) {
+  for (const char* cmd : {"--help", "model --help", "model show --help", "layer --help"}) {
+    const CommandResult r = Epmoe(cmd);
+    EXPECT_EQ(r.exit_code, 0) << cmd << ": " << r.out;
+    EXPECT_NE(r.out.find("Usage"), std::string::npos) << cmd;
+  }
+}
+
+TEST(Cli, RefusesUnknownFlagsAndBadValuesWithOneLine) {
+  for (const char* cmd : {"layer --bogus", "layer --tokens -3", "layer --tokens abc", "layer --routing magic",
+                          "layer --weight-format fp8", "model show", "nonsense"}) {
+    const CommandResult r = Epmoe(cmd);
+    EXPECT_NE(r.exit_code, 0) << cmd;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << cmd << ": " << r.out;
+  }
+}
+
+TEST(Cli, ModelShowJsonParsesWithDerivedSizes) {
+  const CommandResult r = Epmoe("model show glm-5.3 --format json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["hidden"], 6144);
+  EXPECT_EQ(j["derived"]["weights_per_expert"], 3LL * 6144 * 2048);
+  bool found_bf16 = false;
+  for (const auto& s : j["derived"]["sizes"]) {
+    if (s["format"] == "bf16") {
+      found_bf16 = true;
+      EXPECT_EQ(s["bytes_per_expert"], 2LL * 3 * 6144 * 2048);
+    }
+  }
+  EXPECT_TRUE(found_bf16);
+}
+
+TEST(Cli, ModelErrorsNameTheProblem) {
+  CommandResult r = Epmoe("model show nosuch");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("nosuch"), std::string::npos);
+  r = Epmoe("layer --model olmoe-1b-7b --layers 17");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("16 MoE layers"), std::string::npos) << r.out;
+}
+
+TEST(Cli, CheckedLayerRunMatchesTheReference) {
+  for (const char* routing : {"scores", "round_robin", "uniform"}) {
+    const CommandResult r = Epmoe(std::string("layer --model deepseek-v3 --hidden 64 --intermediate 32 --tokens 9 --layers 3 "
+                                    "--steps 2 --check --format json --routing ") + routing);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    ASSERT_EQ(j["layers"].size(), 3u);
+    for (const auto& l : j["layers"]) {
+      EXPECT_LE(l["max_normalized_error"].get<double>(), 1e-4);
+      EXPECT_GT(l["experts_touched"].get<int>(), 0);
+    }
+  }
+}
+
+TEST(Cli, ZeroTokensRunsAndReportsNothingTouched) {
+  const CommandResult r = Epmoe("layer --hidden 64 --intermediate 32 --tokens 0 --format json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["layers"][0]["experts_touched"], 0);
+}
+
+TEST(Cli, RefusesARunThatWouldNotFitTheMemoryBudget) {
+  const CommandResult r = Epmoe("layer --model glm-5.3 --layers 4 --max-memory-gb 1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("budget"), std::string::npos) << r.out;
+}
+
+}  // namespace

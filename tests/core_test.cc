@@ -1,0 +1,202 @@
+// Model presets, weight-format sizes, synthetic weights, the thread pool and ExpertLoad.
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "epmoe/load.h"
+#include "epmoe/model.h"
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+#include "epmoe/weight_format.h"
+
+namespace epmoe {
+namespace {
+
+TEST(ModelPresets, EveryPresetLoadsAndValidates) {
+  const auto names = ListModelPresets();
+  EXPECT_EQ(names.size(), 6u);
+  for (const auto& name : names) {
+    auto m = LoadModel(name);
+    ASSERT_TRUE(m.ok()) << name << ": " << m.status().ToString();
+    EXPECT_EQ(m->name, name);
+  }
+}
+
+TEST(ModelPresets, ValuesFromTheIssue) {
+  auto glm = LoadModel("glm-5.3");
+  ASSERT_TRUE(glm.ok());
+  EXPECT_EQ(glm->hidden, 6144);
+  EXPECT_EQ(glm->num_experts, 256);
+  EXPECT_EQ(glm->expert_intermediate, 2048);
+  EXPECT_EQ(glm->top_k, 8);
+  EXPECT_EQ(glm->num_shared_experts, 1);
+  EXPECT_EQ(glm->num_moe_layers(), 75);
+  EXPECT_EQ(glm->dense_intermediate, 12288);
+  EXPECT_EQ(glm->scoring, Scoring::kSigmoid);
+  EXPECT_TRUE(glm->correction_bias);
+  EXPECT_DOUBLE_EQ(glm->routed_scaling, 2.5);
+
+  auto ds = LoadModel("deepseek-v3");
+  ASSERT_TRUE(ds.ok());
+  EXPECT_EQ(ds->hidden, 7168);
+  EXPECT_EQ(ds->num_expert_groups, 8);
+  EXPECT_EQ(ds->topk_groups, 4);
+  EXPECT_EQ(ds->num_layers, 61);
+  EXPECT_EQ(ds->dense_intermediate, 18432);
+
+  auto mixtral = LoadModel("mixtral-8x7b");
+  ASSERT_TRUE(mixtral.ok());
+  EXPECT_EQ(mixtral->scoring, Scoring::kSoftmaxTopk);
+  EXPECT_EQ(mixtral->top_k, 2);
+  auto olmoe = LoadModel("olmoe-1b-7b");
+  ASSERT_TRUE(olmoe.ok());
+  EXPECT_FALSE(olmoe->renormalize);
+  auto gpt = LoadModel("gpt-oss-120b");
+  ASSERT_TRUE(gpt.ok());
+  EXPECT_EQ(gpt->top_k, 4);
+  EXPECT_EQ(gpt->expert_intermediate, 2880);
+}
+
+TEST(ModelPresets, UnknownNameListsTheKnownOnes) {
+  auto m = LoadModel("no-such-model");
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(m.status().message().find("qwen3-30b-a3b"), std::string::npos);
+}
+
+TEST(ModelPresets, JsonRoundTrip) {
+  auto m = LoadModel("deepseek-v3");
+  ASSERT_TRUE(m.ok());
+  auto again = ParseModel(ModelToJson(*m), "round trip");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(ModelToJson(*again), ModelToJson(*m));
+}
+
+// A preset file with one mistake must be refused with a message naming the file and the field.
+struct BadPreset {
+  const char* what;
+  std::function<void(nlohmann::json&)> edit;
+  const char* field;
+};
+
+class BadPresetFile : public ::testing::TestWithParam<BadPreset> {};
+
+TEST_P(BadPresetFile, IsRefusedNamingFileAndField) {
+  auto base = LoadModel("deepseek-v3");
+  ASSERT_TRUE(base.ok());
+  nlohmann::json j = nlohmann::json::parse(ModelToJson(*base));
+  GetParam().edit(j);
+  const auto path = std::filesystem::temp_directory_path() / ("epmoe_bad_preset_" + std::string(GetParam().what) + ".json");
+  std::ofstream(path) << j.dump();
+  auto m = LoadModel(path.string());
+  std::filesystem::remove(path);
+  ASSERT_FALSE(m.ok()) << GetParam().what;
+  EXPECT_NE(m.status().message().find(path.string()), std::string::npos) << m.status().message();
+  EXPECT_NE(m.status().message().find(GetParam().field), std::string::npos) << m.status().message();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Mistakes, BadPresetFile,
+    ::testing::Values(
+        BadPreset{"missing", [](nlohmann::json& j) { j.erase("top_k"); }, "top_k"},
+        BadPreset{"zero", [](nlohmann::json& j) { j["hidden"] = 0; }, "hidden"},
+        BadPreset{"negative", [](nlohmann::json& j) { j["num_experts"] = -4; }, "num_experts"},
+        BadPreset{"k_over_e", [](nlohmann::json& j) { j["top_k"] = 300; }, "top_k"},
+        BadPreset{"groups", [](nlohmann::json& j) { j["num_expert_groups"] = 7; }, "num_expert_groups"},
+        BadPreset{"topk_groups", [](nlohmann::json& j) { j["topk_groups"] = 9; }, "topk_groups"},
+        BadPreset{"wrong_type", [](nlohmann::json& j) { j["hidden"] = "big"; }, "hidden"},
+        BadPreset{"scoring", [](nlohmann::json& j) { j["scoring"] = "tanh"; }, "scoring"},
+        BadPreset{"unknown", [](nlohmann::json& j) { j["hiden"] = 3; }, "hiden"},
+        BadPreset{"dense", [](nlohmann::json& j) { j["num_dense_layers"] = 61; }, "num_dense_layers"}),
+    [](const auto& info) { return std::string(info.param.what); });
+
+TEST(ModelPresets, NotJsonAndMissingFileAreRefused) {
+  const auto path = std::filesystem::temp_directory_path() / "epmoe_not_json.json";
+  std::ofstream(path) << "{ hidden: 12";
+  auto m = LoadModel(path.string());
+  std::filesystem::remove(path);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("not valid JSON"), std::string::npos);
+  EXPECT_EQ(LoadModel("/nonexistent/model.json").status().code(), StatusCode::kNotFound);
+}
+
+TEST(WeightFormats, ExactBytesPerMatrix) {
+  // 2048 x 768 matrix = 1,572,864 weights.
+  EXPECT_EQ(ByteCount(WeightFormat::kFp32, 768, 2048), 6291456);
+  EXPECT_EQ(ByteCount(WeightFormat::kBf16, 768, 2048), 3145728);
+  EXPECT_EQ(ByteCount(WeightFormat::kInt8, 768, 2048), 1572864 + 768 * 4);
+  EXPECT_EQ(ByteCount(WeightFormat::kNvfp4, 768, 2048), 1572864 / 16 * 9 + 4);
+  EXPECT_EQ(ByteCount(WeightFormat::kMxfp4, 768, 2048), 1572864 / 32 * 17);
+  // GLM-5.3: 256 experts x 3 x 6144 x 2048 at 4 bits without scales is the seeds' 4.83 GB per layer;
+  // NVFP4 with its scales stores 9/8 of that plus one fp32 per matrix.
+  EXPECT_EQ(ExpertByteCount(WeightFormat::kNvfp4, 6144, 2048), 3 * (6144LL * 2048 / 16 * 9 + 4));
+}
+
+TEST(WeightFormats, BlockFormatsRefuseRaggedShapes) {
+  EXPECT_TRUE(CheckShape(WeightFormat::kNvfp4, 10, 32).ok());
+  EXPECT_FALSE(CheckShape(WeightFormat::kNvfp4, 10, 24).ok());
+  EXPECT_FALSE(CheckShape(WeightFormat::kMxfp4, 10, 48).ok());
+  EXPECT_TRUE(CheckShape(WeightFormat::kInt8, 10, 7).ok());
+  EXPECT_FALSE(ParseWeightFormat("fp8").ok());
+  EXPECT_EQ(*ParseWeightFormat("mxfp4"), WeightFormat::kMxfp4);
+}
+
+TEST(Synthetic, ValuesDoNotDependOnTheBlockAsked) {
+  const SyntheticTensor t{TensorKind::kExpertDown, 3, 17, 40, 24};
+  const Matrix full = SyntheticMatrix(9, t);
+  std::vector<float> block(5 * 7);
+  FillSynthetic(9, t, 10, 5, 6, 7, block.data());
+  for (int r = 0; r < 5; ++r)
+    for (int c = 0; c < 7; ++c) EXPECT_EQ(block[r * 7 + c], full.at(10 + r, 6 + c));
+  // Other seeds, layers and experts give other values; amplitude is 1/sqrt(fan_in).
+  EXPECT_NE(SyntheticMatrix(10, t).data, full.data);
+  SyntheticTensor other = t;
+  other.index = 18;
+  EXPECT_NE(SyntheticMatrix(9, other).data, full.data);
+  for (float v : full.data) EXPECT_LE(std::fabs(v), 1.0f / std::sqrt(24.0f));
+}
+
+TEST(Synthetic, PoolDoesNotChangeValues) {
+  ThreadPool pool(3);
+  const SyntheticTensor t{TensorKind::kRouter, 0, 0, 300, 16};
+  EXPECT_EQ(SyntheticMatrix(1, t, &pool).data, SyntheticMatrix(1, t).data);
+}
+
+TEST(ThreadPoolTest, ParallelForCoversEveryIndexOnce) {
+  for (int threads : {1, 2, 4}) {
+    ThreadPool pool(threads);
+    std::vector<std::atomic<int>> hits(1000);
+    pool.ParallelFor(1000, 7, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) hits[i]++;
+    });
+    for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+    pool.ParallelFor(0, 1, [&](int64_t, int64_t) { ADD_FAILURE() << "called for n = 0"; });
+    std::atomic<int> calls{0};
+    pool.RunOnAll([&](int) { calls++; });
+    EXPECT_EQ(calls.load(), threads);
+  }
+}
+
+TEST(ExpertLoadTest, SliceSumAndValidate) {
+  ExpertLoad load(3, 2, 4, 2);
+  for (int64_t s = 0; s < 3; ++s)
+    for (int l = 0; l < 2; ++l)
+      for (int e = 0; e < 4; ++e) load.at(s, l)[e] = s * 100 + l * 10 + e;
+  ASSERT_TRUE(ValidateExpertLoad(load, "test").ok());
+  const ExpertLoad tail = SliceSteps(load, 1, 3);
+  EXPECT_EQ(tail.num_steps, 2);
+  EXPECT_EQ(tail.at(0, 1)[2], 112);
+  const auto sum = SumOverSteps(load);
+  EXPECT_EQ(sum[1 * 4 + 3], 13 + 113 + 213);
+  load.at(2, 1)[3] = -1;
+  const Status s = ValidateExpertLoad(load, "test");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("step 2 layer 1 expert 3"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,160 @@
+// The production MoE layer against a naive per-row loop, for every preset at reduced sizes.
+#include "epmoe/layer.h"
+
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+namespace {
+
+// Plain restatement of the layer, independent of the production code: for each row, for each pick,
+// the SwiGLU written out inline; then the shared experts.
+Matrix NaiveLayer(const ModelConfig& m, const MoeLayerWeights& w, const Matrix& rows, const Picks& picks) {
+  Matrix out(rows.rows, m.hidden);
+  auto ffn = [&](const ExpertWeights& e, const float* x, double scale, float* y) {
+    std::vector<double> act(e.intermediate());
+    for (int64_t i = 0; i < e.intermediate(); ++i) {
+      double g = 0, u = 0;
+      for (int64_t c = 0; c < m.hidden; ++c) {
+        g += e.gate.at(i, c) * static_cast<double>(x[c]);
+        u += e.up.at(i, c) * static_cast<double>(x[c]);
+      }
+      act[i] = g * (1.0 / (1.0 + std::exp(-g))) * u;
+    }
+    for (int64_t h = 0; h < m.hidden; ++h) {
+      double acc = 0;
+      for (int64_t i = 0; i < e.intermediate(); ++i) acc += e.down.at(h, i) * act[i];
+      y[h] += static_cast<float>(scale * acc);
+    }
+  };
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    for (int j = 0; j < picks.k; ++j) ffn(w.experts[picks.expert(r, j)], rows.row(r), picks.weight(r, j), out.row(r));
+    for (const auto& s : w.shared) ffn(s, rows.row(r), 1.0, out.row(r));
+  }
+  return out;
+}
+
+class EveryPreset : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EveryPreset, ProductionAndReferenceMatchTheNaiveLoop) {
+  auto loaded = LoadModel(GetParam());
+  ASSERT_TRUE(loaded.ok());
+  const ModelConfig m = ScaledModel(*loaded, 64, 32);
+  ThreadPool pool(2);
+  const MoeLayerWeights w = MakeSyntheticLayer(m, 1, 42, &pool);
+  auto layer = MoeLayer::Create(m, w, PackOptions{});
+  ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+  for (int64_t tokens : {1, 3, 37}) {
+    const Matrix rows = SyntheticRows(42, m, 0, 0, tokens);
+    Picks picks;
+    ASSERT_TRUE((*layer)->Route(rows, &picks).ok());
+    ASSERT_TRUE(ValidatePicks(picks, m.num_experts).ok());
+    const Matrix naive = NaiveLayer(m, w, rows, picks);
+    Matrix reference, production;
+    ASSERT_TRUE(ReferenceMoeForward(m, w, rows, picks, &reference).ok());
+    LayerStats stats;
+    ASSERT_TRUE((*layer)->Forward(rows, picks, &production, pool, &stats).ok());
+    EXPECT_LT(NormalizedMaxError(reference, naive), 1e-5) << GetParam() << " T=" << tokens;
+    EXPECT_LT(NormalizedMaxError(production, naive), 1e-5) << GetParam() << " T=" << tokens;
+    EXPECT_EQ(stats.picks, tokens * m.top_k);
+    EXPECT_GT(stats.experts_touched, 0);
+    EXPECT_LE(stats.experts_touched, m.num_experts);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, EveryPreset, ::testing::ValuesIn(ListModelPresets()),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name) if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return name;
+                         });
+
+ModelConfig SmallModel() {
+  auto m = LoadModel("qwen3-30b-a3b");
+  EPMOE_CHECK(m.ok());
+  return ScaledModel(*m, 32, 16);
+}
+
+TEST(Permutation, StableCountingSortRoundTrips) {
+  const ModelConfig m = SmallModel();
+  const Picks picks = UniformPicks(m, 50, 3);
+  const PermutedPicks p = PermuteByExpert(picks, m.num_experts);
+  ASSERT_EQ(p.offsets.size(), static_cast<size_t>(m.num_experts + 1));
+  ASSERT_EQ(p.offsets.back(), 50 * m.top_k);
+  std::vector<int> seen(picks.experts.size(), 0);
+  for (int e = 0; e < m.num_experts; ++e) {
+    for (int64_t q = p.offsets[e]; q < p.offsets[e + 1]; ++q) {
+      EXPECT_EQ(picks.experts[p.source_pick[q]], e);
+      if (q > p.offsets[e]) {
+        EXPECT_LT(p.source_pick[q - 1], p.source_pick[q]);  // stable
+      }
+      seen[p.source_pick[q]]++;
+    }
+  }
+  for (int s : seen) EXPECT_EQ(s, 1);
+
+  // Gather then combine with unit weights and an identity "expert" gives k * row back.
+  Matrix rows = SyntheticRows(1, m, 0, 0, 50);
+  Matrix gathered, combined;
+  GatherPermutedRows(rows, p, picks.k, &gathered);
+  Picks unit = picks;
+  std::fill(unit.weights.begin(), unit.weights.end(), 1.0f);
+  CombinePermutedRows(gathered, p, unit, &combined);
+  for (int64_t i = 0; i < rows.rows * rows.cols; ++i) EXPECT_FLOAT_EQ(combined.data[i], m.top_k * rows.data[i]);
+}
+
+TEST(Layer, ZeroRowsGiveAnEmptyOutput) {
+  const ModelConfig m = SmallModel();
+  ThreadPool pool(2);
+  const MoeLayerWeights w = MakeSyntheticLayer(m, 0, 1);
+  auto layer = MoeLayer::Create(m, w, PackOptions{});
+  ASSERT_TRUE(layer.ok());
+  Matrix rows(0, m.hidden), out;
+  Picks picks;
+  ASSERT_TRUE((*layer)->Route(rows, &picks).ok());
+  LayerStats stats;
+  ASSERT_TRUE((*layer)->Forward(rows, picks, &out, pool, &stats).ok());
+  EXPECT_EQ(out.rows, 0);
+  EXPECT_EQ(stats.experts_touched, 0);
+  ASSERT_TRUE(ReferenceMoeForward(m, w, rows, picks, &out).ok());
+}
+
+TEST(Layer, RefusesNonFiniteRowsAndBadPicks) {
+  const ModelConfig m = SmallModel();
+  ThreadPool pool(1);
+  const MoeLayerWeights w = MakeSyntheticLayer(m, 0, 1);
+  auto layer = MoeLayer::Create(m, w, PackOptions{});
+  ASSERT_TRUE(layer.ok());
+  Matrix rows = SyntheticRows(1, m, 0, 0, 4), out;
+  Picks picks = RoundRobinPicks(m, 4);
+  rows.at(2, 5) = INFINITY;
+  Status s = (*layer)->Forward(rows, picks, &out, pool, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("row 2 column 5"), std::string::npos) << s.message();
+  EXPECT_FALSE(ReferenceMoeForward(m, w, rows, picks, &out).ok());
+  rows.at(2, 5) = 0;
+  picks.experts[3] = m.num_experts;
+  EXPECT_FALSE((*layer)->Forward(rows, picks, &out, pool, nullptr).ok());
+  picks = RoundRobinPicks(m, 3);
+  EXPECT_FALSE((*layer)->Forward(rows, picks, &out, pool, nullptr).ok());  // 4 rows, 3 rows of picks
+}
+
+TEST(Layer, SlicesOfAnExpertSumToTheExpert) {
+  const ModelConfig m = SmallModel();
+  const ExpertWeights whole = MakeSyntheticExpert(m, 2, 5, 9);
+  const ExpertWeights a = MakeSyntheticExpert(m, 2, 5, 9, 0, 6);
+  const ExpertWeights b = MakeSyntheticExpert(m, 2, 5, 9, 6, 16);
+  const Matrix rows = SyntheticRows(3, m, 0, 0, 1);
+  std::vector<float> y(m.hidden), ya(m.hidden), yb(m.hidden);
+  ReferenceExpertFfn(whole, rows.row_span(0), y);
+  ReferenceExpertFfn(a, rows.row_span(0), ya);
+  ReferenceExpertFfn(b, rows.row_span(0), yb);
+  for (int h = 0; h < m.hidden; ++h) EXPECT_NEAR(ya[h] + yb[h], y[h], 1e-6);
+}
+
+}  // namespace
+}  // namespace epmoe

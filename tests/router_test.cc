@@ -1,0 +1,231 @@
+#include "epmoe/router.h"
+
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+namespace epmoe {
+namespace {
+
+ModelConfig TinyModel(Scoring scoring, int experts, int k) {
+  ModelConfig m;
+  m.name = "tiny";
+  m.hidden = 4;
+  m.num_experts = experts;
+  m.expert_intermediate = 4;
+  m.top_k = k;
+  m.num_layers = 1;
+  m.scoring = scoring;
+  return m;
+}
+
+Matrix Logits(std::vector<std::vector<float>> rows) {
+  Matrix m(static_cast<int64_t>(rows.size()), static_cast<int64_t>(rows[0].size()));
+  for (size_t r = 0; r < rows.size(); ++r)
+    for (size_t c = 0; c < rows[r].size(); ++c) m.at(r, c) = rows[r][c];
+  return m;
+}
+
+double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+TEST(Router, SoftmaxTopkWithoutRenormalization) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{1, 2, 3, 0}}), {}, &picks).ok());
+  const double z = std::exp(1.0) + std::exp(2.0) + std::exp(3.0) + std::exp(0.0);
+  EXPECT_EQ(picks.expert(0, 0), 2);
+  EXPECT_EQ(picks.expert(0, 1), 1);
+  EXPECT_NEAR(picks.weight(0, 0), std::exp(3.0) / z, 1e-6);
+  EXPECT_NEAR(picks.weight(0, 1), std::exp(2.0) / z, 1e-6);
+}
+
+TEST(Router, SoftmaxRenormalizedAndScaled) {
+  ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
+  m.renormalize = true;
+  m.routed_scaling = 2.0;
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{1, 2, 3, 0}}), {}, &picks).ok());
+  const double a = std::exp(3.0), b = std::exp(2.0);
+  EXPECT_NEAR(picks.weight(0, 0), 2.0 * a / (a + b), 1e-6);
+  EXPECT_NEAR(picks.weight(0, 1), 2.0 * b / (a + b), 1e-6);
+}
+
+TEST(Router, SoftmaxOverTheChosen) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmaxTopk, 8, 2);
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{0.5f, -1, 2, 0, 1.5f, 0, 0, -3}}), {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 2);
+  EXPECT_EQ(picks.expert(0, 1), 4);
+  const double a = std::exp(2.0), b = std::exp(1.5);
+  EXPECT_NEAR(picks.weight(0, 0), a / (a + b), 1e-6);
+  EXPECT_NEAR(picks.weight(0, 1), b / (a + b), 1e-6);
+}
+
+TEST(Router, SigmoidBiasChoosesButDoesNotWeigh) {
+  ModelConfig m = TinyModel(Scoring::kSigmoid, 4, 2);
+  m.correction_bias = true;
+  m.renormalize = false;
+  // Without the bias experts 0 and 1 win; the bias lifts expert 3 above expert 1.
+  const std::vector<float> bias = {0.0f, 0.0f, 0.0f, 0.5f};
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{2, 1, -1, 0}}), bias, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 3);  // sigmoid(0) + 0.5 = 1.0 > sigmoid(2) = 0.88
+  EXPECT_EQ(picks.expert(0, 1), 0);
+  EXPECT_NEAR(picks.weight(0, 0), Sigmoid(0), 1e-6);  // weight from the unbiased score
+  EXPECT_NEAR(picks.weight(0, 1), Sigmoid(2), 1e-6);
+}
+
+TEST(Router, SigmoidRenormalized) {
+  ModelConfig m = TinyModel(Scoring::kSigmoid, 4, 2);
+  m.renormalize = true;
+  m.routed_scaling = 2.5;
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{2, 1, -1, 0}}), {}, &picks).ok());
+  const double a = Sigmoid(2), b = Sigmoid(1);
+  EXPECT_EQ(picks.expert(0, 0), 0);
+  EXPECT_EQ(picks.expert(0, 1), 1);
+  EXPECT_NEAR(picks.weight(0, 0), 2.5 * a / (a + b), 1e-6);
+  EXPECT_NEAR(picks.weight(0, 1), 2.5 * b / (a + b), 1e-6);
+}
+
+TEST(Router, GroupLimitedTopkRanksGroupsByTheirTwoBestScores) {
+  // DeepSeek-V3 style: 8 experts in 4 groups of 2, keep the best 2 groups, then top-2 inside them.
+  ModelConfig m = TinyModel(Scoring::kSigmoid, 8, 2);
+  m.num_expert_groups = 4;
+  m.topk_groups = 2;
+  // Group 0 holds the single best expert (0) but a weak partner: sum 0.95+0.05 = 1.0.
+  // Group 1: 0.6+0.6 = 1.2, group 2: 0.55+0.55 = 1.1, group 3: 0.1+0.1 = 0.2.
+  // Groups 1 and 2 win, so expert 0 is excluded even though it is the best single expert.
+  auto logit = [](double p) { return static_cast<float>(std::log(p / (1 - p))); };
+  Matrix logits = Logits({{logit(0.95), logit(0.05), logit(0.6), logit(0.6), logit(0.55), logit(0.55),
+                           logit(0.1), logit(0.1)}});
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(logits, {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 2);
+  EXPECT_EQ(picks.expert(0, 1), 3);
+
+  // Without group limiting expert 0 is chosen first.
+  m.num_expert_groups = 1;
+  m.topk_groups = 1;
+  ASSERT_TRUE(Router(m).RouteLogits(logits, {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 0);
+}
+
+TEST(Router, TiesBreakTowardTheLowerExpertId) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 6, 3);
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{1, 2, 2, 1, 2, 1}, {0, 0, 0, 0, 0, 0}}), {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 1);
+  EXPECT_EQ(picks.expert(0, 1), 2);
+  EXPECT_EQ(picks.expert(0, 2), 4);
+  EXPECT_EQ(picks.expert(1, 0), 0);
+  EXPECT_EQ(picks.expert(1, 1), 1);
+  EXPECT_EQ(picks.expert(1, 2), 2);
+}
+
+TEST(Router, TiedGroupsBreakTowardTheLowerGroup) {
+  ModelConfig m = TinyModel(Scoring::kSigmoid, 8, 2);
+  m.num_expert_groups = 4;
+  m.topk_groups = 1;
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Logits({{0, 0, 0, 0, 0, 0, 0, 0}}), {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 0);
+  EXPECT_EQ(picks.expert(0, 1), 1);
+}
+
+TEST(Router, RefusesNonFiniteScoresNamingRowAndExpert) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
+  Picks picks;
+  const Status s = Router(m).RouteLogits(Logits({{1, 2, 3, 0}, {0, NAN, 0, 0}}), {}, &picks);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("row 1"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("expert 1"), std::string::npos) << s.message();
+  EXPECT_FALSE(Router(m).RouteLogits(Logits({{INFINITY, 0, 0, 0}}), {}, &picks).ok());
+}
+
+TEST(Router, RefusesNonFiniteRows) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
+  Matrix rows(2, 4), weight(4, 4);
+  rows.at(1, 3) = NAN;
+  Picks picks;
+  const Status s = Router(m).Route(rows, weight, {}, &picks);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("row 1 column 3"), std::string::npos) << s.message();
+}
+
+TEST(Router, RefusesWrongBiasAndShapes) {
+  ModelConfig m = TinyModel(Scoring::kSigmoid, 4, 2);
+  m.correction_bias = true;
+  Picks picks;
+  const std::vector<float> short_bias = {0.1f};
+  EXPECT_FALSE(Router(m).RouteLogits(Logits({{1, 2, 3, 0}}), short_bias, &picks).ok());
+  EXPECT_FALSE(Router(m).RouteLogits(Logits({{1, 2, 3}}), {}, &picks).ok());
+}
+
+TEST(Router, RouteComputesLogitsFromTheRouterMatrix) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 1);
+  Matrix rows = Logits({{1, 0, 0, 0}, {0, 0, 0, 2}});
+  Matrix weight = Logits({{0, 0, 0, 1}, {1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 1, 0}});
+  Picks picks;
+  ASSERT_TRUE(Router(m).Route(rows, weight, {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 1);  // row 0 = e0, expert 1's weight is e0
+  EXPECT_EQ(picks.expert(1, 0), 0);  // row 1 = 2 e3, expert 0's weight is e3
+}
+
+TEST(Router, ZeroRowsGiveNoPicks) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
+  Picks picks;
+  ASSERT_TRUE(Router(m).RouteLogits(Matrix(0, 4), {}, &picks).ok());
+  EXPECT_EQ(picks.rows, 0);
+  EXPECT_TRUE(picks.experts.empty());
+}
+
+TEST(SimulatedRouting, RoundRobinSpreadsPicksEvenly) {
+  ModelConfig m = TinyModel(Scoring::kSoftmax, 16, 4);
+  const Picks picks = RoundRobinPicks(m, 8);
+  ASSERT_TRUE(ValidatePicks(picks, m.num_experts).ok());
+  for (int64_t c : CountPicks(picks, m.num_experts)) EXPECT_EQ(c, 2);
+  // A rank's part of the batch agrees with the whole batch.
+  const Picks tail = RoundRobinPicks(m, 3, 5);
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(tail.expert(0, j), picks.expert(5, j));
+}
+
+TEST(SimulatedRouting, UniformIsSeededDistinctAndSplitByRowsConsistently) {
+  ModelConfig m = TinyModel(Scoring::kSoftmax, 16, 4);
+  m.routed_scaling = 2.0;
+  const Picks a = UniformPicks(m, 100, 7), b = UniformPicks(m, 100, 7), c = UniformPicks(m, 100, 8);
+  ASSERT_TRUE(ValidatePicks(a, m.num_experts).ok());
+  EXPECT_EQ(a.experts, b.experts);
+  EXPECT_NE(a.experts, c.experts);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    double sum = 0;
+    for (int j = 0; j < a.k; ++j) sum += a.weight(r, j);
+    EXPECT_NEAR(sum, 2.0, 1e-5);
+  }
+  const Picks part = UniformPicks(m, 10, 7, 40);
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(part.expert(3, j), a.expert(43, j));
+}
+
+TEST(Picks, ValidateRefusesBadPicks) {
+  Picks p;
+  p.rows = 1;
+  p.k = 2;
+  p.experts = {1, 1};
+  p.weights = {0.5f, 0.5f};
+  EXPECT_FALSE(ValidatePicks(p, 4).ok());  // repeated expert
+  p.experts = {1, 4};
+  EXPECT_FALSE(ValidatePicks(p, 4).ok());  // out of range
+  p.experts = {1, 2};
+  p.weights = {NAN, 0.5f};
+  EXPECT_FALSE(ValidatePicks(p, 4).ok());  // non-finite weight
+  p.weights = {0.5f};
+  EXPECT_FALSE(ValidatePicks(p, 4).ok());  // wrong size
+}
+
+TEST(RoutingMode, ParsesNamesAndRefusesOthers) {
+  EXPECT_EQ(*ParseRoutingMode("round_robin"), RoutingMode::kRoundRobin);
+  EXPECT_FALSE(ParseRoutingMode("random").ok());
+}
+
+}  // namespace
+}  // namespace epmoe
