@@ -77,8 +77,8 @@ class MoeLayer {
   static Result<std::unique_ptr<MoeLayer>> Create(const ModelConfig& model, const MoeLayerWeights& weights,
                                                   const PackOptions& options);
 
-  // The model's router on these rows.
-  Status Route(const Matrix& rows, Picks* picks) const;
+  // The model's router on these rows (on the pool's threads when one is given).
+  Status Route(const Matrix& rows, Picks* picks, ThreadPool* pool = nullptr) const;
 
   // out = the layer's output for rows and picks (stats may be null).
   Status Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool,

@@ -20,6 +20,8 @@
 
 namespace epmoe {
 
+class ThreadPool;
+
 // The router's choice for a batch: row r's j-th pick is experts[r*k + j] with weights[r*k + j].
 // Within a row, picks are ordered by descending choosing score (ties: lower id first).
 struct Picks {
@@ -55,9 +57,10 @@ class Router {
   // correction bias) or empty.
   Status RouteLogits(const Matrix& logits, std::span<const float> correction_bias, Picks* picks) const;
 
-  // rows: [T x hidden]; router_weight: [E x hidden]. Computes logits = rows * router_weight^T.
+  // rows: [T x hidden]; router_weight: [E x hidden]. Computes logits = rows * router_weight^T (on
+  // the pool's threads when one is given; the result does not depend on it).
   Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> correction_bias,
-               Picks* picks) const;
+               Picks* picks, ThreadPool* pool = nullptr) const;
 
  private:
   ModelConfig model_;

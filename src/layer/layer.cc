@@ -152,8 +152,8 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
   return layer;
 }
 
-Status MoeLayer::Route(const Matrix& rows, Picks* picks) const {
-  return Router(model_).Route(rows, router_, correction_bias_, picks);
+Status MoeLayer::Route(const Matrix& rows, Picks* picks, ThreadPool* pool) const {
+  return Router(model_).Route(rows, router_, correction_bias_, picks, pool);
 }
 
 Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool,

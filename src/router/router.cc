@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "epmoe/thread_pool.h"
+
 namespace epmoe {
 namespace {
 
@@ -18,6 +20,18 @@ struct ByScoreThenId {
     return a < b;
   }
 };
+
+// x . w over n floats with 8 independent partial sums: the compiler vectorizes it, and the summation
+// order is fixed, so a row's logits do not depend on the batch or the thread count.
+float Dot(const float* x, const float* w, int64_t n) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    for (int i = 0; i < 8; ++i) partial[i] += x[c + i] * w[c + i];
+  }
+  for (int i = 0; c < n; ++c, ++i) partial[i] += x[c] * w[c];
+  return ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+}
 
 // The k best ids of `score` (length n) among those allowed, best first.
 void TopK(const float* score, int n, int k, const std::vector<char>* allowed, std::vector<int>& ids) {
@@ -168,7 +182,7 @@ Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Pi
 }
 
 Status Router::Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> bias,
-                     Picks* picks) const {
+                     Picks* picks, ThreadPool* pool) const {
   if (rows.cols != model_.hidden)
     return InvalidArgument(fmt::format("router: rows have {} columns, the model's hidden size is {}", rows.cols, model_.hidden));
   if (router_weight.rows != model_.num_experts || router_weight.cols != model_.hidden)
@@ -178,14 +192,15 @@ Status Router::Route(const Matrix& rows, const Matrix& router_weight, std::span<
   if (bad >= 0)
     return InvalidArgument(fmt::format("router: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   Matrix logits(rows.rows, model_.num_experts);
-  for (int64_t r = 0; r < rows.rows; ++r) {
-    const float* x = rows.row(r);
-    for (int e = 0; e < model_.num_experts; ++e) {
-      const float* w = router_weight.row(e);
-      float acc = 0;
-      for (int64_t c = 0; c < rows.cols; ++c) acc += x[c] * w[c];
-      logits.at(r, e) = acc;
+  auto compute = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int e = 0; e < model_.num_experts; ++e) logits.at(r, e) = Dot(rows.row(r), router_weight.row(e), rows.cols);
     }
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(rows.rows, 16, compute);
+  } else {
+    compute(0, rows.rows);
   }
   return RouteLogits(logits, bias, picks);
 }

@@ -89,7 +89,7 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
       Picks picks;
       const auto t0 = std::chrono::steady_clock::now();
       switch (routing) {
-        case RoutingMode::kScores: EPMOE_RETURN_IF_ERROR(layers[l]->Route(x, &picks)); break;
+        case RoutingMode::kScores: EPMOE_RETURN_IF_ERROR(layers[l]->Route(x, &picks, &pool)); break;
         case RoutingMode::kRoundRobin: picks = RoundRobinPicks(model, o.tokens); break;
         case RoutingMode::kUniform: picks = UniformPicks(model, o.tokens, o.seed * 1000003 + step * 1009 + l); break;
         case RoutingMode::kReplay: break;
