@@ -1,0 +1,131 @@
+// Communicator: the collective and one-sided exchanges the expert-parallel executors use, behind a
+// small interface so that no MPI type reaches a public header.
+//
+// Every exchange is in bytes (or fp32 for reductions) with 64-bit counts; implementations refuse a
+// count their transport cannot carry. Blocking calls are nonblocking ones followed by Wait, and
+// every wait is bounded by CommOptions::timeout_seconds: a peer that died or stopped answering
+// makes the call return Unavailable (naming the operation and the rank) instead of hanging; the
+// caller should then abort the whole job (Communicator::Abort), since MPI cannot recover.
+// A Communicator is used by one thread at a time (thread-compatible, not thread-safe); Requests and
+// Windows belong to the communicator that made them and must not outlive it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+struct CommOptions {
+  // Ranks per node: 0 takes node membership from the transport (MPI's shared-memory split, so a
+  // node is a real machine on a cluster); n > 0 groups consecutive ranks n at a time to model
+  // several nodes on one machine.
+  int ranks_per_node = 0;
+  // Longest wait for one exchange before it fails with Unavailable; 0 waits forever.
+  double timeout_seconds = 600;
+};
+
+// A nonblocking exchange in flight. Wait() completes it (bounded by the timeout); destroying an
+// unfinished Request waits for it first (buffers must stay alive until then).
+class Request {
+ public:
+  virtual ~Request() = default;
+  virtual Status Wait() = 0;
+  // True when complete (does not block).
+  virtual bool Test() = 0;
+};
+
+// Memory every rank exposes for one-sided reads by every rank, allocated by the transport (so it
+// can be shared memory on one node). Reads are nonblocking: Get starts a read and Flush() completes
+// all reads this rank started on this window. The owner writes its local() memory before a
+// Barrier and keeps it constant while others may read. Created and destroyed collectively.
+class Window {
+ public:
+  virtual ~Window() = default;
+  // This rank's exposed memory.
+  virtual void* local() = 0;
+  virtual int64_t local_bytes() const = 0;
+  // Starts reading `bytes` bytes at `offset` of `rank`'s exposed memory into dst.
+  virtual Status Get(int rank, int64_t offset, int64_t bytes, void* dst) = 0;
+  // Completes every read started since the last Flush (bounded by the timeout).
+  virtual Status Flush() = 0;
+  // True when every read started since the last Flush has completed (does not block).
+  virtual bool Test() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Node of a rank (0..num_nodes()-1) and node count, after any ranks_per_node override.
+  virtual int node_of(int rank) const = 0;
+  virtual int num_nodes() const = 0;
+  // "MPI (Open MPI 4.1.4), 4 ranks on 1 node" and the like, for reports.
+  virtual std::string description() const = 0;
+
+  virtual Status Barrier() = 0;
+
+  // Every rank contributes send_bytes; recv receives every rank's contribution in rank order, rank
+  // r's at recv_offsets[r]; recv_bytes[r] must equal what rank r sends.
+  virtual Result<std::unique_ptr<Request>> StartAllgatherv(const void* send, int64_t send_bytes, void* recv,
+                                                           std::span<const int64_t> recv_bytes,
+                                                           std::span<const int64_t> recv_offsets) = 0;
+  // Sums `send` (sum of recv_counts floats) over all ranks; rank r receives floats
+  // [sum(recv_counts[0..r)), + recv_counts[r]) of the sum. The order of the sum across ranks is
+  // the transport's: equal to a single process only to rounding.
+  virtual Result<std::unique_ptr<Request>> StartReduceScatter(const float* send, float* recv,
+                                                              std::span<const int64_t> recv_counts) = 0;
+  // Sums `data` (count floats) over all ranks in place.
+  virtual Result<std::unique_ptr<Request>> StartAllreduce(float* data, int64_t count) = 0;
+  // Rank r's send[send_offsets[d] .. + send_bytes[d]) goes to rank d, landing at rank d's
+  // recv[recv_offsets[r] ..]. recv_bytes[s] must equal what rank s sends here (see ExchangeCounts).
+  virtual Result<std::unique_ptr<Request>> StartAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                          std::span<const int64_t> send_offsets, void* recv,
+                                                          std::span<const int64_t> recv_bytes,
+                                                          std::span<const int64_t> recv_offsets) = 0;
+
+  // One int64 to and from every rank: recv[s] = the send[r] that rank s addressed to this rank.
+  // Used to exchange counts before an alltoallv so receive buffers are sized exactly.
+  virtual Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) = 0;
+  // Every rank's `count` int64 values, concatenated in rank order (size() * count values).
+  virtual Status AllgatherInt64(std::span<const int64_t> send, std::span<int64_t> recv) = 0;
+  // Maximum and sum of one value over all ranks.
+  virtual Result<int64_t> AllreduceMax(int64_t value) = 0;
+  virtual Result<double> AllreduceSum(double value) = 0;
+
+  // Allocates `bytes` (may differ per rank) exposed for one-sided reads (collective).
+  virtual Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) = 0;
+  // Whether one thread may read a Window while another thread runs exchanges on this communicator
+  // (the transport's thread support); without it one-sided reads cannot overlap other exchanges.
+  virtual bool concurrent_windows() const = 0;
+
+  // Ranks with the same color form a new communicator, ordered by key (collective).
+  virtual Result<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
+
+  // Ends every rank of the job with this exit code (after an unrecoverable Unavailable).
+  [[noreturn]] virtual void Abort(int exit_code) = 0;
+
+  // Blocking forms: start and wait.
+  Status Allgatherv(const void* send, int64_t send_bytes, void* recv, std::span<const int64_t> recv_bytes,
+                    std::span<const int64_t> recv_offsets);
+  Status ReduceScatter(const float* send, float* recv, std::span<const int64_t> recv_counts);
+  Status Allreduce(float* data, int64_t count);
+  Status Alltoallv(const void* send, std::span<const int64_t> send_bytes, std::span<const int64_t> send_offsets,
+                   void* recv, std::span<const int64_t> recv_bytes, std::span<const int64_t> recv_offsets);
+};
+
+// Offsets of consecutive blocks: offsets[i] = sum(sizes[0..i)); returns size + 1 values.
+std::vector<int64_t> PrefixOffsets(std::span<const int64_t> sizes);
+
+// The whole job (MPI_COMM_WORLD). Initializes MPI on first use when the program has not (a program
+// started without mpirun is a world of one rank); MPI is finalized at exit by the library when it
+// initialized it. Fails with Internal when MPI cannot start.
+Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& options);
+
+}  // namespace epmoe

@@ -1,0 +1,399 @@
+// The Communicator over MPI. Every exchange is an MPI nonblocking call whose completion is polled
+// with a deadline, so a dead peer turns into Unavailable instead of a hang. Counts are checked to
+// fit MPI's int before any call.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "epmoe/comm.h"
+
+namespace epmoe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string MpiErrorString(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, length);
+}
+
+Status CheckMpi(int code, const char* what, int rank) {
+  if (code == MPI_SUCCESS) return Status::Ok();
+  return Internal(fmt::format("rank {}: {} failed: {}", rank, what, MpiErrorString(code)));
+}
+
+Result<int> ToInt(int64_t value, const char* what, int rank) {
+  if (value < 0 || value > INT_MAX)
+    return OutOfRange(fmt::format("rank {}: {} of {} does not fit MPI's int count (max {})", rank, what, value, INT_MAX));
+  return static_cast<int>(value);
+}
+
+Result<std::vector<int>> ToInts(std::span<const int64_t> values, const char* what, int rank) {
+  std::vector<int> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    EPMOE_ASSIGN_OR_RETURN(out[i], ToInt(values[i], what, rank));
+  }
+  return out;
+}
+
+// Polls requests until all complete or the deadline passes. Spins (yielding) briefly, then sleeps
+// in short steps so that oversubscribed ranks leave the cores to the ranks doing work.
+Status WaitAll(std::span<MPI_Request> requests, double timeout_seconds, const std::string& what, int rank) {
+  if (requests.empty()) return Status::Ok();
+  if (timeout_seconds <= 0) {
+    return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), what.c_str(),
+                    rank);
+  }
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
+  for (int polls = 0;; ++polls) {
+    int done = 0;
+    EPMOE_RETURN_IF_ERROR(CheckMpi(
+        MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), what.c_str(), rank));
+    if (done) return Status::Ok();
+    if (polls % 64 == 0 && Clock::now() > deadline) {
+      return Unavailable(fmt::format("rank {}: {} did not complete within {} s; a peer rank may have failed or "
+                                     "stopped (--comm-timeout raises the limit)", rank, what, timeout_seconds));
+    }
+    if (Clock::now() - start < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
+
+// A request with the buffers MPI reads until completion (counts and displacements).
+class MpiRequest : public Request {
+ public:
+  MpiRequest(std::string what, int rank, double timeout_seconds)
+      : what_(std::move(what)), rank_(rank), timeout_seconds_(timeout_seconds) {}
+  ~MpiRequest() override {
+    // A request that timed out is abandoned (the job is about to abort); any other is completed.
+    if (!timed_out_ && request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  }
+  Status Wait() override {
+    if (request_ == MPI_REQUEST_NULL) return Status::Ok();
+    Status status = WaitAll(std::span<MPI_Request>(&request_, 1), timeout_seconds_, what_, rank_);
+    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    return status;
+  }
+  bool Test() override {
+    if (request_ == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    MPI_Test(&request_, &done, MPI_STATUS_IGNORE);
+    return done != 0;
+  }
+
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  std::vector<int> counts_a, displs_a, counts_b, displs_b;
+
+ private:
+  std::string what_;
+  int rank_;
+  double timeout_seconds_;
+  bool timed_out_ = false;
+};
+
+class MpiWindow : public Window {
+ public:
+  MpiWindow(MPI_Win window, void* base, int64_t bytes, int rank, double timeout_seconds)
+      : window_(window), base_(base), bytes_(bytes), rank_(rank), timeout_seconds_(timeout_seconds) {}
+  ~MpiWindow() override {
+    if (!timed_out_) {
+      for (MPI_Request& r : pending_) MPI_Wait(&r, MPI_STATUS_IGNORE);
+      MPI_Win_unlock_all(window_);
+      MPI_Win_free(&window_);
+    }
+  }
+  void* local() override { return base_; }
+  int64_t local_bytes() const override { return bytes_; }
+
+  Status Get(int rank, int64_t offset, int64_t bytes, void* dst) override {
+    constexpr int64_t kChunk = int64_t{1} << 30;  // MPI counts are int: read large ranges in pieces
+    char* out = static_cast<char*>(dst);
+    for (int64_t done = 0; done < bytes; done += kChunk) {
+      const int count = static_cast<int>(std::min(kChunk, bytes - done));
+      MPI_Request request = MPI_REQUEST_NULL;
+      EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Rget(out + done, count, MPI_BYTE, rank, offset + done, count, MPI_BYTE,
+                                              window_, &request),
+                                     "MPI_Rget", rank_));
+      pending_.push_back(request);
+    }
+    return Status::Ok();
+  }
+  Status Flush() override {
+    Status status = WaitAll(pending_, timeout_seconds_, "one-sided read (MPI_Rget)", rank_);
+    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    if (status.ok()) pending_.clear();
+    return status;
+  }
+  bool Test() override {
+    if (pending_.empty()) return true;
+    int done = 0;
+    MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &done, MPI_STATUSES_IGNORE);
+    if (done) pending_.clear();
+    return done != 0;
+  }
+
+ private:
+  MPI_Win window_;
+  void* base_;
+  int64_t bytes_;
+  int rank_;
+  double timeout_seconds_;
+  bool timed_out_ = false;
+  std::vector<MPI_Request> pending_;
+};
+
+class MpiCommunicator : public Communicator {
+ public:
+  // Takes ownership of comm unless it is MPI_COMM_WORLD. node_ids: the node of every rank.
+  MpiCommunicator(MPI_Comm comm, std::vector<int> node_ids, const CommOptions& options, int thread_level)
+      : comm_(comm), node_ids_(std::move(node_ids)), options_(options), thread_level_(thread_level) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    num_nodes_ = node_ids_.empty() ? 1 : *std::max_element(node_ids_.begin(), node_ids_.end()) + 1;
+  }
+  ~MpiCommunicator() override {
+    if (comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int node_of(int rank) const override {
+    EPMOE_CHECK(rank >= 0 && rank < size_);
+    return node_ids_[rank];
+  }
+  int num_nodes() const override { return num_nodes_; }
+  bool concurrent_windows() const override { return thread_level_ >= MPI_THREAD_MULTIPLE; }
+  std::string description() const override {
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int length = 0;
+    MPI_Get_library_version(version, &length);
+    std::string library(version, length);
+    library = library.substr(0, library.find_first_of(",\n"));
+    return fmt::format("MPI ({}), {} rank{} on {} node{}", library, size_, size_ == 1 ? "" : "s", num_nodes_,
+                       num_nodes_ == 1 ? "" : "s");
+  }
+
+  Status Barrier() override {
+    auto request = NewRequest("barrier");
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ibarrier(comm_, &request->request_), "MPI_Ibarrier", rank_));
+    return request->Wait();
+  }
+
+  Result<std::unique_ptr<Request>> StartAllgatherv(const void* send, int64_t send_bytes, void* recv,
+                                                   std::span<const int64_t> recv_bytes,
+                                                   std::span<const int64_t> recv_offsets) override {
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_bytes.size(), "allgatherv receive sizes"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_offsets.size(), "allgatherv receive offsets"));
+    if (send_bytes != recv_bytes[rank_])
+      return InvalidArgument(fmt::format("rank {}: allgatherv sends {} bytes but expects {} from itself", rank_,
+                                         send_bytes, recv_bytes[rank_]));
+    auto request = NewRequest("allgatherv");
+    EPMOE_ASSIGN_OR_RETURN(const int count, ToInt(send_bytes, "allgatherv send size", rank_));
+    EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(recv_bytes, "allgatherv receive size", rank_));
+    EPMOE_ASSIGN_OR_RETURN(request->displs_a, ToInts(recv_offsets, "allgatherv receive offset", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallgatherv(send, count, MPI_BYTE, recv, request->counts_a.data(),
+                                                   request->displs_a.data(), MPI_BYTE, comm_, &request->request_),
+                                   "MPI_Iallgatherv", rank_));
+    return std::unique_ptr<Request>(std::move(request));
+  }
+
+  Result<std::unique_ptr<Request>> StartReduceScatter(const float* send, float* recv,
+                                                      std::span<const int64_t> recv_counts) override {
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_counts.size(), "reduce-scatter receive counts"));
+    auto request = NewRequest("reduce-scatter");
+    EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(recv_counts, "reduce-scatter receive count", rank_));
+    int64_t total = 0;
+    for (int64_t c : recv_counts) total += c;
+    EPMOE_RETURN_IF_ERROR(ToInt(total, "reduce-scatter total count", rank_).status());
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ireduce_scatter(send, recv, request->counts_a.data(), MPI_FLOAT, MPI_SUM, comm_,
+                                                       &request->request_),
+                                   "MPI_Ireduce_scatter", rank_));
+    return std::unique_ptr<Request>(std::move(request));
+  }
+
+  Result<std::unique_ptr<Request>> StartAllreduce(float* data, int64_t count) override {
+    auto request = NewRequest("allreduce");
+    EPMOE_ASSIGN_OR_RETURN(const int n, ToInt(count, "allreduce count", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, comm_, &request->request_),
+                                   "MPI_Iallreduce", rank_));
+    return std::unique_ptr<Request>(std::move(request));
+  }
+
+  Result<std::unique_ptr<Request>> StartAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                  std::span<const int64_t> send_offsets, void* recv,
+                                                  std::span<const int64_t> recv_bytes,
+                                                  std::span<const int64_t> recv_offsets) override {
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_bytes.size(), "alltoallv send sizes"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_offsets.size(), "alltoallv send offsets"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_bytes.size(), "alltoallv receive sizes"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_offsets.size(), "alltoallv receive offsets"));
+    auto request = NewRequest("alltoallv");
+    EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(send_bytes, "alltoallv send size", rank_));
+    EPMOE_ASSIGN_OR_RETURN(request->displs_a, ToInts(send_offsets, "alltoallv send offset", rank_));
+    EPMOE_ASSIGN_OR_RETURN(request->counts_b, ToInts(recv_bytes, "alltoallv receive size", rank_));
+    EPMOE_ASSIGN_OR_RETURN(request->displs_b, ToInts(recv_offsets, "alltoallv receive offset", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ialltoallv(send, request->counts_a.data(), request->displs_a.data(), MPI_BYTE,
+                                                  recv, request->counts_b.data(), request->displs_b.data(), MPI_BYTE,
+                                                  comm_, &request->request_),
+                                   "MPI_Ialltoallv", rank_));
+    return std::unique_ptr<Request>(std::move(request));
+  }
+
+  Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send.size(), "count exchange send"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(recv.size(), "count exchange receive"));
+    auto request = NewRequest("count exchange (alltoall)");
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ialltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_,
+                                                 &request->request_),
+                                   "MPI_Ialltoall", rank_));
+    return request->Wait();
+  }
+
+  Status AllgatherInt64(std::span<const int64_t> send, std::span<int64_t> recv) override {
+    if (recv.size() != send.size() * static_cast<size_t>(size_))
+      return InvalidArgument(fmt::format("rank {}: allgather of {} values needs {} receive values, got {}", rank_,
+                                         send.size(), send.size() * size_, recv.size()));
+    auto request = NewRequest("allgather");
+    EPMOE_ASSIGN_OR_RETURN(const int n, ToInt(static_cast<int64_t>(send.size()), "allgather count", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallgather(send.data(), n, MPI_INT64_T, recv.data(), n, MPI_INT64_T, comm_,
+                                                  &request->request_),
+                                   "MPI_Iallgather", rank_));
+    return request->Wait();
+  }
+
+  Result<int64_t> AllreduceMax(int64_t value) override {
+    int64_t result = 0;
+    auto request = NewRequest("allreduce (max)");
+    EPMOE_RETURN_IF_ERROR(
+        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_INT64_T, MPI_MAX, comm_, &request->request_), "MPI_Iallreduce",
+                 rank_));
+    EPMOE_RETURN_IF_ERROR(request->Wait());
+    return result;
+  }
+
+  Result<double> AllreduceSum(double value) override {
+    double result = 0;
+    auto request = NewRequest("allreduce (sum)");
+    EPMOE_RETURN_IF_ERROR(
+        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_DOUBLE, MPI_SUM, comm_, &request->request_), "MPI_Iallreduce",
+                 rank_));
+    EPMOE_RETURN_IF_ERROR(request->Wait());
+    return result;
+  }
+
+  Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override {
+    if (bytes < 0) return InvalidArgument(fmt::format("rank {}: window of {} bytes", rank_, bytes));
+    void* base = nullptr;
+    MPI_Win window = MPI_WIN_NULL;
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, MPI_INFO_NULL, comm_, &base, &window),
+                                   "MPI_Win_allocate", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, window), "MPI_Win_lock_all", rank_));
+    return std::unique_ptr<Window>(new MpiWindow(window, base, bytes, rank_, options_.timeout_seconds));
+  }
+
+  Result<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", rank_));
+    int sub_size = 0;
+    MPI_Comm_size(sub, &sub_size);
+    // A member's node is its node in this communicator, renumbered densely in order of appearance.
+    std::vector<int> parent_nodes(sub_size);
+    const int my_node = node_ids_[rank_];
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Allgather(&my_node, 1, MPI_INT, parent_nodes.data(), 1, MPI_INT, sub),
+                                   "MPI_Allgather", rank_));
+    std::map<int, int> renumber;
+    std::vector<int> nodes(sub_size);
+    for (int r = 0; r < sub_size; ++r) {
+      auto [it, inserted] = renumber.emplace(parent_nodes[r], static_cast<int>(renumber.size()));
+      nodes[r] = it->second;
+    }
+    return std::unique_ptr<Communicator>(new MpiCommunicator(sub, std::move(nodes), options_, thread_level_));
+  }
+
+  [[noreturn]] void Abort(int exit_code) override {
+    MPI_Abort(MPI_COMM_WORLD, exit_code);
+    std::abort();
+  }
+
+ private:
+  std::unique_ptr<MpiRequest> NewRequest(const char* what) {
+    return std::make_unique<MpiRequest>(what, rank_, options_.timeout_seconds);
+  }
+  Status CheckRankCount(size_t n, const char* what) const {
+    if (n == static_cast<size_t>(size_)) return Status::Ok();
+    return InvalidArgument(fmt::format("rank {}: {} has {} entries for {} ranks", rank_, what, n, size_));
+  }
+
+  MPI_Comm comm_;
+  std::vector<int> node_ids_;
+  CommOptions options_;
+  int thread_level_;
+  int rank_ = 0;
+  int size_ = 1;
+  int num_nodes_ = 1;
+};
+
+void FinalizeMpiAtExit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& options) {
+  if (options.ranks_per_node < 0)
+    return InvalidArgument(fmt::format("ranks per node must not be negative, got {}", options.ranks_per_node));
+  if (options.timeout_seconds < 0)
+    return InvalidArgument(fmt::format("communication timeout must not be negative, got {}", options.timeout_seconds));
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int thread_level = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &thread_level) != MPI_SUCCESS)
+      return Internal("MPI_Init_thread failed: MPI could not start (is this an MPI launch environment?)");
+    std::atexit(FinalizeMpiAtExit);
+  } else {
+    MPI_Query_thread(&thread_level);
+  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::vector<int> nodes(size);
+  if (options.ranks_per_node > 0) {
+    for (int r = 0; r < size; ++r) nodes[r] = r / options.ranks_per_node;
+  } else {
+    // A node is the set of ranks sharing memory; it is named by its lowest world rank, and nodes
+    // are numbered in the order of those ranks.
+    MPI_Comm shared = MPI_COMM_NULL;
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared),
+                                   "MPI_Comm_split_type", rank));
+    int leader = rank;
+    MPI_Allreduce(&rank, &leader, 1, MPI_INT, MPI_MIN, shared);
+    MPI_Comm_free(&shared);
+    std::vector<int> leaders(size);
+    EPMOE_RETURN_IF_ERROR(
+        CheckMpi(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather", rank));
+    std::map<int, int> node_of_leader;
+    for (int l : leaders) node_of_leader.emplace(l, 0);
+    int next = 0;
+    for (auto& [l, node] : node_of_leader) node = next++;
+    for (int r = 0; r < size; ++r) nodes[r] = node_of_leader[leaders[r]];
+  }
+  return std::unique_ptr<Communicator>(new MpiCommunicator(MPI_COMM_WORLD, std::move(nodes), options, thread_level));
+}
+
+}  // namespace epmoe

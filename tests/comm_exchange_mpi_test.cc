@@ -1,0 +1,186 @@
+// The MPI Communicator against what each exchange must deliver, computed locally from the ranks'
+// known contributions. Runs under mpirun with 1, 2, 4 and 8 ranks.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "epmoe/comm.h"
+
+namespace epmoe {
+namespace {
+
+std::unique_ptr<Communicator> World(int ranks_per_node = 0) {
+  CommOptions options;
+  options.ranks_per_node = ranks_per_node;
+  options.timeout_seconds = 120;
+  auto comm = WorldCommunicator(options);
+  EPMOE_CHECK_MSG(comm.ok(), comm.status().ToString());
+  return std::move(comm).value();
+}
+
+// Rank r contributes r % 3 + 1 (or 0 for every fourth rank) values r*100 + i.
+int64_t ContributionSize(int rank) { return rank % 4 == 3 ? 0 : rank % 3 + 1; }
+
+TEST(Comm, RankSizeAndNodes) {
+  auto comm = World();
+  EXPECT_GE(comm->size(), 1);
+  EXPECT_GE(comm->rank(), 0);
+  EXPECT_LT(comm->rank(), comm->size());
+  EXPECT_EQ(comm->num_nodes(), 1);  // every test rank runs on this machine
+  for (int r = 0; r < comm->size(); ++r) EXPECT_EQ(comm->node_of(r), 0);
+  EXPECT_NE(comm->description().find("MPI"), std::string::npos);
+
+  auto two_per_node = World(2);
+  EXPECT_EQ(two_per_node->num_nodes(), (comm->size() + 1) / 2);
+  for (int r = 0; r < comm->size(); ++r) EXPECT_EQ(two_per_node->node_of(r), r / 2);
+  EXPECT_TRUE(comm->Barrier().ok());
+}
+
+TEST(Comm, RefusesBadOptions) {
+  CommOptions options;
+  options.ranks_per_node = -1;
+  EXPECT_EQ(WorldCommunicator(options).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Comm, AllgathervUnevenAndEmpty) {
+  auto comm = World();
+  const int g = comm->size();
+  std::vector<int64_t> bytes(g);
+  for (int r = 0; r < g; ++r) bytes[r] = ContributionSize(r) * static_cast<int64_t>(sizeof(int32_t));
+  const auto offsets = PrefixOffsets(bytes);
+  std::vector<int32_t> mine(ContributionSize(comm->rank()));
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] = comm->rank() * 100 + static_cast<int>(i);
+  std::vector<int32_t> all(offsets[g] / sizeof(int32_t), -1);
+  ASSERT_TRUE(comm->Allgatherv(mine.data(), bytes[comm->rank()], all.data(), bytes,
+                               std::span<const int64_t>(offsets.data(), g)).ok());
+  size_t at = 0;
+  for (int r = 0; r < g; ++r)
+    for (int64_t i = 0; i < ContributionSize(r); ++i) EXPECT_EQ(all[at++], r * 100 + i);
+
+  // A send size that disagrees with the receive sizes is refused before any exchange.
+  EXPECT_EQ(comm->Allgatherv(mine.data(), bytes[comm->rank()] + 4, all.data(), bytes,
+                             std::span<const int64_t>(offsets.data(), g)).code(),
+            StatusCode::kInvalidArgument);
+  // A size list of the wrong length too.
+  EXPECT_EQ(comm->Allgatherv(mine.data(), 0, all.data(), std::span<const int64_t>(bytes.data(), g - 1),
+                             std::span<const int64_t>(offsets.data(), g - 1)).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(Comm, ReduceScatterAndAllreduce) {
+  auto comm = World();
+  const int g = comm->size();
+  std::vector<int64_t> counts(g);
+  for (int r = 0; r < g; ++r) counts[r] = ContributionSize(r) + 1;
+  const auto offsets = PrefixOffsets(counts);
+  // Small integers: every summation order gives the same exact result.
+  std::vector<float> send(offsets[g]);
+  for (int64_t i = 0; i < offsets[g]; ++i) send[i] = static_cast<float>(comm->rank() + i);
+  std::vector<float> recv(counts[comm->rank()], -1);
+  ASSERT_TRUE(comm->ReduceScatter(send.data(), recv.data(), counts).ok());
+  const float rank_sum = static_cast<float>(g * (g - 1) / 2);
+  for (int64_t i = 0; i < counts[comm->rank()]; ++i)
+    EXPECT_EQ(recv[i], rank_sum + g * static_cast<float>(offsets[comm->rank()] + i));
+
+  std::vector<float> data = {1.0f, static_cast<float>(comm->rank())};
+  ASSERT_TRUE(comm->Allreduce(data.data(), 2).ok());
+  EXPECT_EQ(data[0], static_cast<float>(g));
+  EXPECT_EQ(data[1], rank_sum);
+
+  auto max = comm->AllreduceMax(comm->rank() * 7);
+  ASSERT_TRUE(max.ok());
+  EXPECT_EQ(*max, (g - 1) * 7);
+  auto sum = comm->AllreduceSum(0.5);
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, 0.5 * g);
+}
+
+TEST(Comm, AlltoallvWithCountsExchangedFirst) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  // Rank s sends (s + d) % 3 values to rank d (some pairs send nothing): value s*1000 + d*10 + i.
+  std::vector<int64_t> send_bytes(g);
+  std::vector<int32_t> send;
+  for (int d = 0; d < g; ++d) {
+    const int n = (me + d) % 3;
+    send_bytes[d] = n * static_cast<int64_t>(sizeof(int32_t));
+    for (int i = 0; i < n; ++i) send.push_back(me * 1000 + d * 10 + i);
+  }
+  std::vector<int64_t> recv_bytes(g);
+  ASSERT_TRUE(comm->ExchangeCounts(send_bytes, recv_bytes).ok());
+  for (int s = 0; s < g; ++s) EXPECT_EQ(recv_bytes[s], ((s + me) % 3) * static_cast<int64_t>(sizeof(int32_t)));
+  const auto send_offsets = PrefixOffsets(send_bytes);
+  const auto recv_offsets = PrefixOffsets(recv_bytes);
+  std::vector<int32_t> recv(recv_offsets[g] / sizeof(int32_t), -1);
+  ASSERT_TRUE(comm->Alltoallv(send.data(), send_bytes, std::span<const int64_t>(send_offsets.data(), g), recv.data(),
+                              recv_bytes, std::span<const int64_t>(recv_offsets.data(), g)).ok());
+  size_t at = 0;
+  for (int s = 0; s < g; ++s)
+    for (int i = 0; i < (s + me) % 3; ++i) EXPECT_EQ(recv[at++], s * 1000 + me * 10 + i);
+}
+
+TEST(Comm, NonblockingExchangesOverlap) {
+  auto comm = World();
+  const int g = comm->size();
+  std::vector<int64_t> bytes(g, sizeof(int64_t));
+  const auto offsets = PrefixOffsets(bytes);
+  const int64_t mine = comm->rank() + 1;
+  std::vector<int64_t> first(g), second(g);
+  std::vector<float> reduced = {static_cast<float>(comm->rank())};
+  // Two exchanges in flight at once, completed in the opposite order.
+  auto a = comm->StartAllgatherv(&mine, sizeof(mine), first.data(), bytes, std::span<const int64_t>(offsets.data(), g));
+  ASSERT_TRUE(a.ok());
+  auto b = comm->StartAllreduce(reduced.data(), 1);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE((*b)->Wait().ok());
+  ASSERT_TRUE((*a)->Wait().ok());
+  EXPECT_TRUE((*a)->Test());
+  for (int r = 0; r < g; ++r) EXPECT_EQ(first[r], r + 1);
+  EXPECT_EQ(reduced[0], static_cast<float>(g * (g - 1) / 2));
+}
+
+TEST(Comm, OneSidedWindowReads) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  // Rank r exposes (r + 1) * 16 bytes holding r*256 + i.
+  auto window = comm->AllocateWindow((me + 1) * 16 * static_cast<int64_t>(sizeof(int32_t)));
+  ASSERT_TRUE(window.ok()) << window.status().ToString();
+  auto* local = static_cast<int32_t*>((*window)->local());
+  for (int i = 0; i < (me + 1) * 16; ++i) local[i] = me * 256 + i;
+  ASSERT_TRUE(comm->Barrier().ok());
+  std::vector<std::vector<int32_t>> read(g);
+  for (int r = 0; r < g; ++r) {
+    read[r].assign(r + 1, -1);
+    // Elements [r*15 ... ] of rank r: offset r*15 values, r + 1 of them (inside its (r+1)*16).
+    ASSERT_TRUE((*window)->Get(r, r * 15 * static_cast<int64_t>(sizeof(int32_t)),
+                               (r + 1) * static_cast<int64_t>(sizeof(int32_t)), read[r].data()).ok());
+  }
+  ASSERT_TRUE((*window)->Flush().ok());
+  EXPECT_TRUE((*window)->Test());
+  for (int r = 0; r < g; ++r)
+    for (int i = 0; i <= r; ++i) EXPECT_EQ(read[r][i], r * 256 + r * 15 + i);
+  ASSERT_TRUE(comm->Barrier().ok());  // nobody frees its window while another still reads
+}
+
+TEST(Comm, SplitFormsGroups) {
+  auto comm = World(2);
+  const int g = comm->size(), me = comm->rank();
+  // Even and odd ranks, ordered by descending world rank.
+  auto sub = comm->Split(me % 2, -me);
+  ASSERT_TRUE(sub.ok());
+  const int expected_size = (g + 1 - me % 2) / 2;
+  EXPECT_EQ((*sub)->size(), expected_size);
+  std::vector<int64_t> members((*sub)->size());
+  const int64_t world_rank = me;
+  ASSERT_TRUE((*sub)->AllgatherInt64(std::span<const int64_t>(&world_rank, 1), members).ok());
+  for (size_t i = 1; i < members.size(); ++i) EXPECT_GT(members[i - 1], members[i]);
+  EXPECT_EQ(members[(*sub)->rank()], me);
+  // Node ids are renumbered densely inside the group; equal world nodes stay equal.
+  for (int a = 0; a < (*sub)->size(); ++a)
+    for (int b = 0; b < (*sub)->size(); ++b)
+      EXPECT_EQ((*sub)->node_of(a) == (*sub)->node_of(b), members[a] / 2 == members[b] / 2);
+}
+
+}  // namespace
+}  // namespace epmoe
