@@ -1,13 +1,13 @@
 // The epmoe program as a user meets it: help, refusals of bad flags, JSON output, a checked run.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
-#include <sys/wait.h>
-
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace {
 
@@ -73,8 +73,10 @@ TEST(Cli, ModelErrorsNameTheProblem) {
 
 TEST(Cli, CheckedLayerRunMatchesTheReference) {
   for (const char* routing : {"scores", "round_robin", "uniform"}) {
-    const CommandResult r = Epmoe(std::string("layer --model deepseek-v3 --hidden 64 --intermediate 32 --tokens 9 --layers 3 "
-                                    "--steps 2 --check --format json --routing ") + routing);
+    const CommandResult r =
+        Epmoe(std::string("layer --model deepseek-v3 --hidden 64 --intermediate 32 --tokens 9 --layers 3 "
+                          "--steps 2 --check --format json --routing ") +
+              routing);
     ASSERT_EQ(r.exit_code, 0) << r.out;
     const auto j = nlohmann::json::parse(r.out);
     ASSERT_EQ(j["layers"].size(), 3u);

@@ -1,10 +1,10 @@
 // Model presets, weight-format sizes, synthetic weights, the thread pool and ExpertLoad.
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "epmoe/load.h"
@@ -90,7 +90,8 @@ TEST_P(BadPresetFile, IsRefusedNamingFileAndField) {
   ASSERT_TRUE(base.ok());
   nlohmann::json j = nlohmann::json::parse(ModelToJson(*base));
   GetParam().edit(j);
-  const auto path = std::filesystem::temp_directory_path() / ("epmoe_bad_preset_" + std::string(GetParam().what) + ".json");
+  const auto path =
+      std::filesystem::temp_directory_path() / ("epmoe_bad_preset_" + std::string(GetParam().what) + ".json");
   std::ofstream(path) << j.dump();
   auto m = LoadModel(path.string());
   std::filesystem::remove(path);
@@ -101,17 +102,16 @@ TEST_P(BadPresetFile, IsRefusedNamingFileAndField) {
 
 INSTANTIATE_TEST_SUITE_P(
     Mistakes, BadPresetFile,
-    ::testing::Values(
-        BadPreset{"missing", [](nlohmann::json& j) { j.erase("top_k"); }, "top_k"},
-        BadPreset{"zero", [](nlohmann::json& j) { j["hidden"] = 0; }, "hidden"},
-        BadPreset{"negative", [](nlohmann::json& j) { j["num_experts"] = -4; }, "num_experts"},
-        BadPreset{"k_over_e", [](nlohmann::json& j) { j["top_k"] = 300; }, "top_k"},
-        BadPreset{"groups", [](nlohmann::json& j) { j["num_expert_groups"] = 7; }, "num_expert_groups"},
-        BadPreset{"topk_groups", [](nlohmann::json& j) { j["topk_groups"] = 9; }, "topk_groups"},
-        BadPreset{"wrong_type", [](nlohmann::json& j) { j["hidden"] = "big"; }, "hidden"},
-        BadPreset{"scoring", [](nlohmann::json& j) { j["scoring"] = "tanh"; }, "scoring"},
-        BadPreset{"unknown", [](nlohmann::json& j) { j["hiden"] = 3; }, "hiden"},
-        BadPreset{"dense", [](nlohmann::json& j) { j["num_dense_layers"] = 61; }, "num_dense_layers"}),
+    ::testing::Values(BadPreset{"missing", [](nlohmann::json& j) { j.erase("top_k"); }, "top_k"},
+                      BadPreset{"zero", [](nlohmann::json& j) { j["hidden"] = 0; }, "hidden"},
+                      BadPreset{"negative", [](nlohmann::json& j) { j["num_experts"] = -4; }, "num_experts"},
+                      BadPreset{"k_over_e", [](nlohmann::json& j) { j["top_k"] = 300; }, "top_k"},
+                      BadPreset{"groups", [](nlohmann::json& j) { j["num_expert_groups"] = 7; }, "num_expert_groups"},
+                      BadPreset{"topk_groups", [](nlohmann::json& j) { j["topk_groups"] = 9; }, "topk_groups"},
+                      BadPreset{"wrong_type", [](nlohmann::json& j) { j["hidden"] = "big"; }, "hidden"},
+                      BadPreset{"scoring", [](nlohmann::json& j) { j["scoring"] = "tanh"; }, "scoring"},
+                      BadPreset{"unknown", [](nlohmann::json& j) { j["hiden"] = 3; }, "hiden"},
+                      BadPreset{"dense", [](nlohmann::json& j) { j["num_dense_layers"] = 61; }, "num_dense_layers"}),
     [](const auto& info) { return std::string(info.param.what); });
 
 TEST(ModelPresets, NotJsonAndMissingFileAreRefused) {

@@ -1,9 +1,9 @@
 // The production MoE layer against a naive per-row loop, for every preset at reduced sizes.
 #include "epmoe/layer.h"
 
-#include <cmath>
-
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
@@ -66,12 +66,12 @@ TEST_P(EveryPreset, ProductionAndReferenceMatchTheNaiveLoop) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Presets, EveryPreset, ::testing::ValuesIn(ListModelPresets()),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           for (char& c : name) if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Presets, EveryPreset, ::testing::ValuesIn(ListModelPresets()), [](const auto& info) {
+  std::string name = info.param;
+  for (char& c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return name;
+});
 
 ModelConfig SmallModel() {
   auto m = LoadModel("qwen3-30b-a3b");

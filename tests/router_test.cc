@@ -1,8 +1,8 @@
 #include "epmoe/router.h"
 
-#include <cmath>
-
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 namespace epmoe {
 namespace {
@@ -26,7 +26,9 @@ Matrix Logits(std::vector<std::vector<float>> rows) {
   return m;
 }
 
-double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double Sigmoid(double x) {
+  return 1.0 / (1.0 + std::exp(-x));
+}
 
 TEST(Router, SoftmaxTopkWithoutRenormalization) {
   const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
@@ -97,8 +99,8 @@ TEST(Router, GroupLimitedTopkRanksGroupsByTheirTwoBestScores) {
   // Group 1: 0.6+0.6 = 1.2, group 2: 0.55+0.55 = 1.1, group 3: 0.1+0.1 = 0.2.
   // Groups 1 and 2 win, so expert 0 is excluded even though it is the best single expert.
   auto logit = [](double p) { return static_cast<float>(std::log(p / (1 - p))); };
-  Matrix logits = Logits({{logit(0.95), logit(0.05), logit(0.6), logit(0.6), logit(0.55), logit(0.55),
-                           logit(0.1), logit(0.1)}});
+  Matrix logits =
+      Logits({{logit(0.95), logit(0.05), logit(0.6), logit(0.6), logit(0.55), logit(0.55), logit(0.1), logit(0.1)}});
   Picks picks;
   ASSERT_TRUE(Router(m).RouteLogits(logits, {}, &picks).ok());
   EXPECT_EQ(picks.expert(0, 0), 2);

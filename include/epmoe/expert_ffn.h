@@ -49,8 +49,7 @@ class ExpertStore {
   // rows: [offsets[E] x hidden]; rows offsets[e] .. offsets[e+1]-1 belong to expert e (E + 1
   // offsets, non-decreasing, offsets[0] == 0). Writes each row's expert output to the same row of
   // out ([offsets[E] x hidden]). Experts with no rows are not read.
-  virtual void Run(const float* rows, std::span<const int64_t> offsets, float* out,
-                   ThreadPool& pool) const = 0;
+  virtual void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const = 0;
 };
 
 struct PackOptions {

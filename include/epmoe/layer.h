@@ -22,15 +22,14 @@ class ThreadPool;
 // All weights of one MoE layer in fp32.
 struct MoeLayerWeights {
   int layer = 0;
-  Matrix router;                        // [E x hidden]
-  std::vector<float> correction_bias;   // E values, or empty
-  std::vector<ExpertWeights> experts;   // E routed experts
-  std::vector<ExpertWeights> shared;    // num_shared_experts shared experts
+  Matrix router;                       // [E x hidden]
+  std::vector<float> correction_bias;  // E values, or empty
+  std::vector<ExpertWeights> experts;  // E routed experts
+  std::vector<ExpertWeights> shared;   // num_shared_experts shared experts
 };
 
 // Synthetic weights for MoE layer `layer` (see synthetic.h): deterministic from the seed.
-MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed,
-                                   ThreadPool* pool = nullptr);
+MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);
 // Expert e of layer `layer`, or the intermediate slice [begin, end) of it (still a valid expert:
 // the full expert's output is the sum of its slices' outputs).
 ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed,
@@ -54,16 +53,15 @@ PermutedPicks PermuteByExpert(const Picks& picks, int num_experts);
 void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out);
 // out.row(r) = sum over the k picks of row r of weight * expert_out.row(position of that pick),
 // summed in pick order j = 0..k-1 (deterministic). `out` is overwritten.
-void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks,
-                         Matrix* out);
+void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out);
 
 // Per-layer figures of one forward pass.
 struct LayerStats {
   double route_us = 0;
-  double permute_us = 0;     // counting sort and gathering rows
-  double experts_us = 0;     // grouped expert FFN
-  double combine_us = 0;     // weighting, unpermuting and summing the k results
-  double shared_us = 0;      // shared expert
+  double permute_us = 0;  // counting sort and gathering rows
+  double experts_us = 0;  // grouped expert FFN
+  double combine_us = 0;  // weighting, unpermuting and summing the k results
+  double shared_us = 0;   // shared expert
   int experts_touched = 0;
   int64_t picks = 0;
   int64_t max_picks_per_expert = 0;
@@ -81,8 +79,7 @@ class MoeLayer {
   Status Route(const Matrix& rows, Picks* picks, ThreadPool* pool = nullptr) const;
 
   // out = the layer's output for rows and picks (stats may be null).
-  Status Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool,
-                 LayerStats* stats) const;
+  Status Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool, LayerStats* stats) const;
 
   const ExpertStore& routed() const { return *routed_; }
 

@@ -15,14 +15,18 @@ namespace epmoe {
 struct ExpertLoad {
   int num_layers = 0;
   int num_experts = 0;
-  int top_k = 0;                // picks per row, 0 when unknown (e.g. count-only sources)
+  int top_k = 0;  // picks per row, 0 when unknown (e.g. count-only sources)
   int64_t num_steps = 0;
   std::vector<int64_t> rows;    // rows (tokens) in each step, num_steps values; 0 when unknown
   std::vector<int64_t> counts;  // [step][layer][expert], num_steps * num_layers * num_experts values
 
   ExpertLoad() = default;
   ExpertLoad(int64_t steps, int layers, int experts, int k = 0)
-      : num_layers(layers), num_experts(experts), top_k(k), num_steps(steps), rows(steps, 0),
+      : num_layers(layers),
+        num_experts(experts),
+        top_k(k),
+        num_steps(steps),
+        rows(steps, 0),
         counts(static_cast<size_t>(steps) * layers * experts, 0) {}
 
   std::span<int64_t> at(int64_t step, int layer) {

@@ -24,21 +24,21 @@ const char* ScoringName(Scoring scoring);
 
 struct ModelConfig {
   std::string name;
-  int hidden = 0;                   // d: numbers per row
-  int num_experts = 0;              // E: routed (logical) experts per MoE layer
-  int expert_intermediate = 0;      // intermediate size of one routed expert
-  int top_k = 0;                    // k: experts picked per row
-  int num_shared_experts = 0;       // experts every row goes through (no routing)
-  int shared_intermediate = 0;      // intermediate size of the shared expert(s), each
-  int num_layers = 0;               // all transformer layers
-  int num_dense_layers = 0;         // the first layers, with a dense FFN instead of MoE
-  int dense_intermediate = 0;       // intermediate size of a dense layer's FFN (0 if none)
+  int hidden = 0;               // d: numbers per row
+  int num_experts = 0;          // E: routed (logical) experts per MoE layer
+  int expert_intermediate = 0;  // intermediate size of one routed expert
+  int top_k = 0;                // k: experts picked per row
+  int num_shared_experts = 0;   // experts every row goes through (no routing)
+  int shared_intermediate = 0;  // intermediate size of the shared expert(s), each
+  int num_layers = 0;           // all transformer layers
+  int num_dense_layers = 0;     // the first layers, with a dense FFN instead of MoE
+  int dense_intermediate = 0;   // intermediate size of a dense layer's FFN (0 if none)
   Scoring scoring = Scoring::kSoftmax;
-  bool correction_bias = false;     // sigmoid only: a bias added to scores for choosing
-  int num_expert_groups = 1;        // experts split into this many groups (1: no group limit)
-  int topk_groups = 1;              // groups a row may choose from
-  bool renormalize = false;         // scale the k weights of a row to sum to 1
-  double routed_scaling = 1.0;      // routed experts' weighted sum is multiplied by this
+  bool correction_bias = false;  // sigmoid only: a bias added to scores for choosing
+  int num_expert_groups = 1;     // experts split into this many groups (1: no group limit)
+  int topk_groups = 1;           // groups a row may choose from
+  bool renormalize = false;      // scale the k weights of a row to sum to 1
+  double routed_scaling = 1.0;   // routed experts' weighted sum is multiplied by this
 
   int num_moe_layers() const { return num_layers - num_dense_layers; }
 };

@@ -59,8 +59,8 @@ class Router {
 
   // rows: [T x hidden]; router_weight: [E x hidden]. Computes logits = rows * router_weight^T (on
   // the pool's threads when one is given; the result does not depend on it).
-  Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> correction_bias,
-               Picks* picks, ThreadPool* pool = nullptr) const;
+  Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> correction_bias, Picks* picks,
+               ThreadPool* pool = nullptr) const;
 
  private:
   ModelConfig model_;

@@ -17,13 +17,13 @@ namespace epmoe {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,   // a flag, shape, field or value is wrong
-  kNotFound,          // a file, preset or name does not exist
-  kIoError,           // reading or writing failed, or a file is truncated or corrupt
-  kOutOfRange,        // a size exceeds a configured bound (memory, counts)
-  kFailedPrecondition,// the call is valid but not in this state (e.g. option cannot run this shape)
-  kUnavailable,       // a peer rank failed or did not answer in time
-  kInternal,          // an unexpected failure of a dependency (MPI, OS)
+  kInvalidArgument,     // a flag, shape, field or value is wrong
+  kNotFound,            // a file, preset or name does not exist
+  kIoError,             // reading or writing failed, or a file is truncated or corrupt
+  kOutOfRange,          // a size exceeds a configured bound (memory, counts)
+  kFailedPrecondition,  // the call is valid but not in this state (e.g. option cannot run this shape)
+  kUnavailable,         // a peer rank failed or did not answer in time
+  kInternal,            // an unexpected failure of a dependency (MPI, OS)
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -60,8 +60,8 @@ Status Internal(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}                   // NOLINT: implicit by design
-  Result(Status status) : status_(std::move(status)) {            // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
+  Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     if (status_.ok()) status_ = Internal("Result constructed from an ok Status without a value");
   }
 
@@ -85,9 +85,9 @@ class [[nodiscard]] Result {
 }  // namespace epmoe
 
 // Aborts with file:line when an internal invariant does not hold (never for bad user input).
-#define EPMOE_CHECK(condition)                                                      \
-  do {                                                                              \
-    if (!(condition)) ::epmoe::CheckFailed(__FILE__, __LINE__, #condition, "");     \
+#define EPMOE_CHECK(condition)                                                  \
+  do {                                                                          \
+    if (!(condition)) ::epmoe::CheckFailed(__FILE__, __LINE__, #condition, ""); \
   } while (0)
 #define EPMOE_CHECK_MSG(condition, detail)                                          \
   do {                                                                              \
@@ -98,15 +98,15 @@ class [[nodiscard]] Result {
 #define EPMOE_STATUS_CONCAT(a, b) EPMOE_STATUS_CONCAT_INNER(a, b)
 
 // Returns the Status from the enclosing function if `expr` is not ok.
-#define EPMOE_RETURN_IF_ERROR(expr)                   \
-  do {                                                \
-    ::epmoe::Status epmoe_status_ = (expr);           \
-    if (!epmoe_status_.ok()) return epmoe_status_;    \
+#define EPMOE_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::epmoe::Status epmoe_status_ = (expr);        \
+    if (!epmoe_status_.ok()) return epmoe_status_; \
   } while (0)
 
 // `lhs = value of expr`, or returns its Status from the enclosing function.
-#define EPMOE_ASSIGN_OR_RETURN(lhs, expr)                                             \
-  auto EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__) = (expr);                         \
-  if (!EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__).ok())                             \
-    return EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__).status();                     \
+#define EPMOE_ASSIGN_OR_RETURN(lhs, expr)                         \
+  auto EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__) = (expr);     \
+  if (!EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__).ok())         \
+    return EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__).status(); \
   lhs = std::move(EPMOE_STATUS_CONCAT(epmoe_result_, __LINE__)).value()

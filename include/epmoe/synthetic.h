@@ -17,22 +17,22 @@ class ThreadPool;
 
 // Which tensor of a layer; `index` in SyntheticTensor selects the expert.
 enum class TensorKind : uint32_t {
-  kRouter = 1,        // [E x hidden]
-  kCorrectionBias,    // [1 x E]
-  kExpertGate,        // [intermediate x hidden], index = logical expert
-  kExpertUp,          // [intermediate x hidden]
-  kExpertDown,        // [hidden x intermediate]
-  kSharedGate,        // index = shared expert
+  kRouter = 1,      // [E x hidden]
+  kCorrectionBias,  // [1 x E]
+  kExpertGate,      // [intermediate x hidden], index = logical expert
+  kExpertUp,        // [intermediate x hidden]
+  kExpertDown,      // [hidden x intermediate]
+  kSharedGate,      // index = shared expert
   kSharedUp,
   kSharedDown,
-  kRows,              // input rows, index = step
+  kRows,  // input rows, index = step
 };
 
 struct SyntheticTensor {
   TensorKind kind;
   int layer = 0;
   int index = 0;
-  int64_t rows = 0;     // full shape of the tensor
+  int64_t rows = 0;  // full shape of the tensor
   int64_t cols = 0;
 };
 

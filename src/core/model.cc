@@ -1,11 +1,11 @@
 #include "epmoe/model.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <fstream>
-#include <sstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace epmoe::embedded {
 extern const std::vector<std::pair<std::string_view, std::string_view>> kModelPresets;
@@ -94,14 +94,17 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Positive(source, "topk_groups", m.topk_groups));
   EPMOE_RETURN_IF_ERROR(Positive(source, "routed_scaling", m.routed_scaling));
   if (m.top_k > m.num_experts)
-    return InvalidArgument(fmt::format("{}: field 'top_k' = {} exceeds num_experts = {}", source, m.top_k, m.num_experts));
+    return InvalidArgument(
+        fmt::format("{}: field 'top_k' = {} exceeds num_experts = {}", source, m.top_k, m.num_experts));
   if (m.num_shared_experts > 0 && m.shared_intermediate == 0)
-    return InvalidArgument(fmt::format("{}: field 'shared_intermediate' must be positive when num_shared_experts > 0", source));
+    return InvalidArgument(
+        fmt::format("{}: field 'shared_intermediate' must be positive when num_shared_experts > 0", source));
   if (m.num_dense_layers >= m.num_layers)
     return InvalidArgument(fmt::format("{}: field 'num_dense_layers' = {} leaves no MoE layer of num_layers = {}",
                                        source, m.num_dense_layers, m.num_layers));
   if (m.num_dense_layers > 0 && m.dense_intermediate == 0)
-    return InvalidArgument(fmt::format("{}: field 'dense_intermediate' must be positive when num_dense_layers > 0", source));
+    return InvalidArgument(
+        fmt::format("{}: field 'dense_intermediate' must be positive when num_dense_layers > 0", source));
   if (m.num_experts % m.num_expert_groups != 0)
     return InvalidArgument(fmt::format("{}: field 'num_expert_groups' = {} does not divide num_experts = {}", source,
                                        m.num_expert_groups, m.num_experts));
@@ -110,8 +113,10 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
                                        m.topk_groups, m.num_expert_groups));
   const int per_group = m.num_experts / m.num_expert_groups;
   if (m.num_expert_groups > 1 && per_group < 2)
-    return InvalidArgument(fmt::format("{}: field 'num_expert_groups' = {} leaves fewer than 2 experts per group "
-                                       "(groups are ranked by their two best scores)", source, m.num_expert_groups));
+    return InvalidArgument(
+        fmt::format("{}: field 'num_expert_groups' = {} leaves fewer than 2 experts per group "
+                    "(groups are ranked by their two best scores)",
+                    source, m.num_expert_groups));
   if (m.topk_groups * per_group < m.top_k)
     return InvalidArgument(fmt::format("{}: field 'topk_groups' = {} allows only {} experts, fewer than top_k = {}",
                                        source, m.topk_groups, m.topk_groups * per_group, m.top_k));
@@ -150,10 +155,22 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   if (!parsed_scoring.ok()) return parsed_scoring.status().WithContext(fmt::format("{}: field 'scoring'", source));
   m.scoring = *parsed_scoring;
   for (auto it = j.begin(); it != j.end(); ++it) {
-    static const char* kKnown[] = {"name", "hidden", "num_experts", "expert_intermediate", "top_k",
-                                   "num_shared_experts", "shared_intermediate", "num_layers",
-                                   "num_dense_layers", "dense_intermediate", "scoring", "correction_bias",
-                                   "num_expert_groups", "topk_groups", "renormalize", "routed_scaling",
+    static const char* kKnown[] = {"name",
+                                   "hidden",
+                                   "num_experts",
+                                   "expert_intermediate",
+                                   "top_k",
+                                   "num_shared_experts",
+                                   "shared_intermediate",
+                                   "num_layers",
+                                   "num_dense_layers",
+                                   "dense_intermediate",
+                                   "scoring",
+                                   "correction_bias",
+                                   "num_expert_groups",
+                                   "topk_groups",
+                                   "renormalize",
+                                   "routed_scaling",
                                    "description"};
     if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return it.key() == k; }) ==
         std::end(kKnown))
@@ -204,8 +221,8 @@ Result<ModelConfig> LoadModel(std::string_view name_or_path) {
   }
   std::string known;
   for (const auto& n : ListModelPresets()) known += (known.empty() ? "" : ", ") + n;
-  return NotFound(fmt::format("no model preset named '{}' (known: {}; or give a path to a .json file)",
-                              name_or_path, known));
+  return NotFound(
+      fmt::format("no model preset named '{}' (known: {}; or give a path to a .json file)", name_or_path, known));
 }
 
 ModelConfig ScaledModel(const ModelConfig& model, int hidden, int intermediate) {

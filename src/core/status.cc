@@ -26,15 +26,27 @@ Status Status::WithContext(const std::string& context) const {
   return Status(code_, context + ": " + message_);
 }
 
-Status InvalidArgument(std::string message) { return {StatusCode::kInvalidArgument, std::move(message)}; }
-Status NotFound(std::string message) { return {StatusCode::kNotFound, std::move(message)}; }
-Status IoError(std::string message) { return {StatusCode::kIoError, std::move(message)}; }
-Status OutOfRange(std::string message) { return {StatusCode::kOutOfRange, std::move(message)}; }
+Status InvalidArgument(std::string message) {
+  return {StatusCode::kInvalidArgument, std::move(message)};
+}
+Status NotFound(std::string message) {
+  return {StatusCode::kNotFound, std::move(message)};
+}
+Status IoError(std::string message) {
+  return {StatusCode::kIoError, std::move(message)};
+}
+Status OutOfRange(std::string message) {
+  return {StatusCode::kOutOfRange, std::move(message)};
+}
 Status FailedPrecondition(std::string message) {
   return {StatusCode::kFailedPrecondition, std::move(message)};
 }
-Status Unavailable(std::string message) { return {StatusCode::kUnavailable, std::move(message)}; }
-Status Internal(std::string message) { return {StatusCode::kInternal, std::move(message)}; }
+Status Unavailable(std::string message) {
+  return {StatusCode::kUnavailable, std::move(message)};
+}
+Status Internal(std::string message) {
+  return {StatusCode::kInternal, std::move(message)};
+}
 
 void CheckFailed(const char* file, int line, const char* condition, const std::string& detail) {
   std::fprintf(stderr, "epmoe: internal check failed at %s:%d: %s%s%s\n", file, line, condition,

@@ -16,8 +16,7 @@ const char* WeightFormatName(WeightFormat format) {
 }
 
 std::vector<WeightFormat> AllWeightFormats() {
-  return {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4,
-          WeightFormat::kMxfp4};
+  return {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4, WeightFormat::kMxfp4};
 }
 
 Result<WeightFormat> ParseWeightFormat(std::string_view name) {

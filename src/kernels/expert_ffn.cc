@@ -1,8 +1,8 @@
 #include "epmoe/expert_ffn.h"
 
-#include <cmath>
-
 #include <fmt/format.h>
+
+#include <cmath>
 
 #include "kernels/ref/fp32_store.h"
 
@@ -36,14 +36,16 @@ Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* 
     const ExpertWeights& x = *experts[e];
     if (x.gate.rows != inter || x.gate.cols != hidden || x.up.rows != inter || x.up.cols != hidden ||
         x.down.rows != hidden || x.down.cols != inter)
-      return InvalidArgument(fmt::format("pack experts: expert {} has shapes gate {}x{}, up {}x{}, down {}x{}; expected "
-                                         "gate and up {}x{}, down {}x{}", e, x.gate.rows, x.gate.cols, x.up.rows,
-                                         x.up.cols, x.down.rows, x.down.cols, inter, hidden, hidden, inter));
+      return InvalidArgument(fmt::format(
+          "pack experts: expert {} has shapes gate {}x{}, up {}x{}, down {}x{}; expected "
+          "gate and up {}x{}, down {}x{}",
+          e, x.gate.rows, x.gate.cols, x.up.rows, x.up.cols, x.down.rows, x.down.cols, inter, hidden, hidden, inter));
   }
   EPMOE_RETURN_IF_ERROR(CheckShape(options.format, inter, hidden));
   EPMOE_RETURN_IF_ERROR(CheckShape(options.format, hidden, inter));
   if (options.format != WeightFormat::kFp32)
-    return InvalidArgument(fmt::format("pack experts: weight format {} has no kernel yet", WeightFormatName(options.format)));
+    return InvalidArgument(
+        fmt::format("pack experts: weight format {} has no kernel yet", WeightFormatName(options.format)));
   return std::unique_ptr<ExpertStore>(std::make_unique<Fp32ReferenceStore>(experts));
 }
 

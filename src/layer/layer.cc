@@ -1,9 +1,9 @@
 #include "epmoe/layer.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
-
-#include <fmt/format.h>
 
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
@@ -31,7 +31,8 @@ ExpertWeights MakeExpert(TensorKind gate, TensorKind up, TensorKind down, int64_
 
 Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& picks) {
   if (rows.cols != model.hidden)
-    return InvalidArgument(fmt::format("layer: rows have {} columns, the model's hidden size is {}", rows.cols, model.hidden));
+    return InvalidArgument(
+        fmt::format("layer: rows have {} columns, the model's hidden size is {}", rows.cols, model.hidden));
   if (picks.rows != rows.rows)
     return InvalidArgument(fmt::format("layer: {} rows but picks for {} rows", rows.rows, picks.rows));
   if (picks.k != model.top_k)
@@ -39,7 +40,8 @@ Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& pick
   EPMOE_RETURN_IF_ERROR(ValidatePicks(picks, model.num_experts));
   const int64_t bad = FirstNonFinite(rows.data);
   if (bad >= 0)
-    return InvalidArgument(fmt::format("layer: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
+    return InvalidArgument(
+        fmt::format("layer: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   return Status::Ok();
 }
 
@@ -73,7 +75,8 @@ MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t
   } else {
     make(0, model.num_experts);
   }
-  for (int s = 0; s < model.num_shared_experts; ++s) w.shared.push_back(MakeSyntheticSharedExpert(model, layer, s, seed));
+  for (int s = 0; s < model.num_shared_experts; ++s)
+    w.shared.push_back(MakeSyntheticSharedExpert(model, layer, s, seed));
   return w;
 }
 
@@ -136,7 +139,8 @@ void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted
 Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const MoeLayerWeights& weights,
                                                    const PackOptions& options) {
   if (static_cast<int>(weights.experts.size()) != model.num_experts)
-    return InvalidArgument(fmt::format("layer: {} experts given, the model has {}", weights.experts.size(), model.num_experts));
+    return InvalidArgument(
+        fmt::format("layer: {} experts given, the model has {}", weights.experts.size(), model.num_experts));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
   layer->router_ = weights.router;
@@ -185,7 +189,8 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
     for (int s = 0; s < shared_count; ++s) std::copy(rows.data.begin(), rows.data.end(), shared_in.row(s * rows.rows));
     shared_->Run(shared_in.data.data(), offsets, shared_out.data.data(), pool);
     for (int s = 0; s < shared_count; ++s) {
-      for (int64_t i = 0; i < rows.rows * model_.hidden; ++i) out->data[i] += shared_out.data[s * rows.rows * model_.hidden + i];
+      for (int64_t i = 0; i < rows.rows * model_.hidden; ++i)
+        out->data[i] += shared_out.data[s * rows.rows * model_.hidden + i];
     }
     local.shared_us = MicrosSince(t0);
   }

@@ -1,11 +1,11 @@
 #include "epmoe/router.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "epmoe/thread_pool.h"
 
@@ -30,7 +30,8 @@ float Dot(const float* x, const float* w, int64_t n) {
     for (int i = 0; i < 8; ++i) partial[i] += x[c + i] * w[c + i];
   }
   for (int i = 0; c < n; ++c, ++i) partial[i] += x[c] * w[c];
-  return ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+  return ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+         ((partial[4] + partial[5]) + (partial[6] + partial[7]));
 }
 
 // The k best ids of `score` (length n) among those allowed, best first.
@@ -67,20 +68,20 @@ Status ValidatePicks(const Picks& picks, int num_experts) {
     return InvalidArgument(fmt::format("picks: bad shape rows={} k={}", picks.rows, picks.k));
   const size_t n = static_cast<size_t>(picks.rows) * picks.k;
   if (picks.experts.size() != n || picks.weights.size() != n)
-    return InvalidArgument(fmt::format("picks: expected {} experts and weights, got {} and {}", n,
-                                       picks.experts.size(), picks.weights.size()));
+    return InvalidArgument(fmt::format("picks: expected {} experts and weights, got {} and {}", n, picks.experts.size(),
+                                       picks.weights.size()));
   if (picks.k > num_experts)
     return InvalidArgument(fmt::format("picks: k = {} exceeds the {} experts", picks.k, num_experts));
   for (int64_t r = 0; r < picks.rows; ++r) {
     for (int j = 0; j < picks.k; ++j) {
       const int32_t e = picks.expert(r, j);
       if (e < 0 || e >= num_experts)
-        return InvalidArgument(fmt::format("picks: row {} pick {} names expert {}, outside [0, {})", r, j, e, num_experts));
+        return InvalidArgument(
+            fmt::format("picks: row {} pick {} names expert {}, outside [0, {})", r, j, e, num_experts));
       if (!std::isfinite(picks.weight(r, j)))
         return InvalidArgument(fmt::format("picks: row {} pick {} has a non-finite weight", r, j));
       for (int i = 0; i < j; ++i) {
-        if (picks.expert(r, i) == e)
-          return InvalidArgument(fmt::format("picks: row {} picks expert {} twice", r, e));
+        if (picks.expert(r, i) == e) return InvalidArgument(fmt::format("picks: row {} picks expert {} twice", r, e));
       }
     }
   }
@@ -122,8 +123,7 @@ Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Pi
   for (int64_t r = 0; r < logits.rows; ++r) {
     const float* x = logits.row(r);
     const int64_t bad = FirstNonFinite({x, static_cast<size_t>(n)});
-    if (bad >= 0)
-      return InvalidArgument(fmt::format("router: score of row {} for expert {} is {}", r, bad, x[bad]));
+    if (bad >= 0) return InvalidArgument(fmt::format("router: score of row {} for expert {} is {}", r, bad, x[bad]));
 
     switch (model_.scoring) {
       case Scoring::kSoftmax: {
@@ -181,16 +181,18 @@ Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Pi
   return Status::Ok();
 }
 
-Status Router::Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> bias,
-                     Picks* picks, ThreadPool* pool) const {
+Status Router::Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> bias, Picks* picks,
+                     ThreadPool* pool) const {
   if (rows.cols != model_.hidden)
-    return InvalidArgument(fmt::format("router: rows have {} columns, the model's hidden size is {}", rows.cols, model_.hidden));
+    return InvalidArgument(
+        fmt::format("router: rows have {} columns, the model's hidden size is {}", rows.cols, model_.hidden));
   if (router_weight.rows != model_.num_experts || router_weight.cols != model_.hidden)
-    return InvalidArgument(fmt::format("router: weight is {}x{}, expected {}x{}", router_weight.rows, router_weight.cols,
-                                       model_.num_experts, model_.hidden));
+    return InvalidArgument(fmt::format("router: weight is {}x{}, expected {}x{}", router_weight.rows,
+                                       router_weight.cols, model_.num_experts, model_.hidden));
   const int64_t bad = FirstNonFinite(rows.data);
   if (bad >= 0)
-    return InvalidArgument(fmt::format("router: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
+    return InvalidArgument(
+        fmt::format("router: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   Matrix logits(rows.rows, model_.num_experts);
   auto compute = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {

@@ -1,12 +1,12 @@
 // `epmoe layer`: T rows through N MoE layers in one process, with per-layer figures.
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "epmoe/layer.h"
@@ -36,7 +36,9 @@ struct LayerOptions {
 };
 
 // Normalized max error allowed between the production path and the reference, per weight format.
-double Tolerance(WeightFormat format) { return format == WeightFormat::kFp32 ? 1e-4 : 5e-2; }
+double Tolerance(WeightFormat format) {
+  return format == WeightFormat::kFp32 ? 1e-4 : 5e-2;
+}
 
 struct LayerReport {
   std::vector<double> route_us, permute_us, experts_us, combine_us, shared_us;
@@ -54,21 +56,24 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   if (routing == RoutingMode::kReplay)
     return InvalidArgument("--routing replay needs a trace; `epmoe layer` takes scores, round_robin or uniform");
   if (o.layers > model.num_moe_layers())
-    return InvalidArgument(fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers,
-                                       model.num_moe_layers(), model.name));
+    return InvalidArgument(
+        fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
 
   // Packed weights of every layer stay resident; one layer's fp32 source is alive while packing
   // (all of them with --check, which keeps them for the reference).
   const int64_t experts_per_layer = model.num_experts + model.num_shared_experts;
-  const int64_t packed = o.layers * experts_per_layer * ExpertByteCount(format, model.hidden, model.expert_intermediate);
+  const int64_t packed =
+      o.layers * experts_per_layer * ExpertByteCount(format, model.hidden, model.expert_intermediate);
   const int64_t source = (o.check ? o.layers : 1) * experts_per_layer *
                          ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate);
-  const int64_t budget = o.max_memory_gb > 0 ? static_cast<int64_t>(o.max_memory_gb * 1e9) : AvailableMemoryBytes() * 8 / 10;
+  const int64_t budget =
+      o.max_memory_gb > 0 ? static_cast<int64_t>(o.max_memory_gb * 1e9) : AvailableMemoryBytes() * 8 / 10;
   if (packed + source > budget)
-    return OutOfRange(fmt::format("{} layers of {} in {} need about {} of memory (plus {} while packing), over the "
-                                  "budget of {}; use fewer --layers, a smaller --weight-format, --hidden/--intermediate, "
-                                  "or raise --max-memory-gb", o.layers, model.name, WeightFormatName(format),
-                                  HumanBytes(packed), HumanBytes(source), HumanBytes(budget)));
+    return OutOfRange(fmt::format(
+        "{} layers of {} in {} need about {} of memory (plus {} while packing), over the "
+        "budget of {}; use fewer --layers, a smaller --weight-format, --hidden/--intermediate, "
+        "or raise --max-memory-gb",
+        o.layers, model.name, WeightFormatName(format), HumanBytes(packed), HumanBytes(source), HumanBytes(budget)));
 
   ThreadPool pool(o.threads);
   PackOptions pack{format, o.isa};
@@ -104,8 +109,10 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
         const double error = NormalizedMaxError(out, expected);
         r.max_error = std::max(r.max_error, error);
         if (!(error <= Tolerance(format)))
-          return Internal(fmt::format("--check: layer {} step {} differs from the reference: normalized max error {:.3g} "
-                                      "> {:.1g}", l, step, error, Tolerance(format)));
+          return Internal(
+              fmt::format("--check: layer {} step {} differs from the reference: normalized max error {:.3g} "
+                          "> {:.1g}",
+                          l, step, error, Tolerance(format)));
       }
       r.route_us.push_back(stats.route_us);
       r.permute_us.push_back(stats.permute_us);
@@ -122,18 +129,20 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   nlohmann::json layers_json = nlohmann::json::array();
   for (int l = 0; l < o.layers; ++l) {
     const LayerReport& r = per_layer[l];
-    nlohmann::json j = {{"layer", l},
-                        {"experts_touched", r.last.experts_touched},
-                        {"max_picks_per_expert", r.last.max_picks_per_expert},
-                        {"mean_picks_per_touched_expert", r.last.mean_picks_per_touched_expert},
-                        {"mean_picks_per_expert", model.num_experts ? static_cast<double>(r.last.picks) / model.num_experts : 0},
-                        {"expert_bytes_read", r.last.expert_bytes_read},
-                        {"median_us", {{"route", Median(r.route_us)},
-                                       {"permute", Median(r.permute_us)},
-                                       {"experts", Median(r.experts_us)},
-                                       {"combine", Median(r.combine_us)},
-                                       {"shared", Median(r.shared_us)}}},
-                        {"checksum", r.checksum}};
+    nlohmann::json j = {
+        {"layer", l},
+        {"experts_touched", r.last.experts_touched},
+        {"max_picks_per_expert", r.last.max_picks_per_expert},
+        {"mean_picks_per_touched_expert", r.last.mean_picks_per_touched_expert},
+        {"mean_picks_per_expert", model.num_experts ? static_cast<double>(r.last.picks) / model.num_experts : 0},
+        {"expert_bytes_read", r.last.expert_bytes_read},
+        {"median_us",
+         {{"route", Median(r.route_us)},
+          {"permute", Median(r.permute_us)},
+          {"experts", Median(r.experts_us)},
+          {"combine", Median(r.combine_us)},
+          {"shared", Median(r.shared_us)}}},
+        {"checksum", r.checksum}};
     if (o.check) j["max_normalized_error"] = r.max_error;
     layers_json.push_back(j);
   }
@@ -163,9 +172,10 @@ void PrintText(const nlohmann::json& r) {
     const auto& t = l["median_us"];
     std::printf("%5d %8d %9lld %9.2f %12s | %9.1f %9.1f %9.1f %9.1f %9.1f | %14.6f\n", l["layer"].get<int>(),
                 l["experts_touched"].get<int>(), static_cast<long long>(l["max_picks_per_expert"].get<int64_t>()),
-                l["mean_picks_per_touched_expert"].get<double>(), HumanBytes(l["expert_bytes_read"].get<int64_t>()).c_str(),
-                t["route"].get<double>(), t["permute"].get<double>(), t["experts"].get<double>(),
-                t["combine"].get<double>(), t["shared"].get<double>(), l["checksum"].get<double>());
+                l["mean_picks_per_touched_expert"].get<double>(),
+                HumanBytes(l["expert_bytes_read"].get<int64_t>()).c_str(), t["route"].get<double>(),
+                t["permute"].get<double>(), t["experts"].get<double>(), t["combine"].get<double>(),
+                t["shared"].get<double>(), l["checksum"].get<double>());
   }
   if (r["checked"].get<bool>()) std::printf("check: every layer and step matches the fp32 reference\n");
 }
@@ -179,16 +189,18 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--tokens,-t", o->tokens, "Rows per step (T)")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--layers", o->layers, "MoE layers to run")->check(kPositive)->capture_default_str();
   cmd->add_option("--steps", o->steps, "Steps (each with new rows); times are medians over steps")
-      ->check(kPositive)->capture_default_str();
+      ->check(kPositive)
+      ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
   cmd->add_option("--routing", o->routing, "How picks are made")
-      ->check(CLI::IsMember({"scores", "round_robin", "uniform"}))->capture_default_str();
+      ->check(CLI::IsMember({"scores", "round_robin", "uniform"}))
+      ->capture_default_str();
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
-      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))->capture_default_str();
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
+      ->capture_default_str();
   cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels (auto, or a lower one to force it)")
       ->capture_default_str();
-  cmd->add_option("--threads", o->threads, "Worker threads (0: all cores)")->check(kNonNegative)
-      ->capture_default_str();
+  cmd->add_option("--threads", o->threads, "Worker threads (0: all cores)")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);

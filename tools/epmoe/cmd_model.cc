@@ -1,10 +1,10 @@
 // `epmoe model list` and `epmoe model show NAME|PATH`: presets and the sizes derived from them.
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <memory>
-#include <string>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "commands.h"
 #include "epmoe/model.h"
@@ -27,8 +27,8 @@ int ShowModel(const ShowOptions& options) {
   const int64_t weights_per_shared = 3LL * m.hidden * m.shared_intermediate;
   nlohmann::json sizes = nlohmann::json::array();
   for (WeightFormat f : AllWeightFormats()) {
-    const bool storable = CheckShape(f, m.expert_intermediate, m.hidden).ok() &&
-                          CheckShape(f, m.hidden, m.expert_intermediate).ok();
+    const bool storable =
+        CheckShape(f, m.expert_intermediate, m.hidden).ok() && CheckShape(f, m.hidden, m.expert_intermediate).ok();
     const int64_t expert = ExpertByteCount(f, m.hidden, m.expert_intermediate);
     const int64_t shared = m.num_shared_experts * ExpertByteCount(f, m.hidden, m.shared_intermediate);
     const int64_t layer = m.num_experts * expert + shared;

@@ -1,10 +1,10 @@
 #include "output.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-
-#include <fmt/format.h>
 
 namespace epmoe::cli {
 
@@ -64,7 +64,7 @@ std::string HumanBytes(int64_t bytes) {
 double Quantile(std::vector<double> values, double q) {
   if (values.empty()) return 0;
   std::sort(values.begin(), values.end());
-  const size_t index = static_cast<size_t>(std::ceil(q * static_cast<double>(values.size()))) ;
+  const size_t index = static_cast<size_t>(std::ceil(q * static_cast<double>(values.size())));
   return values[std::min(values.size() - 1, index == 0 ? 0 : index - 1)];
 }
 

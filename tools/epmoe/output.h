@@ -1,11 +1,10 @@
 // Small helpers shared by the commands: error reporting and human-readable numbers.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "epmoe/status.h"
 

@@ -12,8 +12,7 @@ Fp32ReferenceStore::Fp32ReferenceStore(std::span<const ExpertWeights* const> exp
   for (const ExpertWeights* e : experts) experts_.push_back(*e);
 }
 
-void Fp32ReferenceStore::Run(const float* rows, std::span<const int64_t> offsets, float* out,
-                             ThreadPool& pool) const {
+void Fp32ReferenceStore::Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const {
   EPMOE_CHECK(static_cast<int>(offsets.size()) == num_experts() + 1);
   // Work items are single rows; each finds its expert by walking the offsets.
   const int64_t total = offsets.back();
