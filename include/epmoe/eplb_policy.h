@@ -1,0 +1,69 @@
+// Placement policies of the expert-parallel load balancer (EPLB): from measured load (ExpertLoad)
+// and a shape (G ranks in N nodes, expert groups, R redundant copies) to a Placement.
+//
+//   deepseek          DeepSeek's EPLB, exactly (hierarchical when the expert groups divide evenly
+//                     over the nodes: groups -> nodes, copies inside nodes, copies -> ranks; global
+//                     otherwise). Ties: stable descending sort, lowest pack among equal packs.
+//   deepseek-guarded  the same steps, but never two copies of one logical expert on one rank, then
+//                     swaps that lower the busiest rank; never worse than deepseek on max load.
+//   per-step          minimizes the sum over steps of each step's busiest rank (picks), from the
+//                     per-step series, starting from deepseek and deepseek-guarded.
+//   cost              minimizes the sum over steps of the slowest rank's predicted time
+//                     (CostModel: bytes read in decode, rows computed in prefill); copies stay in
+//                     the node of their expert group when the groups divide over the nodes.
+//   min-move          from the current placement, the fewest changed slots that bring the max
+//                     load (summed picks) within min_move_factor of deepseek-guarded's.
+// The summed load drives deepseek, deepseek-guarded and min-move. All policies handle all-zero
+// load (spread as if uniform), one expert, R = 0 and G = 1; impossible shapes are refused.
+// Free functions on plain values: thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/balance.h"
+#include "epmoe/load.h"
+#include "epmoe/placement.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+struct BalanceShape {
+  int num_ranks = 1;      // G: ranks of the EP group
+  int num_nodes = 1;      // N: nodes (G/N consecutive ranks each)
+  int num_groups = 1;     // expert groups of the model (device-limited routing); 1: none
+  int num_redundant = 0;  // R: redundant copies per layer (P = E + R slots)
+};
+
+// Checks a shape against E experts: (E + R) % G == 0, G % N == 0, E % groups == 0, and so on.
+Status ValidateBalanceShape(const BalanceShape& shape, int num_experts);
+
+enum class Policy { kDeepseek, kDeepseekGuarded, kPerStep, kCost, kMinMove };
+const char* PolicyName(Policy policy);
+Result<Policy> ParsePolicy(std::string_view name);
+std::vector<Policy> AllPolicies();
+
+struct PolicyOptions {
+  Policy policy = Policy::kDeepseek;
+  BalanceShape shape;
+  CostModel cost;                        // kCost: the per-rank time model
+  const Placement* current = nullptr;    // kMinMove: the placement in use (same shape)
+  double min_move_factor = 1.05;         // kMinMove: target max load = factor x deepseek-guarded's
+  int search_rounds = 64;                // kPerStep, kCost: improving swaps tried per layer (bound)
+};
+
+// The placement of `options.policy` for `load` (all its steps). Errors name the bad shape value.
+Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options);
+
+// DeepSeek's rebalance_experts on one layer's weights (E values), returning phy2log (E + R slots).
+// `guarded` gives deepseek-guarded. Exposed for tests and for callers with their own weights.
+Result<std::vector<int32_t>> DeepseekLayer(std::span<const double> weight, const BalanceShape& shape,
+                                           bool guarded);
+
+// The largest per-rank load of one layer under `phy2log`: a copy carries weight[e] / copies(e).
+double MaxRankLoad(std::span<const double> weight, std::span<const int32_t> phy2log, int num_ranks);
+
+}  // namespace epmoe

@@ -1,0 +1,248 @@
+#include "epmoe/eplb_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "solver.h"
+
+namespace epmoe {
+
+using eplb_internal::CopyWeight;
+
+const char* PolicyName(Policy policy) {
+  switch (policy) {
+    case Policy::kDeepseek: return "deepseek";
+    case Policy::kDeepseekGuarded: return "deepseek-guarded";
+    case Policy::kPerStep: return "per-step";
+    case Policy::kCost: return "cost";
+    case Policy::kMinMove: return "min-move";
+  }
+  return "?";
+}
+
+std::vector<Policy> AllPolicies() {
+  return {Policy::kDeepseek, Policy::kDeepseekGuarded, Policy::kPerStep, Policy::kCost, Policy::kMinMove};
+}
+
+Result<Policy> ParsePolicy(std::string_view name) {
+  for (Policy policy : AllPolicies())
+    if (name == PolicyName(policy)) return policy;
+  return InvalidArgument(fmt::format(
+      "unknown policy \"{}\" (deepseek, deepseek-guarded, per-step, cost, min-move)", name));
+}
+
+Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {
+  if (num_experts < 1) return InvalidArgument(fmt::format("{} experts: need at least 1", num_experts));
+  if (shape.num_ranks < 1) return InvalidArgument(fmt::format("ranks {} must be >= 1", shape.num_ranks));
+  if (shape.num_nodes < 1 || shape.num_ranks % shape.num_nodes != 0)
+    return InvalidArgument(
+        fmt::format("nodes {} must be >= 1 and divide the ranks ({})", shape.num_nodes, shape.num_ranks));
+  if (shape.num_groups < 1 || num_experts % shape.num_groups != 0)
+    return InvalidArgument(
+        fmt::format("expert groups {} must be >= 1 and divide the experts ({})", shape.num_groups, num_experts));
+  if (shape.num_redundant < 0)
+    return InvalidArgument(fmt::format("redundant copies {} must not be negative", shape.num_redundant));
+  const int num_slots = num_experts + shape.num_redundant;
+  if (num_slots % shape.num_ranks != 0)
+    return InvalidArgument(fmt::format("{} experts + {} redundant = {} slots do not split evenly over {} ranks",
+                                       num_experts, shape.num_redundant, num_slots, shape.num_ranks));
+  if (shape.num_groups % shape.num_nodes == 0 && shape.num_nodes > 1) {
+    if (num_slots % shape.num_nodes != 0)
+      return InvalidArgument(fmt::format("{} slots do not split evenly over {} nodes", num_slots, shape.num_nodes));
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// The guard needs each rank's slots to hold distinct experts of its region.
+Status CheckGuardPossible(const BalanceShape& shape, int num_experts) {
+  const int num_slots = num_experts + shape.num_redundant;
+  const int region_ranks = eplb_internal::RegionRanks(shape);
+  const int region_experts = num_experts / (shape.num_ranks / region_ranks);
+  if (num_slots / shape.num_ranks > region_experts)
+    return InvalidArgument(fmt::format(
+        "{} slots per rank cannot hold distinct experts: only {} experts per {}", num_slots / shape.num_ranks,
+        region_experts, region_ranks == shape.num_ranks ? "layer" : "node"));
+  return Status::Ok();
+}
+
+// Uniform weights for a layer without load, so redundant copies spread instead of all going to
+// expert 0.
+std::vector<double> UsableWeights(std::span<const double> weight) {
+  if (std::any_of(weight.begin(), weight.end(), [](double w) { return w > 0; }))
+    return std::vector<double>(weight.begin(), weight.end());
+  return std::vector<double>(weight.size(), 1.0);
+}
+
+std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const BalanceShape& shape) {
+  const std::vector<double> weight = UsableWeights(raw_weight);
+  const int num_experts = static_cast<int>(weight.size());
+  const CopyWeight per_copy = [&](int e, int n) { return weight[e] / n; };
+  std::vector<int32_t> plain = eplb_internal::SolveDeepseek(per_copy, num_experts, shape, false);
+  std::vector<int32_t> best = eplb_internal::SolveDeepseek(per_copy, num_experts, shape, true);
+  EPMOE_CHECK(eplb_internal::ImproveGuarded(per_copy, num_experts, shape, &best));
+  double best_max = eplb_internal::MaxLoad(per_copy, best, num_experts, shape.num_ranks);
+  std::vector<int32_t> repaired = plain;
+  if (eplb_internal::ImproveGuarded(per_copy, num_experts, shape, &repaired)) {
+    const double repaired_max = eplb_internal::MaxLoad(per_copy, repaired, num_experts, shape.num_ranks);
+    if (repaired_max < best_max) best = repaired, best_max = repaired_max;
+  }
+  const int num_slots = num_experts + shape.num_redundant;
+  if (num_slots <= eplb_internal::kCopySearchMaxSlots && eplb_internal::RegionRanks(shape) == shape.num_ranks) {
+    std::vector<int32_t> searched = eplb_internal::SearchCopyCounts(weight, shape, best, best_max);
+    if (!searched.empty()) {
+      best = std::move(searched);
+      best_max = eplb_internal::MaxLoad(per_copy, best, num_experts, shape.num_ranks);
+    }
+  }
+  if (!eplb_internal::HasDuplicateOnRank(plain, shape.num_ranks) &&
+      eplb_internal::MaxLoad(per_copy, plain, num_experts, shape.num_ranks) <= best_max)
+    best = plain;
+  return best;
+}
+
+// Summed load per layer: [layer][expert].
+std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
+  const std::vector<int64_t> sums = SumOverSteps(load);
+  std::vector<std::vector<double>> out(load.num_layers, std::vector<double>(load.num_experts));
+  for (int layer = 0; layer < load.num_layers; ++layer)
+    for (int e = 0; e < load.num_experts; ++e) out[layer][e] = static_cast<double>(sums[layer * load.num_experts + e]);
+  return out;
+}
+
+// Per-step search for one layer: values from the series (`per_copy_value` maps a copy's rows to
+// its cost), started from each candidate and the best result kept.
+std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const BalanceShape& shape, double fixed,
+                                 const std::function<double(double)>& per_copy_value,
+                                 std::vector<std::vector<int32_t>> starts, int rounds) {
+  const int64_t steps = std::max<int64_t>(load.num_steps, 1);
+  bool any_load = false;
+  for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
+    for (int64_t c : load.at(s, layer)) any_load = any_load || c > 0;
+  const eplb_internal::StepValues values = [&](int expert, int copies, std::span<double> out) {
+    for (int64_t s = 0; s < steps; ++s) {
+      const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
+      out[s] = per_copy_value(rows / copies);
+    }
+  };
+  // Start from the candidate with the best objective; the search only lowers it.
+  size_t best_start = 0;
+  double best_objective = 0;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    const double objective = eplb_internal::PerStepObjective(values, load.num_experts, steps, fixed, starts[i],
+                                                             shape.num_ranks);
+    if (i == 0 || objective < best_objective) best_start = i, best_objective = objective;
+  }
+  std::vector<int32_t> phy2log = std::move(starts[best_start]);
+  const bool keep_guard = !eplb_internal::HasDuplicateOnRank(phy2log, shape.num_ranks);
+  eplb_internal::SearchPerStep(values, load.num_experts, steps, fixed, shape, keep_guard, rounds, &phy2log);
+  return phy2log;
+}
+
+}  // namespace
+
+Result<std::vector<int32_t>> DeepseekLayer(std::span<const double> weight, const BalanceShape& shape, bool guarded) {
+  const int num_experts = static_cast<int>(weight.size());
+  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, num_experts));
+  for (size_t e = 0; e < weight.size(); ++e)
+    if (!(weight[e] >= 0) || !std::isfinite(weight[e]))
+      return InvalidArgument(fmt::format("weight of expert {} is {}: must be finite and >= 0", e, weight[e]));
+  if (guarded) {
+    EPMOE_RETURN_IF_ERROR(CheckGuardPossible(shape, num_experts));
+    return GuardedLayer(weight, shape);
+  }
+  const std::vector<double> usable = UsableWeights(weight);
+  return eplb_internal::SolveDeepseek([&](int e, int n) { return usable[e] / n; }, num_experts, shape, false);
+}
+
+double MaxRankLoad(std::span<const double> weight, std::span<const int32_t> phy2log, int num_ranks) {
+  return eplb_internal::MaxLoad([&](int e, int n) { return weight[e] / n; }, phy2log,
+                                static_cast<int>(weight.size()), num_ranks);
+}
+
+Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options) {
+  EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, "load"));
+  const BalanceShape& shape = options.shape;
+  const int num_experts = load.num_experts;
+  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, num_experts));
+  const Policy policy = options.policy;
+  if (policy != Policy::kDeepseek) EPMOE_RETURN_IF_ERROR(CheckGuardPossible(shape, num_experts));
+  if (options.search_rounds < 0)
+    return InvalidArgument(fmt::format("search rounds {} must not be negative", options.search_rounds));
+  const CostModel& cost = options.cost;
+  if (policy == Policy::kCost &&
+      !(cost.bytes_per_expert > 0 && cost.memory_bandwidth > 0 && cost.flops_per_row >= 0 && cost.peak_flops > 0 &&
+        cost.fixed_seconds >= 0))
+    return InvalidArgument(fmt::format(
+        "cost model: bytes per expert {}, bandwidth {}, flops per row {}, peak {}, fixed {}: need positive "
+        "bytes, bandwidth and peak, non-negative flops and fixed time",
+        cost.bytes_per_expert, cost.memory_bandwidth, cost.flops_per_row, cost.peak_flops, cost.fixed_seconds));
+  const int num_slots = num_experts + shape.num_redundant;
+  if (policy == Policy::kMinMove) {
+    const Placement* current = options.current;
+    if (current == nullptr) return InvalidArgument("min-move needs the current placement");
+    if (current->num_layers() != load.num_layers || current->num_experts() != num_experts ||
+        current->num_slots() != num_slots || current->num_ranks() != shape.num_ranks ||
+        current->num_nodes() != shape.num_nodes)
+      return InvalidArgument(fmt::format(
+          "min-move: the current placement has {} layers, {} experts, {} slots, {} ranks, {} nodes; the load "
+          "and shape need {}, {}, {}, {}, {}",
+          current->num_layers(), current->num_experts(), current->num_slots(), current->num_ranks(),
+          current->num_nodes(), load.num_layers, num_experts, num_slots, shape.num_ranks, shape.num_nodes));
+    if (!(options.min_move_factor >= 1))
+      return InvalidArgument(fmt::format("min-move factor {} must be >= 1", options.min_move_factor));
+  }
+
+  const std::vector<std::vector<double>> weights = LayerWeights(load);
+  std::vector<std::vector<int32_t>> phy2log(load.num_layers);
+  for (int layer = 0; layer < load.num_layers; ++layer) {
+    const std::vector<double>& weight = weights[layer];
+    switch (policy) {
+      case Policy::kDeepseek:
+      case Policy::kDeepseekGuarded: {
+        EPMOE_ASSIGN_OR_RETURN(phy2log[layer], DeepseekLayer(weight, shape, policy == Policy::kDeepseekGuarded));
+        break;
+      }
+      case Policy::kPerStep: {
+        EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> plain, DeepseekLayer(weight, shape, false));
+        EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> guarded, DeepseekLayer(weight, shape, true));
+        phy2log[layer] = SearchLayer(load, layer, shape, 0.0, [](double rows) { return rows; },
+                                     {std::move(plain), std::move(guarded)}, options.search_rounds);
+        break;
+      }
+      case Policy::kCost: {
+        // Starts: DeepSeek's steps on the mean predicted time per copy, and deepseek-guarded.
+        const int64_t steps = std::max<int64_t>(load.num_steps, 1);
+        const bool any_load = std::any_of(weight.begin(), weight.end(), [](double w) { return w > 0; });
+        const CopyWeight time_per_copy = [&](int e, int n) {
+          double sum = 0;
+          for (int64_t s = 0; s < load.num_steps; ++s)
+            sum += ExpertCopySeconds(cost, static_cast<double>(load.at(s, layer)[e]) / n);
+          return any_load ? sum / steps : ExpertCopySeconds(cost, 1.0 / n);
+        };
+        std::vector<int32_t> timed = eplb_internal::SolveDeepseek(time_per_copy, num_experts, shape, true);
+        eplb_internal::ImproveGuarded(time_per_copy, num_experts, shape, &timed);
+        EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> guarded, DeepseekLayer(weight, shape, true));
+        phy2log[layer] = SearchLayer(load, layer, shape, cost.fixed_seconds,
+                                     [&](double rows) { return ExpertCopySeconds(cost, rows); },
+                                     {std::move(timed), std::move(guarded)}, options.search_rounds);
+        break;
+      }
+      case Policy::kMinMove: {
+        EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> reference, DeepseekLayer(weight, shape, true));
+        const std::vector<double> usable = UsableWeights(weight);
+        const double target = options.min_move_factor * MaxRankLoad(usable, reference, shape.num_ranks);
+        phy2log[layer] = eplb_internal::MinMoveLayer(usable, options.current->phy2log(layer), reference, target,
+                                                     shape);
+        break;
+      }
+    }
+  }
+  return Placement::Create(num_experts, shape.num_ranks, shape.num_nodes, std::move(phy2log));
+}
+
+}  // namespace epmoe

@@ -1,0 +1,68 @@
+// Internal pieces shared by the placement policies (not a public header).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "epmoe/eplb_policy.h"
+
+namespace epmoe::eplb_internal {
+
+// The load one copy of `expert` carries when the expert has `copies` copies (e.g. weight / copies).
+using CopyWeight = std::function<double(int expert, int copies)>;
+
+// Ranks that may exchange copies: a node when DeepSeek's hierarchical mode applies (the expert
+// groups divide over the nodes), else all ranks.
+int RegionRanks(const BalanceShape& shape);
+
+// DeepSeek's rebalance (hierarchical or global, as the reference chooses) on per-copy weights.
+// guarded: at most one copy of an expert per rank (copies capped at the region's ranks, packing
+// that skips ranks holding the expert, repaired by a swap when no rank is left).
+// fixed_copies (global mode only): use these copy counts instead of DeepSeek's replication.
+std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, const BalanceShape& shape,
+                                   bool guarded, const std::vector<int32_t>* fixed_copies = nullptr);
+
+// For small layers in global mode (at most kCopySearchMaxSlots slots): searches copy counts by
+// moving one or two copies between experts, each candidate packed with the guard, and returns the
+// best guarded phy2log found if it beats `best_max` (else an empty vector).
+constexpr int kCopySearchMaxSlots = 64;
+std::vector<int32_t> SearchCopyCounts(std::span<const double> weight, const BalanceShape& shape,
+                                      std::span<const int32_t> start, double best_max);
+
+// Removes duplicate copies on a rank by swaps inside regions (when possible), then swaps copies
+// between the busiest rank and others while that lowers it. Returns whether the guard holds.
+bool ImproveGuarded(const CopyWeight& weight, int num_experts, const BalanceShape& shape,
+                    std::vector<int32_t>* phy2log);
+
+// Copies per expert of a layer (E values).
+std::vector<int32_t> CountCopies(std::span<const int32_t> phy2log, int num_experts);
+// Per-rank loads and their maximum under `weight`.
+std::vector<double> RankLoads(const CopyWeight& weight, std::span<const int32_t> phy2log, int num_experts,
+                              int num_ranks);
+double MaxLoad(const CopyWeight& weight, std::span<const int32_t> phy2log, int num_experts, int num_ranks);
+bool HasDuplicateOnRank(std::span<const int32_t> phy2log, int num_ranks);
+
+}  // namespace epmoe::eplb_internal
+
+namespace epmoe::eplb_internal {
+
+// Per-step values of one layer: values(expert, copies, out) writes, for each of num_steps steps,
+// what one copy of `expert` costs its rank when the expert has `copies` copies.
+using StepValues = std::function<void(int expert, int copies, std::span<double> out)>;
+
+// Swaps copies between ranks of a region to lower sum over steps of (fixed + the busiest rank's
+// summed values); keeps the guard when `keep_guard`. At most `rounds` swaps. Returns the objective.
+double SearchPerStep(const StepValues& values, int num_experts, int64_t num_steps, double fixed,
+                     const BalanceShape& shape, bool keep_guard, int rounds, std::vector<int32_t>* phy2log);
+// The objective of SearchPerStep for a placement.
+double PerStepObjective(const StepValues& values, int num_experts, int64_t num_steps, double fixed,
+                        std::span<const int32_t> phy2log, int num_ranks);
+
+// min-move on one layer: changes as few slots of `current` as it can until the max rank load
+// (weights split evenly over copies) is at most `target`. Returns the new phy2log.
+std::vector<int32_t> MinMoveLayer(std::span<const double> weight, std::span<const int32_t> current,
+                                  std::span<const int32_t> reference, double target, const BalanceShape& shape);
+
+}  // namespace epmoe::eplb_internal
