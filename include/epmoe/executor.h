@@ -1,0 +1,141 @@
+// MoE executors: one MoE layer run across the ranks of a Communicator, one executor per option
+// (DESIGN.md, "The five ways a row meets its experts"):
+//   sliced  every rank holds 1/G of every expert's intermediate dimension; rows are all-gathered,
+//           each rank computes its slice of every pick, a reduce-scatter sums;
+//   whole   every rank holds E/G whole experts (the placement's slots); rows are all-gathered, each
+//           rank computes its experts' picks, a reduce-scatter sums;
+//   hybrid  groups of m ranks (--tp-in-ep m) share a set of experts, each sliced m ways;
+//   a2a     traveling rows: a row goes once to every rank holding one of its picks, with those
+//           picks and their router weights; outputs are weighted on the expert side and come back
+//           one per pick; the home rank sums a row's k outputs in pick order j = 0..k-1;
+//   dwdp    traveling weights: rows stay, every rank reads the experts it lacks from their owners
+//           with one-sided reads, one layer ahead, into a double buffer.
+// Rows start data-parallel (rank r holds rows [RowBegin(T,G,r), RowBegin(T,G,r+1)) of the batch)
+// or tensor-parallel (every rank holds all T rows and gets all T outputs).
+//
+// Results equal the single-process MoeLayer on the same inputs: bit-exact for a2a and dwdp with
+// fp32 rows and fp32 combine (the math is the same, pick by pick); for rows traveling in bf16/q8/q4
+// equal to MoeLayer on the decoded rows; for sliced, whole and hybrid to fp32 rounding (partial sums
+// are added across ranks in the transport's order).
+//
+// Executors are created collectively (every rank of the communicator, same options) and every
+// Forward is collective. An executor is not thread-safe; it uses the thread pool it was given.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/comm.h"
+#include "epmoe/expert_ffn.h"
+#include "epmoe/matrix.h"
+#include "epmoe/model.h"
+#include "epmoe/placement.h"
+#include "epmoe/router.h"
+#include "epmoe/row_codec.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+class ThreadPool;
+
+enum class EpOption { kSliced, kWhole, kHybrid, kA2a, kDwdp };
+const char* EpOptionName(EpOption option);
+Result<EpOption> ParseEpOption(std::string_view name);
+std::vector<EpOption> AllEpOptions();
+
+enum class RowOrigin { kDataParallel, kTensorParallel };
+const char* RowOriginName(RowOrigin origin);
+Result<RowOrigin> ParseRowOrigin(std::string_view name);
+
+// Where the shared expert runs: sliced over the ranks like the routed experts (sliced, whole and
+// hybrid only) or a full copy on every rank applied to its own rows.
+enum class SharedMode { kDefault, kSliced, kCopied };  // default: sliced for 1-3, copied for 4-5
+
+// The weights of the model (fp32 source), by layer and expert, or a slice [begin, end) of the
+// intermediate dimension. Defaults: the synthetic weights (MakeSyntheticExpert) of options.seed.
+using ExpertSource = std::function<ExpertWeights(int layer, int expert, int64_t begin, int64_t end)>;
+
+struct ExecutorOptions {
+  EpOption option = EpOption::kA2a;
+  int num_layers = 1;                          // MoE layers 0..num_layers-1 (Forward's layer)
+  int tp_in_ep = 1;                            // hybrid: ranks slicing each expert (divides G)
+  RowOrigin origin = RowOrigin::kDataParallel;
+  RowFormat dispatch_format = RowFormat::kBf16;  // how rows travel (a2a, and the all-gathers of 1-3)
+  RowFormat combine_format = RowFormat::kBf16;   // how a2a outputs come back: fp32 or bf16
+  SharedMode shared = SharedMode::kDefault;
+  // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
+  // double buffer). A step that would exceed it runs in rounds; one that cannot fit even one row
+  // per peer is refused.
+  int64_t max_buffer_bytes = int64_t{1} << 30;
+  PackOptions pack;
+  uint64_t seed = 1;
+  // Placement of whole experts for a2a and whole (null: Placement::Trivial with no redundant
+  // slots, so rank g holds experts [g*E/G, (g+1)*E/G)). Its ranks must equal the communicator's.
+  PlacementPtr placement;
+  ExpertSource routed_source;  // empty: synthetic
+  ExpertSource shared_source;  // empty: synthetic
+};
+
+// One rank's figures for one Forward (or their sum over layers, see Add).
+struct StepStats {
+  double route_us = 0;     // filled by the caller, who routes
+  double pack_us = 0;      // layout: destinations, counting sort, encoding rows
+  double dispatch_us = 0;  // row exchange (count exchange included); dwdp: waiting for weights
+  double experts_us = 0;   // grouped expert FFN (dwdp: and packing fetched experts)
+  double combine_us = 0;   // output exchange (reduce-scatter / all-reduce / return alltoallv)
+  double unpack_us = 0;    // decoding outputs and summing each row's picks
+  double shared_us = 0;    // shared expert
+  int64_t rows = 0;              // rows this rank is home for
+  int64_t row_copies_sent = 0;   // rows sent to other ranks' experts (a2a: one per destination)
+  int64_t picks = 0;             // picks computed on this rank (a slice counts as a pick)
+  int64_t expert_bytes_read = 0; // bytes of local expert weights touched (+ shared)
+  int64_t bytes_sent = 0;        // to other ranks (not to itself)
+  int64_t bytes_received = 0;    // from other ranks (dwdp: weights read)
+  int64_t peak_buffer_bytes = 0; // largest exchange buffers held at once
+  int rounds = 0;                // exchange rounds (more than 1 when the memory bound applied)
+
+  double total_us() const {
+    return route_us + pack_us + dispatch_us + experts_us + combine_us + unpack_us + shared_us;
+  }
+  // Sums times and counts; keeps the larger peak and the larger round count.
+  void Add(const StepStats& other);
+};
+
+class MoeExecutor {
+ public:
+  virtual ~MoeExecutor() = default;
+  virtual EpOption option() const = 0;
+  // "a2a (bf16 rows, bf16 combine)" and the like.
+  virtual std::string description() const = 0;
+  // Bytes of expert weights this rank holds resident (dwdp: owned plus the double buffer).
+  virtual int64_t resident_weight_bytes() const = 0;
+
+  // Runs MoE layer `layer` on this rank's rows (see RowOrigin) with their picks; out gets one
+  // output row per input row. Collective. stats (may be null) is overwritten.
+  virtual Status Forward(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) = 0;
+};
+
+// Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory
+// bound, placement) and says why not; called by CreateExecutor before any work.
+Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& options, int num_ranks);
+
+// Builds this rank's share of the weights of every layer. Collective.
+Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,
+                                                    const ExecutorOptions& options, ThreadPool& pool);
+
+// First global row of `rank` when `total` rows are split over `ranks` data-parallel (the first
+// total % ranks ranks get one more row).
+int64_t RowBegin(int64_t total, int ranks, int rank);
+
+// The slot rank `rank` sends the picks of `expert` to: a copy on the rank itself, else one on its
+// node, else spread over the copies by rank (the dispatch table).
+int32_t DispatchSlot(const Placement& placement, int layer, int rank, int expert);
+
+// Expected ranks a row is sent to under uniform routing: G (1 - C(E - E/G, k) / C(E, k)).
+double ExpectedCopiesPerRow(int num_experts, int top_k, int num_ranks);
+
+}  // namespace epmoe

@@ -1,0 +1,263 @@
+// The executor factory, shape checks and helpers shared by every option.
+#include "epmoe/executor.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "ep/executor_internal.h"
+#include "epmoe/layer.h"
+#include "epmoe/thread_pool.h"
+#include "epmoe/weight_format.h"
+
+namespace epmoe {
+
+const char* EpOptionName(EpOption option) {
+  switch (option) {
+    case EpOption::kSliced: return "sliced";
+    case EpOption::kWhole: return "whole";
+    case EpOption::kHybrid: return "hybrid";
+    case EpOption::kA2a: return "a2a";
+    case EpOption::kDwdp: return "dwdp";
+  }
+  return "?";
+}
+
+std::vector<EpOption> AllEpOptions() {
+  return {EpOption::kSliced, EpOption::kWhole, EpOption::kHybrid, EpOption::kA2a, EpOption::kDwdp};
+}
+
+Result<EpOption> ParseEpOption(std::string_view name) {
+  for (EpOption option : AllEpOptions()) {
+    if (name == EpOptionName(option)) return option;
+  }
+  return InvalidArgument(fmt::format("unknown option '{}' (sliced, whole, hybrid, a2a, dwdp)", name));
+}
+
+const char* RowOriginName(RowOrigin origin) {
+  return origin == RowOrigin::kDataParallel ? "data-parallel" : "tensor-parallel";
+}
+
+Result<RowOrigin> ParseRowOrigin(std::string_view name) {
+  if (name == "data-parallel" || name == "dp") return RowOrigin::kDataParallel;
+  if (name == "tensor-parallel" || name == "tp") return RowOrigin::kTensorParallel;
+  return InvalidArgument(fmt::format("unknown row origin '{}' (data-parallel, tensor-parallel)", name));
+}
+
+void StepStats::Add(const StepStats& o) {
+  route_us += o.route_us;
+  pack_us += o.pack_us;
+  dispatch_us += o.dispatch_us;
+  experts_us += o.experts_us;
+  combine_us += o.combine_us;
+  unpack_us += o.unpack_us;
+  shared_us += o.shared_us;
+  rows += o.rows;
+  row_copies_sent += o.row_copies_sent;
+  picks += o.picks;
+  expert_bytes_read += o.expert_bytes_read;
+  bytes_sent += o.bytes_sent;
+  bytes_received += o.bytes_received;
+  peak_buffer_bytes = std::max(peak_buffer_bytes, o.peak_buffer_bytes);
+  rounds = std::max(rounds, o.rounds);
+}
+
+int64_t RowBegin(int64_t total, int ranks, int rank) {
+  const int64_t base = total / ranks, extra = total % ranks;
+  return rank * base + std::min<int64_t>(rank, extra);
+}
+
+int32_t DispatchSlot(const Placement& placement, int layer, int rank, int expert) {
+  const auto copies = placement.copies(layer, expert);
+  for (int32_t slot : copies) {
+    if (placement.rank_of_slot(slot) == rank) return slot;
+  }
+  std::vector<int32_t> same_node;
+  for (int32_t slot : copies) {
+    if (placement.node_of_rank(placement.rank_of_slot(slot)) == placement.node_of_rank(rank)) same_node.push_back(slot);
+  }
+  if (!same_node.empty()) return same_node[rank % same_node.size()];
+  return copies[rank % copies.size()];
+}
+
+double ExpectedCopiesPerRow(int num_experts, int top_k, int num_ranks) {
+  // C(E - E/G, k) / C(E, k) = prod_{i<k} (E - E/G - i) / (E - i): the chance a rank holds none of a
+  // row's k distinct experts.
+  const double per_rank = static_cast<double>(num_experts) / num_ranks;
+  double none = 1.0;
+  for (int i = 0; i < top_k; ++i) none *= std::max(0.0, (num_experts - per_rank - i)) / (num_experts - i);
+  return num_ranks * (1.0 - none);
+}
+
+Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, int num_ranks) {
+  const std::string name = EpOptionName(o.option);
+  const int g = num_ranks;
+  if (g < 1) return InvalidArgument(fmt::format("{}: {} ranks", name, g));
+  if (o.num_layers < 1) return InvalidArgument(fmt::format("{}: {} layers; at least 1", name, o.num_layers));
+  if (o.max_buffer_bytes < 1)
+    return InvalidArgument(fmt::format("{}: buffer bound of {} bytes must be positive", name, o.max_buffer_bytes));
+  EPMOE_RETURN_IF_ERROR(CheckRowWidth(o.dispatch_format, model.hidden).WithContext(name + ": dispatch format"));
+  if (o.combine_format != RowFormat::kFp32 && o.combine_format != RowFormat::kBf16)
+    return InvalidArgument(fmt::format("{}: outputs come back in fp32 or bf16, not {}", name,
+                                       RowFormatName(o.combine_format)));
+  EPMOE_RETURN_IF_ERROR(CheckShape(o.pack.format, model.expert_intermediate, model.hidden));
+  if (o.option != EpOption::kHybrid && o.tp_in_ep != 1)
+    return InvalidArgument(fmt::format("{}: --tp-in-ep {} applies to hybrid only", name, o.tp_in_ep));
+  const bool gathers = o.option == EpOption::kSliced || o.option == EpOption::kWhole || o.option == EpOption::kHybrid;
+  if (!gathers && o.shared == SharedMode::kSliced && model.num_shared_experts > 0)
+    return FailedPrecondition(fmt::format("{}: the shared expert cannot be sliced (rows do not visit every rank); it is "
+                                          "copied to every rank", name));
+  // Ways each routed expert is sliced.
+  int slices = 1;
+  if (o.option == EpOption::kSliced) slices = g;
+  if (o.option == EpOption::kHybrid) {
+    if (o.tp_in_ep < 1 || g % o.tp_in_ep != 0)
+      return FailedPrecondition(fmt::format("hybrid: --tp-in-ep {} must divide the {} ranks", o.tp_in_ep, g));
+    slices = o.tp_in_ep;
+    if (g / slices > model.num_experts)
+      return FailedPrecondition(fmt::format("hybrid: {} expert groups for {} experts", g / slices, model.num_experts));
+  }
+  if (model.expert_intermediate % slices != 0)
+    return FailedPrecondition(fmt::format("{}: the experts' intermediate size {} is not divisible by the {} slices",
+                                          name, model.expert_intermediate, slices));
+  EPMOE_RETURN_IF_ERROR(CheckShape(o.pack.format, model.hidden, model.expert_intermediate / slices)
+                            .WithContext(fmt::format("{}: a slice of {} of the intermediate dimension", name,
+                                                     model.expert_intermediate / slices)));
+  if (gathers && model.num_shared_experts > 0 && o.shared != SharedMode::kCopied) {
+    if (model.shared_intermediate % g != 0)
+      return FailedPrecondition(fmt::format("{}: the shared expert's intermediate size {} is not divisible by {} ranks "
+                                            "(copy it instead: --shared copied)", name, model.shared_intermediate, g));
+    EPMOE_RETURN_IF_ERROR(CheckShape(o.pack.format, model.hidden, model.shared_intermediate / g)
+                              .WithContext(name + ": shared expert slice"));
+  }
+  const bool placed = o.option == EpOption::kWhole || o.option == EpOption::kA2a;
+  if (!placed && o.placement != nullptr)
+    return InvalidArgument(fmt::format("{}: a placement applies to whole and a2a only", name));
+  if (placed) {
+    if (o.placement != nullptr) {
+      const Placement& p = *o.placement;
+      if (p.num_experts() != model.num_experts || p.num_ranks() != g || p.num_layers() < o.num_layers)
+        return InvalidArgument(fmt::format("{}: the placement is for {} experts, {} ranks, {} layers; the run has {}, {}, "
+                                           "{}", name, p.num_experts(), p.num_ranks(), p.num_layers(), model.num_experts,
+                                           g, o.num_layers));
+    } else if (model.num_experts % g != 0) {
+      return FailedPrecondition(fmt::format("{}: {} experts cannot be split evenly over {} ranks (give a placement with "
+                                            "redundant slots)", name, model.num_experts, g));
+    }
+  }
+  if (o.option == EpOption::kDwdp) {
+    const int64_t lacking = model.num_experts - model.num_experts / g;
+    const int64_t buffer = 2 * lacking * ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate);
+    if (buffer > o.max_buffer_bytes)
+      return OutOfRange(fmt::format("dwdp: the double buffer for the {} experts a rank lacks needs {} bytes, over the "
+                                    "bound of {} bytes (raise the buffer bound or use more ranks)", lacking, buffer,
+                                    o.max_buffer_bytes));
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,
+                                                    const ExecutorOptions& options, ThreadPool& pool) {
+  EPMOE_RETURN_IF_ERROR(ValidateModel(model, "executor"));
+  EPMOE_RETURN_IF_ERROR(CheckExecutorShape(model, options, comm.size()));
+  switch (options.option) {
+    case EpOption::kSliced:
+    case EpOption::kWhole:
+    case EpOption::kHybrid: return ep_internal::CreateGatherExecutor(comm, model, options, pool);
+    case EpOption::kA2a: return ep_internal::CreateA2aExecutor(comm, model, options, pool);
+    case EpOption::kDwdp: return ep_internal::CreateDwdpExecutor(comm, model, options, pool);
+  }
+  return Internal("unknown option");
+}
+
+namespace ep_internal {
+
+ExpertSource RoutedSource(const ModelConfig& model, const ExecutorOptions& options) {
+  if (options.routed_source) return options.routed_source;
+  const uint64_t seed = options.seed;
+  return [model, seed](int layer, int expert, int64_t begin, int64_t end) {
+    return MakeSyntheticExpert(model, layer, expert, seed, begin, end);
+  };
+}
+
+ExpertSource SharedSource(const ModelConfig& model, const ExecutorOptions& options) {
+  if (options.shared_source) return options.shared_source;
+  const uint64_t seed = options.seed;
+  return [model, seed](int layer, int index, int64_t begin, int64_t end) {
+    return MakeSyntheticSharedExpert(model, layer, index, seed, begin, end);
+  };
+}
+
+Result<std::unique_ptr<ExpertStore>> Pack(const std::vector<ExpertWeights>& experts, const PackOptions& options) {
+  std::vector<const ExpertWeights*> pointers;
+  for (const auto& e : experts) pointers.push_back(&e);
+  return PackExperts(pointers, options);
+}
+
+Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelConfig& model,
+                                                                   const ExecutorOptions& options) {
+  std::vector<std::unique_ptr<ExpertStore>> stores(options.num_layers);
+  if (model.num_shared_experts == 0) return stores;
+  const ExpertSource source = SharedSource(model, options);
+  for (int layer = 0; layer < options.num_layers; ++layer) {
+    std::vector<ExpertWeights> shared;
+    for (int s = 0; s < model.num_shared_experts; ++s) shared.push_back(source(layer, s, 0, model.shared_intermediate));
+    EPMOE_ASSIGN_OR_RETURN(stores[layer], Pack(shared, options.pack));
+  }
+  return stores;
+}
+
+int64_t AddSharedExperts(const ExpertStore* shared, const Matrix& rows, Matrix* out, ThreadPool& pool) {
+  if (shared == nullptr || rows.rows == 0) return 0;
+  const int count = shared->num_experts();
+  const int64_t n = rows.rows, h = rows.cols;
+  Matrix in(n * count, h), result(n * count, h);
+  std::vector<int64_t> offsets(count + 1);
+  for (int s = 0; s <= count; ++s) offsets[s] = s * n;
+  for (int s = 0; s < count; ++s) std::copy(rows.data.begin(), rows.data.end(), in.row(s * n));
+  shared->Run(in.data.data(), offsets, result.data.data(), pool);
+  int64_t bytes = 0;
+  for (int s = 0; s < count; ++s) {
+    const float* add = result.row(s * n);
+    for (int64_t i = 0; i < n * h; ++i) out->data[i] += add[i];
+    bytes += shared->expert_bytes(s);
+  }
+  return bytes;
+}
+
+Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, const Matrix& rows, const Picks& picks) {
+  if (layer < 0 || layer >= num_layers)
+    return InvalidArgument(fmt::format("layer {} is outside the executor's {} layers", layer, num_layers));
+  if (rows.cols != model.hidden)
+    return InvalidArgument(fmt::format("rows have {} columns, the model's hidden size is {}", rows.cols, model.hidden));
+  if (picks.rows != rows.rows || picks.k != model.top_k)
+    return InvalidArgument(fmt::format("picks for {} rows with k = {}; expected {} rows with k = {}", picks.rows, picks.k,
+                                       rows.rows, model.top_k));
+  EPMOE_RETURN_IF_ERROR(ValidatePicks(picks, model.num_experts));
+  const int64_t bad = FirstNonFinite(rows.data);
+  if (bad >= 0)
+    return InvalidArgument(fmt::format("row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
+  return Status::Ok();
+}
+
+Result<PlacementPtr> ResolvePlacement(const ModelConfig& model, const ExecutorOptions& options, int num_ranks,
+                                      int num_nodes) {
+  if (options.placement != nullptr) return options.placement;
+  if (num_nodes < 1 || num_ranks % num_nodes != 0) num_nodes = 1;
+  EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(options.num_layers, model.num_experts, 0, num_ranks,
+                                                               num_nodes));
+  return PlacementPtr(std::make_shared<const Placement>(std::move(trivial)));
+}
+
+void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out) {
+  *out = Matrix(rows.rows, rows.cols);
+  std::vector<uint8_t> encoded(RowBytes(format, rows.cols));
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    EncodeRow(format, rows.row(r), rows.cols, encoded.data());
+    DecodeRow(format, encoded.data(), rows.cols, out->row(r));
+  }
+}
+
+}  // namespace ep_internal
+}  // namespace epmoe

@@ -1,0 +1,325 @@
+// Options 1-3 (sliced, whole, hybrid): every rank sees every row (all-gather, or tensor-parallel
+// rows that are already everywhere), computes the picks of the experts or slices it holds into a
+// partial output, and a reduce-scatter (all-reduce for tensor-parallel rows) sums the partials.
+// The three options differ only in what a rank holds: hybrid with m ranks per expert; whole is
+// m = 1 (placed by the Placement), sliced is m = G.
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "ep/executor_internal.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe::ep_internal {
+namespace {
+
+class GatherExecutor : public MoeExecutor {
+ public:
+  GatherExecutor(Communicator& comm, const ModelConfig& model, const ExecutorOptions& options, ThreadPool& pool)
+      : comm_(comm), model_(model), options_(options), pool_(pool) {}
+
+  Status Init() {
+    const int g = comm_.size(), me = comm_.rank();
+    slices_ = options_.option == EpOption::kWhole ? 1 : options_.option == EpOption::kSliced ? g : options_.tp_in_ep;
+    const int groups = g / slices_, group = me / slices_, slice = me % slices_;
+    const int64_t width = model_.expert_intermediate / slices_;
+    const ExpertSource routed = RoutedSource(model_, options_);
+    const int e_count = model_.num_experts;
+    stores_.resize(options_.num_layers);
+    local_of_.resize(options_.num_layers);
+    if (options_.option == EpOption::kWhole) {
+      EPMOE_ASSIGN_OR_RETURN(placement_, ResolvePlacement(model_, options_, g, comm_.num_nodes()));
+    }
+    for (int layer = 0; layer < options_.num_layers; ++layer) {
+      std::vector<ExpertWeights> local;
+      // local_of_[layer][home * E + e]: the store index computing rank `home`'s picks of e here, or -1.
+      std::vector<int32_t>& local_of = local_of_[layer];
+      local_of.assign(static_cast<size_t>(g) * e_count, -1);
+      if (options_.option == EpOption::kWhole) {
+        const Placement& p = *placement_;
+        const int first = me * p.slots_per_rank();
+        for (int s = 0; s < p.slots_per_rank(); ++s)
+          local.push_back(routed(layer, p.phy2log(layer)[first + s], 0, model_.expert_intermediate));
+        for (int home = 0; home < g; ++home) {
+          for (int e = 0; e < e_count; ++e) {
+            const int32_t slot = DispatchSlot(p, layer, home, e);
+            if (p.rank_of_slot(slot) == me) local_of[static_cast<size_t>(home) * e_count + e] = slot - first;
+          }
+        }
+      } else {
+        const int begin = static_cast<int>(static_cast<int64_t>(group) * e_count / groups);
+        const int end = static_cast<int>(static_cast<int64_t>(group + 1) * e_count / groups);
+        for (int e = begin; e < end; ++e) {
+          local.push_back(routed(layer, e, slice * width, (slice + 1) * width));
+          for (int home = 0; home < g; ++home) local_of[static_cast<size_t>(home) * e_count + e] = e - begin;
+        }
+      }
+      if (!local.empty()) {
+        EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(local, options_.pack));
+      }
+    }
+    // Shared expert: sliced over all G ranks, or a full copy applied to the home rows.
+    shared_copied_ = options_.shared == SharedMode::kCopied;
+    if (shared_copied_) {
+      EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
+    } else if (model_.num_shared_experts > 0) {
+      const ExpertSource source = SharedSource(model_, options_);
+      const int64_t w = model_.shared_intermediate / g;
+      shared_.resize(options_.num_layers);
+      for (int layer = 0; layer < options_.num_layers; ++layer) {
+        std::vector<ExpertWeights> parts;
+        for (int s = 0; s < model_.num_shared_experts; ++s) parts.push_back(source(layer, s, me * w, (me + 1) * w));
+        EPMOE_ASSIGN_OR_RETURN(shared_[layer], Pack(parts, options_.pack));
+      }
+    } else {
+      shared_.resize(options_.num_layers);
+    }
+    return Status::Ok();
+  }
+
+  EpOption option() const override { return options_.option; }
+  std::string description() const override {
+    std::string what = EpOptionName(options_.option);
+    if (options_.option == EpOption::kHybrid) what += fmt::format(" (m = {})", slices_);
+    return fmt::format("{}: {} rows all-gathered, shared expert {}", what, RowFormatName(options_.dispatch_format),
+                       shared_copied_ ? "copied" : "sliced");
+  }
+  int64_t resident_weight_bytes() const override {
+    int64_t bytes = 0;
+    for (const auto& store : stores_) {
+      if (store == nullptr) continue;
+      for (int e = 0; e < store->num_experts(); ++e) bytes += store->expert_bytes(e);
+    }
+    for (const auto& store : shared_) {
+      if (store == nullptr) continue;
+      for (int e = 0; e < store->num_experts(); ++e) bytes += store->expert_bytes(e);
+    }
+    return bytes;
+  }
+
+  Status Forward(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) override {
+    EPMOE_RETURN_IF_ERROR(CheckForwardInput(model_, options_.num_layers, layer, rows, picks));
+    const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
+    const int64_t h = model_.hidden;
+    const bool tensor_parallel = options_.origin == RowOrigin::kTensorParallel;
+    StepStats st;
+    Stopwatch watch;
+
+    // Rows per rank, and the global first row of each rank's rows.
+    std::vector<int64_t> counts(g);
+    if (tensor_parallel) {
+      for (int r = 0; r < g; ++r) counts[r] = RowBegin(rows.rows, g, r + 1) - RowBegin(rows.rows, g, r);
+    } else {
+      const int64_t mine = rows.rows;
+      EPMOE_RETURN_IF_ERROR(comm_.AllgatherInt64(std::span<const int64_t>(&mine, 1), counts));
+    }
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    st.rows = tensor_parallel ? RowBegin(total, g, me + 1) - RowBegin(total, g, me) : rows.rows;
+
+    // Rounds: every buffer of a round is at most the bound.
+    const int64_t record_bytes = k * 8 + RowBytes(options_.dispatch_format, h);
+    const ExpertStore* store = stores_[layer].get();
+    const int64_t local_picks_per_row = std::min<int64_t>(k, store ? store->num_experts() : 0);
+    const int64_t per_row = 2 * record_bytes + 2 * h * 4 + 2 * local_picks_per_row * h * 4;
+    int64_t max_count = 0;
+    for (int64_t c : counts) max_count = std::max(max_count, c);
+    auto round_rows = [&](int64_t rounds) {
+      int64_t sum = 0;
+      for (int64_t c : counts) sum += (c + rounds - 1) / rounds;
+      return sum;
+    };
+    int64_t rounds = std::max<int64_t>(1, (total * per_row + options_.max_buffer_bytes - 1) / options_.max_buffer_bytes);
+    rounds = std::min(rounds, std::max<int64_t>(1, max_count));
+    while (rounds < max_count && round_rows(rounds) * per_row > options_.max_buffer_bytes) ++rounds;
+    if (round_rows(rounds) * per_row > options_.max_buffer_bytes)
+      return OutOfRange(fmt::format("{}: rank {}: one row from each of {} ranks needs {} bytes, over the buffer bound of "
+                                    "{} bytes", EpOptionName(options_.option), me, g, round_rows(rounds) * per_row,
+                                    options_.max_buffer_bytes));
+    st.rounds = static_cast<int>(rounds);
+    st.pack_us += watch.Lap();
+
+    *out = Matrix(rows.rows, h);
+    std::vector<int64_t> chunk(g), chunk_first(g);
+    std::vector<uint8_t> send, recv;
+    Matrix gathered_rows, partial, work_in, work_out, reduced;
+    std::vector<int32_t> gathered_experts;
+    std::vector<float> gathered_weights;
+    std::vector<int32_t> gathered_home;
+    for (int64_t round = 0; round < rounds; ++round) {
+      for (int r = 0; r < g; ++r) {
+        chunk_first[r] = counts[r] * round / rounds;
+        chunk[r] = counts[r] * (round + 1) / rounds - chunk_first[r];
+      }
+      const int64_t round_total = [&] {
+        int64_t s = 0;
+        for (int64_t c : chunk) s += c;
+        return s;
+      }();
+      gathered_rows = Matrix(round_total, h);
+      gathered_experts.resize(round_total * k);
+      gathered_weights.resize(round_total * k);
+      gathered_home.resize(round_total);
+      int64_t at = 0;
+      for (int r = 0; r < g; ++r)
+        for (int64_t i = 0; i < chunk[r]; ++i) gathered_home[at++] = r;
+      int64_t buffer_bytes = 0;
+      if (tensor_parallel) {
+        // Every rank has every row: no exchange, but rows pass the same codec as gathered ones.
+        std::vector<uint8_t> encoded(RowBytes(options_.dispatch_format, h));
+        int64_t row_at = 0;
+        for (int r = 0; r < g; ++r) {
+          const int64_t first = RowBegin(total, g, r) + chunk_first[r];
+          for (int64_t i = 0; i < chunk[r]; ++i, ++row_at) {
+            EncodeRow(options_.dispatch_format, rows.row(first + i), h, encoded.data());
+            DecodeRow(options_.dispatch_format, encoded.data(), h, gathered_rows.row(row_at));
+            for (int j = 0; j < k; ++j) {
+              gathered_experts[row_at * k + j] = picks.expert(first + i, j);
+              gathered_weights[row_at * k + j] = picks.weight(first + i, j);
+            }
+          }
+        }
+        st.pack_us += watch.Lap();
+      } else {
+        std::vector<int64_t> bytes(g);
+        for (int r = 0; r < g; ++r) bytes[r] = chunk[r] * record_bytes;
+        const auto offsets = PrefixOffsets(bytes);
+        send.resize(bytes[me]);
+        recv.resize(offsets[g]);
+        buffer_bytes += static_cast<int64_t>(send.size() + recv.size());
+        for (int64_t i = 0; i < chunk[me]; ++i) {
+          const int64_t row = chunk_first[me] + i;
+          uint8_t* record = send.data() + i * record_bytes;
+          std::memcpy(record, picks.experts.data() + row * k, k * 4);
+          std::memcpy(record + k * 4, picks.weights.data() + row * k, k * 4);
+          EncodeRow(options_.dispatch_format, rows.row(row), h, record + k * 8);
+        }
+        st.pack_us += watch.Lap();
+        EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(send.data(), bytes[me], recv.data(), bytes,
+                                               std::span<const int64_t>(offsets.data(), g)));
+        st.dispatch_us += watch.Lap();
+        st.bytes_sent += bytes[me] * (g - 1);
+        st.bytes_received += offsets[g] - bytes[me];
+        st.row_copies_sent += chunk[me] * (g - 1);
+        for (int64_t q = 0; q < round_total; ++q) {
+          const uint8_t* record = recv.data() + q * record_bytes;
+          std::memcpy(gathered_experts.data() + q * k, record, k * 4);
+          std::memcpy(gathered_weights.data() + q * k, record + k * 4, k * 4);
+          DecodeRow(options_.dispatch_format, record + k * 8, h, gathered_rows.row(q));
+        }
+        // Picks from other ranks are checked like local ones: a bad peer must not index out of range.
+        for (int32_t e : gathered_experts) {
+          if (e < 0 || e >= model_.num_experts)
+            return Internal(fmt::format("rank {}: received a pick of expert {} (of {})", me, e, model_.num_experts));
+        }
+        st.pack_us += watch.Lap();
+      }
+
+      // Picks of this rank's experts, grouped by local expert (stable: row order, then pick order).
+      partial = Matrix(round_total, h);
+      const std::vector<int32_t>& local_of = local_of_[layer];
+      const int local_count = store ? store->num_experts() : 0;
+      std::vector<int64_t> offsets(local_count + 1, 0);
+      std::vector<int32_t> item_local(round_total * k, -1);
+      for (int64_t q = 0; q < round_total; ++q) {
+        for (int j = 0; j < k; ++j) {
+          const int32_t li =
+              local_of[static_cast<size_t>(gathered_home[q]) * model_.num_experts + gathered_experts[q * k + j]];
+          item_local[q * k + j] = li;
+          if (li >= 0) ++offsets[li + 1];
+        }
+      }
+      for (int e = 0; e < local_count; ++e) offsets[e + 1] += offsets[e];
+      const int64_t items = offsets[local_count];
+      std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
+      std::vector<int64_t> position(round_total * k, -1);
+      work_in = Matrix(items, h);
+      for (int64_t q = 0; q < round_total; ++q) {
+        for (int j = 0; j < k; ++j) {
+          const int32_t li = item_local[q * k + j];
+          if (li < 0) continue;
+          const int64_t p = cursor[li]++;
+          position[q * k + j] = p;
+          std::copy(gathered_rows.row(q), gathered_rows.row(q) + h, work_in.row(p));
+        }
+      }
+      st.pack_us += watch.Lap();
+      work_out = Matrix(items, h);
+      if (items > 0) store->Run(work_in.data.data(), offsets, work_out.data.data(), pool_);
+      for (int e = 0; e < local_count; ++e) {
+        if (offsets[e + 1] > offsets[e]) st.expert_bytes_read += store->expert_bytes(e);
+      }
+      st.picks += items;
+      st.experts_us += watch.Lap();
+      for (int64_t q = 0; q < round_total; ++q) {
+        float* y = partial.row(q);
+        for (int j = 0; j < k; ++j) {
+          const int64_t p = position[q * k + j];
+          if (p < 0) continue;
+          const float w = gathered_weights[q * k + j];
+          const float* src = work_out.row(p);
+          for (int64_t c = 0; c < h; ++c) y[c] += w * src[c];
+        }
+      }
+      st.unpack_us += watch.Lap();
+      if (!shared_copied_) {
+        st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), gathered_rows, &partial, pool_);
+        st.shared_us += watch.Lap();
+      }
+      buffer_bytes += static_cast<int64_t>(gathered_rows.data.size() + partial.data.size() + work_in.data.size() +
+                                           work_out.data.size()) * 4;
+
+      // Sum the partials: each rank gets its own rows (or, tensor-parallel, all of them).
+      if (tensor_parallel) {
+        EPMOE_RETURN_IF_ERROR(comm_.Allreduce(partial.data.data(), round_total * h));
+        const int64_t moved = 2 * (g - 1) * round_total * h * 4 / g;  // as a ring all-reduce moves them
+        st.bytes_sent += moved;
+        st.bytes_received += moved;
+        int64_t row_at = 0;
+        for (int r = 0; r < g; ++r) {
+          const int64_t first = RowBegin(total, g, r) + chunk_first[r];
+          std::copy(partial.row(row_at), partial.row(row_at) + chunk[r] * h, out->row(first));
+          row_at += chunk[r];
+        }
+      } else {
+        std::vector<int64_t> floats(g);
+        for (int r = 0; r < g; ++r) floats[r] = chunk[r] * h;
+        EPMOE_RETURN_IF_ERROR(comm_.ReduceScatter(partial.data.data(), out->row(chunk_first[me]), floats));
+        st.bytes_sent += (round_total - chunk[me]) * h * 4;
+        st.bytes_received += (g - 1) * chunk[me] * h * 4;
+      }
+      st.combine_us += watch.Lap();
+      st.peak_buffer_bytes = std::max(st.peak_buffer_bytes, buffer_bytes);
+    }
+    if (shared_copied_) {
+      st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), rows, out, pool_);
+      st.shared_us += watch.Lap();
+    }
+    if (stats != nullptr) *stats = st;
+    return Status::Ok();
+  }
+
+ private:
+  Communicator& comm_;
+  ModelConfig model_;
+  ExecutorOptions options_;
+  ThreadPool& pool_;
+  int slices_ = 1;
+  PlacementPtr placement_;
+  std::vector<std::unique_ptr<ExpertStore>> stores_;  // per layer; null when a rank holds no expert
+  std::vector<std::vector<int32_t>> local_of_;
+  bool shared_copied_ = false;
+  std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
+};
+
+}  // namespace
+
+Result<std::unique_ptr<MoeExecutor>> CreateGatherExecutor(Communicator& comm, const ModelConfig& model,
+                                                          const ExecutorOptions& options, ThreadPool& pool) {
+  auto executor = std::make_unique<GatherExecutor>(comm, model, options, pool);
+  EPMOE_RETURN_IF_ERROR(executor->Init());
+  return std::unique_ptr<MoeExecutor>(std::move(executor));
+}
+
+}  // namespace epmoe::ep_internal

@@ -1,0 +1,140 @@
+#include "epmoe/row_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace epmoe {
+namespace {
+
+constexpr int kBlock = 32;
+
+uint16_t FloatToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  // Round to nearest, ties to even (rows are finite: checked before they travel).
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float Bf16ToFloat(uint16_t value) {
+  const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+float BlockScale(const float* values, float max_level) {
+  float max_abs = 0;
+  for (int i = 0; i < kBlock; ++i) max_abs = std::max(max_abs, std::fabs(values[i]));
+  return max_abs / max_level;
+}
+
+int Quantize(float value, float scale, int lo, int hi) {
+  if (scale == 0) return 0;
+  return std::clamp(static_cast<int>(std::nearbyint(value / scale)), lo, hi);
+}
+
+}  // namespace
+
+const char* RowFormatName(RowFormat format) {
+  switch (format) {
+    case RowFormat::kFp32: return "fp32";
+    case RowFormat::kBf16: return "bf16";
+    case RowFormat::kQ8: return "q8";
+    case RowFormat::kQ4: return "q4";
+  }
+  return "?";
+}
+
+Result<RowFormat> ParseRowFormat(std::string_view name) {
+  for (RowFormat f : {RowFormat::kFp32, RowFormat::kBf16, RowFormat::kQ8, RowFormat::kQ4}) {
+    if (name == RowFormatName(f)) return f;
+  }
+  return InvalidArgument(fmt::format("unknown row format '{}' (fp32, bf16, q8, q4)", name));
+}
+
+int RowBlockSize(RowFormat format) { return format == RowFormat::kQ8 || format == RowFormat::kQ4 ? kBlock : 1; }
+
+Status CheckRowWidth(RowFormat format, int64_t cols) {
+  if (cols < 1) return InvalidArgument(fmt::format("rows of {} values cannot travel", cols));
+  if (cols % RowBlockSize(format) != 0)
+    return InvalidArgument(fmt::format("rows of {} values cannot travel as {}: it needs a multiple of {}", cols,
+                                       RowFormatName(format), RowBlockSize(format)));
+  return Status::Ok();
+}
+
+int64_t RowBytes(RowFormat format, int64_t cols) {
+  switch (format) {
+    case RowFormat::kFp32: return cols * 4;
+    case RowFormat::kBf16: return cols * 2;
+    case RowFormat::kQ8: return cols / kBlock * (4 + kBlock);
+    case RowFormat::kQ4: return cols / kBlock * (4 + kBlock / 2);
+  }
+  return 0;
+}
+
+void EncodeRow(RowFormat format, const float* values, int64_t cols, uint8_t* out) {
+  switch (format) {
+    case RowFormat::kFp32: std::memcpy(out, values, cols * sizeof(float)); return;
+    case RowFormat::kBf16:
+      for (int64_t i = 0; i < cols; ++i) {
+        const uint16_t v = FloatToBf16(values[i]);
+        std::memcpy(out + 2 * i, &v, 2);
+      }
+      return;
+    case RowFormat::kQ8:
+      for (int64_t b = 0; b < cols / kBlock; ++b, values += kBlock, out += 4 + kBlock) {
+        const float scale = BlockScale(values, 127.0f);
+        std::memcpy(out, &scale, 4);
+        for (int i = 0; i < kBlock; ++i) out[4 + i] = static_cast<uint8_t>(static_cast<int8_t>(Quantize(values[i], scale, -127, 127)));
+      }
+      return;
+    case RowFormat::kQ4:
+      for (int64_t b = 0; b < cols / kBlock; ++b, values += kBlock, out += 4 + kBlock / 2) {
+        const float scale = BlockScale(values, 7.0f);
+        std::memcpy(out, &scale, 4);
+        for (int i = 0; i < kBlock; i += 2) {
+          const int lo = Quantize(values[i], scale, -8, 7) + 8;
+          const int hi = Quantize(values[i + 1], scale, -8, 7) + 8;
+          out[4 + i / 2] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+      }
+      return;
+  }
+}
+
+void DecodeRow(RowFormat format, const uint8_t* in, int64_t cols, float* values) {
+  switch (format) {
+    case RowFormat::kFp32: std::memcpy(values, in, cols * sizeof(float)); return;
+    case RowFormat::kBf16:
+      for (int64_t i = 0; i < cols; ++i) {
+        uint16_t v;
+        std::memcpy(&v, in + 2 * i, 2);
+        values[i] = Bf16ToFloat(v);
+      }
+      return;
+    case RowFormat::kQ8:
+      for (int64_t b = 0; b < cols / kBlock; ++b, values += kBlock, in += 4 + kBlock) {
+        float scale;
+        std::memcpy(&scale, in, 4);
+        for (int i = 0; i < kBlock; ++i) values[i] = static_cast<float>(static_cast<int8_t>(in[4 + i])) * scale;
+      }
+      return;
+    case RowFormat::kQ4:
+      for (int64_t b = 0; b < cols / kBlock; ++b, values += kBlock, in += 4 + kBlock / 2) {
+        float scale;
+        std::memcpy(&scale, in, 4);
+        for (int i = 0; i < kBlock; i += 2) {
+          const uint8_t byte = in[4 + i / 2];
+          values[i] = static_cast<float>((byte & 0x0F) - 8) * scale;
+          values[i + 1] = static_cast<float>((byte >> 4) - 8) * scale;
+        }
+      }
+      return;
+  }
+}
+
+}  // namespace epmoe

@@ -1,0 +1,387 @@
+// Every option against the single-process MoeLayer on the same inputs, under mpirun with 1, 2, 4
+// and 8 ranks: both row origins, uneven rows, ranks with no rows, ranks whose experts get no picks,
+// skew that triggers the memory bound, redundant placements, and shapes an option must refuse.
+// Shapes are tiny (hidden 64, intermediate 32) so 8 oversubscribed ranks stay fast.
+#include <gtest/gtest.h>
+
+#include "epmoe/comm.h"
+#include "epmoe/executor.h"
+#include "epmoe/layer.h"
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+namespace {
+
+constexpr uint64_t kSeed = 7;
+
+Communicator& World() {
+  static std::unique_ptr<Communicator> comm = [] {
+    CommOptions options;
+    options.timeout_seconds = 120;
+    auto world = WorldCommunicator(options);
+    EPMOE_CHECK_MSG(world.ok(), world.status().ToString());
+    return std::move(world).value();
+  }();
+  return *comm;
+}
+
+ThreadPool& Pool() {
+  static ThreadPool pool(1);
+  return pool;
+}
+
+ModelConfig TinyModel(int shared) {
+  ModelConfig m;
+  m.name = "tiny";
+  m.hidden = 64;
+  m.num_experts = 16;
+  m.expert_intermediate = 32;
+  m.top_k = 4;
+  m.num_shared_experts = shared;
+  m.shared_intermediate = shared ? 32 : 0;
+  m.num_layers = 2;
+  m.scoring = Scoring::kSoftmax;
+  m.renormalize = true;
+  EPMOE_CHECK(ValidateModel(m, "tiny").ok());
+  return m;
+}
+
+// The expected output of every row: MoeLayer's routed sum on the rows as they travel (decoded),
+// plus the shared experts on `shared_rows` (the original rows when the shared expert is a copy).
+Matrix Expected(const ModelConfig& model, int layer, const Matrix& rows, const Picks& picks, RowFormat format,
+                bool shared_on_travelled_rows) {
+  MoeLayerWeights weights = MakeSyntheticLayer(model, layer, kSeed);
+  std::vector<ExpertWeights> shared = std::move(weights.shared);
+  weights.shared.clear();
+  auto routed = MoeLayer::Create(model, weights, PackOptions{});
+  EPMOE_CHECK(routed.ok());
+  Matrix travelled(rows.rows, rows.cols);
+  std::vector<uint8_t> encoded(RowBytes(format, rows.cols));
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    EncodeRow(format, rows.row(r), rows.cols, encoded.data());
+    DecodeRow(format, encoded.data(), rows.cols, travelled.row(r));
+  }
+  Matrix out;
+  EPMOE_CHECK((*routed)->Forward(travelled, picks, &out, Pool(), nullptr).ok());
+  // The shared experts as MoeLayer runs them (packed store, one group per shared expert), added in
+  // order after the routed sum.
+  const Matrix& shared_in = shared_on_travelled_rows ? travelled : rows;
+  if (!shared.empty() && rows.rows > 0) {
+    std::vector<const ExpertWeights*> pointers;
+    for (const ExpertWeights& s : shared) pointers.push_back(&s);
+    auto store = PackExperts(pointers, PackOptions{});
+    EPMOE_CHECK(store.ok());
+    const int64_t n = rows.rows, count = static_cast<int64_t>(shared.size());
+    Matrix in(n * count, model.hidden), result(n * count, model.hidden);
+    std::vector<int64_t> offsets;
+    for (int64_t s = 0; s <= count; ++s) offsets.push_back(s * n);
+    for (int64_t s = 0; s < count; ++s) std::copy(shared_in.data.begin(), shared_in.data.end(), in.row(s * n));
+    (*store)->Run(in.data.data(), offsets, result.data.data(), Pool());
+    for (int64_t s = 0; s < count; ++s)
+      for (int64_t i = 0; i < n * model.hidden; ++i) out.data[i] += result.data[s * n * model.hidden + i];
+  }
+  return out;
+}
+
+Matrix RowsOf(const Matrix& all, int64_t first, int64_t count) {
+  Matrix m(count, all.cols);
+  std::copy(all.row(first), all.row(first) + count * all.cols, m.data.begin());
+  return m;
+}
+
+Picks PicksOf(const Picks& all, int64_t first, int64_t count) {
+  const int k = all.k;
+  return Picks{count, k, std::vector<int32_t>(all.experts.begin() + first * k, all.experts.begin() + (first + count) * k),
+               std::vector<float>(all.weights.begin() + first * k, all.weights.begin() + (first + count) * k)};
+}
+
+struct Case {
+  EpOption option = EpOption::kA2a;
+  RowOrigin origin = RowOrigin::kDataParallel;
+  RowFormat dispatch = RowFormat::kFp32;
+  RowFormat combine = RowFormat::kFp32;
+  SharedMode shared_mode = SharedMode::kDefault;
+  int shared = 1;
+  int64_t max_buffer_bytes = int64_t{1} << 30;
+  PlacementPtr placement;
+};
+
+Case CaseOf(EpOption option) {
+  Case c;
+  c.option = option;
+  return c;
+}
+
+ExecutorOptions OptionsFor(const Case& c, int ranks) {
+  ExecutorOptions o;
+  o.option = c.option;
+  o.num_layers = 2;
+  o.origin = c.origin;
+  o.dispatch_format = c.dispatch;
+  o.combine_format = c.combine;
+  o.shared = c.shared_mode;
+  o.max_buffer_bytes = c.max_buffer_bytes;
+  o.seed = kSeed;
+  o.placement = c.placement;
+  if (c.option == EpOption::kHybrid) o.tp_in_ep = ranks % 2 == 0 ? 2 : 1;
+  return o;
+}
+
+bool Exact(const Case& c) {
+  return (c.option == EpOption::kA2a || c.option == EpOption::kDwdp) && c.combine == RowFormat::kFp32;
+}
+
+// Runs `steps` steps of both layers. row_counts[r]: rows of rank r (data-parallel). Checks every
+// rank's outputs; returns the last step's stats of this rank.
+StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, const Picks* forced_picks = nullptr,
+                      int steps = 2) {
+  Communicator& comm = World();
+  const int g = comm.size(), me = comm.rank();
+  const ModelConfig model = TinyModel(c.shared);
+  auto executor = CreateExecutor(comm, model, OptionsFor(c, g), Pool());
+  EPMOE_CHECK_MSG(executor.ok(), executor.status().ToString());
+  int64_t total = 0, first = 0;
+  for (int r = 0; r < g; ++r) {
+    if (r < me) first += row_counts[r];
+    total += row_counts[r];
+  }
+  const bool tensor_parallel = c.origin == RowOrigin::kTensorParallel;
+  const bool shared_sliced = c.option != EpOption::kA2a && c.option != EpOption::kDwdp && c.shared_mode != SharedMode::kCopied;
+  StepStats stats;
+  for (int step = 0; step < steps; ++step) {
+    const Matrix all_rows = SyntheticRows(kSeed, model, step, 0, total);
+    for (int layer = 0; layer < 2; ++layer) {
+      const Picks all_picks = forced_picks ? *forced_picks : UniformPicks(model, total, kSeed + step * 10 + layer);
+      const Matrix expected = Expected(model, layer, all_rows, all_picks, c.dispatch, shared_sliced);
+      Matrix out;
+      Status status;
+      if (tensor_parallel) {
+        status = (*executor)->Forward(layer, all_rows, all_picks, &out, &stats);
+      } else {
+        status = (*executor)->Forward(layer, RowsOf(all_rows, first, row_counts[me]), PicksOf(all_picks, first, row_counts[me]),
+                                      &out, &stats);
+      }
+      EXPECT_TRUE(status.ok()) << status.ToString();
+      const Matrix want = tensor_parallel ? expected : RowsOf(expected, first, row_counts[me]);
+      EXPECT_EQ(out.rows, want.rows);
+      if (out.rows != want.rows) continue;
+      if (Exact(c)) {
+        EXPECT_EQ(out.data, want.data) << EpOptionName(c.option) << " layer " << layer << " rank " << me;
+      } else {
+        const double tolerance = c.combine == RowFormat::kBf16 ? 1e-2 : 1e-5;
+        EXPECT_LE(NormalizedMaxError(out, want), tolerance) << EpOptionName(c.option) << " layer " << layer;
+      }
+    }
+  }
+  return stats;
+}
+
+std::vector<int64_t> EvenishRows(int64_t total) {
+  const int g = World().size();
+  std::vector<int64_t> counts(g);
+  for (int r = 0; r < g; ++r) counts[r] = RowBegin(total, g, r + 1) - RowBegin(total, g, r);
+  return counts;
+}
+
+TEST(Executor, EveryOptionAndOriginMatchesTheSingleProcessLayer) {
+  const int g = World().size();
+  for (EpOption option : AllEpOptions()) {
+    for (RowOrigin origin : {RowOrigin::kDataParallel, RowOrigin::kTensorParallel}) {
+      SCOPED_TRACE(std::string(EpOptionName(option)) + " " + RowOriginName(origin));
+      Case c;
+      c.option = option;
+      c.origin = origin;
+      const StepStats st = RunAndCheck(c, EvenishRows(2 * g + 3));  // T not divisible by G
+      EXPECT_GE(st.rounds, 1);
+      if (g == 1) {
+        EXPECT_EQ(st.bytes_sent, 0);
+      }
+    }
+  }
+}
+
+TEST(Executor, SharedExpertCopiedUnderTheGatherOptions) {
+  for (EpOption option : {EpOption::kSliced, EpOption::kWhole, EpOption::kHybrid}) {
+    SCOPED_TRACE(EpOptionName(option));
+    Case c;
+    c.option = option;
+    c.shared_mode = SharedMode::kCopied;
+    RunAndCheck(c, EvenishRows(9), nullptr, 1);
+  }
+}
+
+TEST(Executor, A2aRowsTravelInEveryFormat) {
+  for (RowFormat dispatch : {RowFormat::kBf16, RowFormat::kQ8, RowFormat::kQ4}) {
+    for (RowFormat combine : {RowFormat::kFp32, RowFormat::kBf16}) {
+      SCOPED_TRACE(std::string(RowFormatName(dispatch)) + " out, " + RowFormatName(combine) + " back");
+      Case c;
+      c.dispatch = dispatch;
+      c.combine = combine;
+      RunAndCheck(c, EvenishRows(7), nullptr, 1);
+    }
+  }
+  // The gather options apply the dispatch format to their all-gather too.
+  Case c;
+  c.option = EpOption::kWhole;
+  c.dispatch = RowFormat::kBf16;
+  RunAndCheck(c, EvenishRows(7), nullptr, 1);
+}
+
+TEST(Executor, RanksWithoutRows) {
+  const int g = World().size();
+  // Only the last rank has rows (3 of them); every other rank has none.
+  std::vector<int64_t> counts(g, 0);
+  counts[g - 1] = 3;
+  for (EpOption option : AllEpOptions()) {
+    SCOPED_TRACE(EpOptionName(option));
+    Case c;
+    c.option = option;
+    RunAndCheck(c, counts, nullptr, 1);
+  }
+  // No rows anywhere.
+  Case c;
+  RunAndCheck(c, std::vector<int64_t>(g, 0), nullptr, 1);
+}
+
+TEST(Executor, RanksWhoseExpertsGetNoPicks) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  const int64_t total = 2 * g + 1;
+  // Every row picks experts 0..3: held by rank 0 (and rank 1 with 8 ranks); the rest get nothing.
+  Picks picks{total, model.top_k, {}, {}};
+  for (int64_t r = 0; r < total; ++r) {
+    for (int j = 0; j < model.top_k; ++j) {
+      picks.experts.push_back(j);
+      picks.weights.push_back(0.25f + 0.01f * j);
+    }
+  }
+  for (EpOption option : AllEpOptions()) {
+    SCOPED_TRACE(EpOptionName(option));
+    Case c;
+    c.option = option;
+    const StepStats st = RunAndCheck(c, EvenishRows(total), &picks, 1);
+    if (option == EpOption::kA2a && World().rank() >= 2) {
+      EXPECT_EQ(st.picks, 0);
+    }
+  }
+}
+
+TEST(Executor, MemoryBoundRunsSkewInRounds) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  const int64_t total = 6 * g;
+  Picks picks{total, model.top_k, {}, {}};
+  for (int64_t r = 0; r < total; ++r) {
+    for (int j = 0; j < model.top_k; ++j) {
+      picks.experts.push_back(j);  // every row to the same experts: one rank receives everything
+      picks.weights.push_back(0.3f - 0.05f * j);
+    }
+  }
+  for (EpOption option : {EpOption::kA2a, EpOption::kWhole, EpOption::kSliced}) {
+    SCOPED_TRACE(EpOptionName(option));
+    Case c;
+    c.option = option;
+    c.max_buffer_bytes = 12 * 1024 + g * 4 * 1024;  // a few rows per rank at a time
+    const StepStats st = RunAndCheck(c, EvenishRows(total), &picks, 1);
+    EXPECT_GT(st.rounds, 1);
+    EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
+    EXPECT_GT(st.peak_buffer_bytes, 0);
+  }
+}
+
+TEST(Executor, BoundBelowOneRowIsRefusedOnEveryRank) {
+  Communicator& comm = World();
+  const ModelConfig model = TinyModel(0);
+  for (EpOption option : {EpOption::kA2a, EpOption::kWhole}) {
+    Case c;
+    c.option = option;
+    c.shared = 0;
+    c.max_buffer_bytes = 100;
+    auto executor = CreateExecutor(comm, model, OptionsFor(c, comm.size()), Pool());
+    ASSERT_TRUE(executor.ok());
+    const int64_t n = 2;
+    const int64_t first = comm.rank() * n;
+    Matrix out;
+    const Status status = (*executor)->Forward(0, SyntheticRows(kSeed, model, 0, first, n),
+                                               UniformPicks(model, n, kSeed, first), &out, nullptr);
+    EXPECT_EQ(status.code(), StatusCode::kOutOfRange) << status.ToString();
+    EXPECT_NE(status.message().find("bound"), std::string::npos);
+  }
+}
+
+TEST(Executor, RedundantPlacement) {
+  Communicator& comm = World();
+  const int g = comm.size();
+  const ModelConfig model = TinyModel(1);
+  // One extra copy per rank: slots E..E+G-1 hold experts 0..G-1 again.
+  auto placement = Placement::Trivial(2, model.num_experts, g, g, 1);
+  ASSERT_TRUE(placement.ok()) << placement.status().ToString();
+  for (EpOption option : {EpOption::kA2a, EpOption::kWhole}) {
+    SCOPED_TRACE(EpOptionName(option));
+    Case c;
+    c.option = option;
+    c.placement = std::make_shared<const Placement>(*placement);
+    RunAndCheck(c, EvenishRows(3 * g + 1), nullptr, 1);
+  }
+}
+
+TEST(Executor, RefusesShapesBeforeAnyWork) {
+  Communicator& comm = World();
+  const int g = comm.size();
+  ModelConfig odd = TinyModel(1);
+  odd.expert_intermediate = 33;
+  Case c;
+  c.option = EpOption::kSliced;
+  auto sliced = CreateExecutor(comm, odd, OptionsFor(c, g), Pool());
+  if (g > 1 && 33 % g != 0) {
+    ASSERT_FALSE(sliced.ok());
+    EXPECT_EQ(sliced.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(sliced.status().message().find("not divisible"), std::string::npos) << sliced.status().message();
+  } else {
+    EXPECT_TRUE(sliced.ok()) << sliced.status().ToString();
+  }
+
+  const ModelConfig model = TinyModel(1);
+  ExecutorOptions hybrid = OptionsFor(CaseOf(EpOption::kHybrid), g);
+  hybrid.tp_in_ep = 3;
+  if (g % 3 != 0) {
+    EXPECT_EQ(CheckExecutorShape(model, hybrid, g).code(), StatusCode::kFailedPrecondition);
+  }
+
+  ExecutorOptions a2a = OptionsFor(Case{}, g);
+  a2a.shared = SharedMode::kSliced;
+  EXPECT_EQ(CheckExecutorShape(model, a2a, g).code(), StatusCode::kFailedPrecondition);
+  a2a.shared = SharedMode::kDefault;
+  ModelConfig narrow = model;
+  narrow.hidden = 48;  // q8 blocks are 32 wide
+  a2a.dispatch_format = RowFormat::kQ8;
+  EXPECT_EQ(CheckExecutorShape(narrow, a2a, g).code(), StatusCode::kInvalidArgument);
+  a2a.dispatch_format = RowFormat::kFp32;
+  a2a.combine_format = RowFormat::kQ4;
+  EXPECT_EQ(CheckExecutorShape(model, a2a, g).code(), StatusCode::kInvalidArgument);
+
+  ModelConfig uneven = model;
+  uneven.num_experts = 15;
+  if (g > 1 && 15 % g != 0) {
+    EXPECT_EQ(CheckExecutorShape(uneven, OptionsFor(Case{}, g), g).code(), StatusCode::kFailedPrecondition);
+  }
+
+  ExecutorOptions dwdp = OptionsFor(CaseOf(EpOption::kDwdp), g);
+  dwdp.max_buffer_bytes = 1000;
+  if (g > 1) {
+    EXPECT_EQ(CheckExecutorShape(model, dwdp, g).code(), StatusCode::kOutOfRange);
+  }
+
+  // Bad Forward input is refused, not computed.
+  auto executor = CreateExecutor(comm, model, OptionsFor(Case{}, g), Pool());
+  ASSERT_TRUE(executor.ok());
+  Matrix out;
+  EXPECT_EQ((*executor)->Forward(5, Matrix(0, model.hidden), Picks{0, model.top_k, {}, {}}, &out, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*executor)->Forward(0, Matrix(1, 8), UniformPicks(model, 1, 1), &out, nullptr).code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace epmoe
