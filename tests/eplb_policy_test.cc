@@ -1,6 +1,8 @@
 // Placement policies: DeepSeek's reference example, the guard's counterexample, degenerate shapes,
 // and properties on random loads (valid placements, guard, each policy no worse on its objective).
 #include <algorithm>
+#include <cmath>
+#include <optional>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -89,6 +91,183 @@ TEST(EplbPolicy, GuardFixesTwoCopiesOnOneRank) {
   EXPECT_TRUE(GuardHolds(*guarded));
   EXPECT_LE(PlainMaxLoad(*guarded, 0, weight), 205);  // the issue: 205 is possible (the optimum is 196.67)
   std::printf("guarded max load %.2f (deepseek 232)\n", PlainMaxLoad(*guarded, 0, weight));
+}
+
+
+// Random per-step loads with skew (a few hot experts).
+ExpertLoad RandomLoad(std::mt19937_64& rng, int steps, int layers, int experts, bool zeros) {
+  ExpertLoad load(steps, layers, experts);
+  std::vector<double> popularity(experts);
+  std::exponential_distribution<double> skew(1.0);
+  for (int layer = 0; layer < layers; ++layer) {
+    for (double& p : popularity) p = std::pow(skew(rng), 3.0);
+    if (zeros && experts > 2) popularity[experts - 1] = 0;
+    for (int step = 0; step < steps; ++step) {
+      std::discrete_distribution<int> pick(popularity.begin(), popularity.end());
+      for (int i = 0; i < 16 * experts; ++i) ++load.at(step, layer)[pick(rng)];
+    }
+  }
+  return load;
+}
+
+double SumOfStepMax(const Placement& p, const ExpertLoad& load) {
+  double sum = 0;
+  std::vector<double> ranks(p.num_ranks());
+  for (int64_t s = 0; s < load.num_steps; ++s)
+    for (int layer = 0; layer < load.num_layers; ++layer) {
+      RankPicks(p, layer, load.at(s, layer), ranks);
+      sum += *std::max_element(ranks.begin(), ranks.end());
+    }
+  return sum;
+}
+
+double SumOfStepSeconds(const Placement& p, const ExpertLoad& load, const CostModel& cost) {
+  double sum = 0;
+  std::vector<double> ranks(p.num_ranks());
+  for (int64_t s = 0; s < load.num_steps; ++s)
+    for (int layer = 0; layer < load.num_layers; ++layer) {
+      RankSeconds(p, layer, load.at(s, layer), cost, ranks);
+      sum += *std::max_element(ranks.begin(), ranks.end());
+    }
+  return sum;
+}
+
+TEST(EplbPolicy, RandomLoadsPropertiesHold) {
+  std::mt19937_64 rng(42);
+  struct Shape { int experts, ranks, nodes, groups, redundant; };
+  const Shape shapes[] = {{16, 4, 1, 1, 4}, {24, 8, 2, 4, 8}, {32, 8, 2, 1, 8}, {12, 8, 2, 4, 4},
+                          {64, 16, 4, 8, 16}, {8, 4, 1, 1, 0}, {16, 4, 1, 1, 4}};
+  CostModel cost;
+  cost.bytes_per_expert = 2e6;
+  cost.flops_per_row = 2e6;
+  cost.fixed_seconds = 1e-6;
+  int trial = 0;
+  for (const Shape& shape : shapes) {
+    for (int repeat = 0; repeat < 4; ++repeat, ++trial) {
+      const ExpertLoad load = RandomLoad(rng, 6, 2, shape.experts, repeat % 2 == 1);
+      const std::vector<int64_t> sums = SumOverSteps(load);
+      PolicyOptions options;
+      options.shape = {shape.ranks, shape.nodes, shape.groups, shape.redundant};
+      options.cost = cost;
+      auto current = Placement::Trivial(2, shape.experts, shape.redundant, shape.ranks, shape.nodes);
+      ASSERT_TRUE(current.ok());
+      options.current = &*current;
+      std::vector<std::optional<Placement>> results;
+      for (Policy policy : AllPolicies()) {
+        options.policy = policy;
+        auto placement = ComputePlacement(load, options);
+        ASSERT_TRUE(placement.ok()) << PolicyName(policy) << ": " << placement.status().ToString();
+        // Valid: recreating it from phy2log succeeds and every slot is counted once.
+        std::vector<std::vector<int32_t>> phy2log;
+        for (int layer = 0; layer < 2; ++layer)
+          phy2log.emplace_back(placement->phy2log(layer).begin(), placement->phy2log(layer).end());
+        ASSERT_TRUE(Placement::Create(shape.experts, shape.ranks, shape.nodes, phy2log).ok());
+        // per-step may keep deepseek's two copies on a rank when that start scores best.
+        if (policy != Policy::kDeepseek && policy != Policy::kPerStep) {
+          EXPECT_TRUE(GuardHolds(*placement)) << PolicyName(policy) << " trial " << trial;
+        }
+        results.emplace_back(std::move(*placement));
+      }
+      const Placement& deepseek = *results[0];
+      for (int layer = 0; layer < 2; ++layer) {
+        std::vector<int64_t> weight(sums.begin() + layer * shape.experts, sums.begin() + (layer + 1) * shape.experts);
+        const double ds = PlainMaxLoad(deepseek, layer, weight);
+        EXPECT_LE(PlainMaxLoad(*results[1], layer, weight), ds * (1 + 1e-9)) << "guarded, trial " << trial;
+        // min-move: within 5% of deepseek-guarded's max load.
+        EXPECT_LE(PlainMaxLoad(*results[4], layer, weight), 1.05 * PlainMaxLoad(*results[1], layer, weight) * (1 + 1e-9))
+            << "min-move, trial " << trial;
+      }
+      EXPECT_LE(SumOfStepMax(*results[2], load), SumOfStepMax(deepseek, load) * (1 + 1e-9)) << "per-step, trial " << trial;
+      EXPECT_LE(SumOfStepSeconds(*results[3], load, cost), SumOfStepSeconds(deepseek, load, cost) * (1 + 1e-9))
+          << "cost, trial " << trial;
+      EXPECT_LE(results[4]->MovedCopies(*current), results[1]->MovedCopies(*current)) << "min-move, trial " << trial;
+    }
+  }
+}
+
+TEST(EplbPolicy, MinMoveKeepsAGoodPlacement) {
+  std::mt19937_64 rng(7);
+  const ExpertLoad load = RandomLoad(rng, 4, 3, 32, false);
+  PolicyOptions options;
+  options.shape = {8, 1, 1, 8};
+  options.policy = Policy::kDeepseekGuarded;
+  auto good = ComputePlacement(load, options);
+  ASSERT_TRUE(good.ok());
+  options.policy = Policy::kMinMove;
+  options.current = &*good;
+  auto moved = ComputePlacement(load, options);
+  ASSERT_TRUE(moved.ok());
+  EXPECT_EQ(moved->MovedCopies(*good), 0);
+}
+
+TEST(EplbPolicy, DegenerateInputs) {
+  for (Policy policy : AllPolicies()) {
+    SCOPED_TRACE(PolicyName(policy));
+    PolicyOptions options;
+    options.policy = policy;
+    // All-zero load: redundant copies spread, not all on expert 0.
+    ExpertLoad zero(3, 1, 8);
+    options.shape = {4, 1, 1, 8};
+    auto current = Placement::Trivial(1, 8, 8, 4, 1);
+    ASSERT_TRUE(current.ok());
+    options.current = &*current;
+    auto p = ComputePlacement(zero, options);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_LE(*std::max_element(p->logcnt(0).begin(), p->logcnt(0).end()), 2);
+    // One expert on one rank, R = 0, G = 1.
+    ExpertLoad one(2, 1, 1);
+    one.at(0, 0)[0] = 5;
+    options.shape = {1, 1, 1, 0};
+    auto single = Placement::Trivial(1, 1, 0, 1, 1);
+    options.current = &*single;
+    p = ComputePlacement(one, options);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(p->phy2log(0)[0], 0);
+    // One expert copied to 4 ranks.
+    options.shape = {4, 1, 1, 3};
+    auto four = Placement::Trivial(1, 1, 3, 4, 1);
+    options.current = &*four;
+    p = ComputePlacement(one, options);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(p->logcnt(0)[0], 4);
+    // G = 1 with redundant copies, R = 0 with many ranks.
+    std::mt19937_64 rng(3);
+    const ExpertLoad load = RandomLoad(rng, 3, 1, 16, false);
+    options.shape = {1, 1, 1, 0};
+    auto trivial = Placement::Trivial(1, 16, 0, 1, 1);
+    options.current = &*trivial;
+    EXPECT_TRUE(ComputePlacement(load, options).ok());
+    options.shape = {16, 1, 1, 0};
+    auto spread = Placement::Trivial(1, 16, 0, 16, 1);
+    options.current = &*spread;
+    EXPECT_TRUE(ComputePlacement(load, options).ok());
+    // Impossible shapes are refused with the reason.
+    options.shape = {3, 1, 1, 0};
+    auto bad = ComputePlacement(load, options);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("do not split evenly over 3 ranks"), std::string::npos)
+        << bad.status().message();
+    options.shape = {4, 3, 1, 0};
+    EXPECT_FALSE(ComputePlacement(load, options).ok());
+    options.shape = {4, 1, 5, 0};
+    EXPECT_FALSE(ComputePlacement(load, options).ok());
+    options.shape = {4, 1, 1, -4};
+    EXPECT_FALSE(ComputePlacement(load, options).ok());
+  }
+  // The guard cannot hold with more slots per rank than experts.
+  ExpertLoad small(1, 1, 2);
+  PolicyOptions options;
+  options.policy = Policy::kDeepseekGuarded;
+  options.shape = {1, 1, 1, 2};
+  auto refused = ComputePlacement(small, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("distinct experts"), std::string::npos);
+  options.policy = Policy::kDeepseek;
+  EXPECT_TRUE(ComputePlacement(small, options).ok());
+  options.policy = Policy::kMinMove;
+  options.shape = {1, 1, 1, 0};
+  EXPECT_FALSE(ComputePlacement(small, options).ok());  // no current placement
+  EXPECT_FALSE(ParsePolicy("greedy").ok());
 }
 
 }  // namespace

@@ -146,12 +146,14 @@ std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, co
     // Step 2: copies inside the node.
     Replication replication;
     if (fixed_copies != nullptr) {
-      EPMOE_CHECK(nodes == 1);
-      replication.copies.assign(fixed_copies->begin(), fixed_copies->end());
-      for (int e = 0; e < num_experts; ++e) replication.slot_expert.push_back(e);
-      for (int e = 0; e < num_experts; ++e)
-        for (int c = 1; c < (*fixed_copies)[e]; ++c) replication.slot_expert.push_back(e);
-      EPMOE_CHECK(static_cast<int>(replication.slot_expert.size()) == num_slots);
+      replication.copies.resize(experts_per_node);
+      for (int local = 0; local < experts_per_node; ++local) {
+        replication.copies[local] = (*fixed_copies)[local_to_expert[local]];
+        replication.slot_expert.push_back(local);
+      }
+      for (int local = 0; local < experts_per_node; ++local)
+        for (int c = 1; c < replication.copies[local]; ++c) replication.slot_expert.push_back(local);
+      EPMOE_CHECK(static_cast<int>(replication.slot_expert.size()) == slots_per_node);
     } else {
       replication =
           Replicate(local_weight, experts_per_node, slots_per_node, guarded ? ranks_per_node : slots_per_node);
@@ -278,7 +280,11 @@ std::vector<int32_t> SearchCopyCounts(std::span<const double> weight, const Bala
                                       std::span<const int32_t> start, double best_max) {
   const int num_experts = static_cast<int>(weight.size());
   const CopyWeight per_copy = [&](int e, int n) { return weight[e] / n; };
-  const int cap = shape.num_ranks;
+  const int cap = RegionRanks(shape);
+  // The node of each expert (fixed by the group packing, which does not depend on copy counts).
+  const int slots_per_region = static_cast<int>(start.size()) / (shape.num_ranks / cap);
+  std::vector<int> region_of(num_experts, 0);
+  for (size_t slot = 0; slot < start.size(); ++slot) region_of[start[slot]] = static_cast<int>(slot) / slots_per_region;
   // Lexicographic score: max rank load, then the sum of squared rank loads.
   struct Score {
     double max = 0, squares = 0;
@@ -301,7 +307,7 @@ std::vector<int32_t> SearchCopyCounts(std::span<const double> weight, const Bala
   std::vector<int32_t> phy2log;
   Score best = evaluate(copies, &phy2log);
   std::vector<int32_t> best_phy2log = phy2log;
-  constexpr int kMaxEvaluations = 20000;
+  constexpr int kMaxEvaluations = 4000;
   int evaluations = 0;
   bool improved = true;
   while (improved && evaluations < kMaxEvaluations) {
@@ -313,7 +319,7 @@ std::vector<int32_t> SearchCopyCounts(std::span<const double> weight, const Bala
         for (int x = 0; x < num_experts; ++x) {
           if (trial[x] < 2) continue;
           for (int y = 0; y < num_experts; ++y) {
-            if (y == x || trial[y] >= cap) continue;
+            if (y == x || trial[y] >= cap || region_of[y] != region_of[x]) continue;
             --trial[x], ++trial[y];
             bool found = false;
             if (level < depth) {

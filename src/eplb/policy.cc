@@ -92,7 +92,7 @@ std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const Bala
     if (repaired_max < best_max) best = repaired, best_max = repaired_max;
   }
   const int num_slots = num_experts + shape.num_redundant;
-  if (num_slots <= eplb_internal::kCopySearchMaxSlots && eplb_internal::RegionRanks(shape) == shape.num_ranks) {
+  if (num_slots <= eplb_internal::kCopySearchMaxSlots) {
     std::vector<int32_t> searched = eplb_internal::SearchCopyCounts(weight, shape, best, best_max);
     if (!searched.empty()) {
       best = std::move(searched);

@@ -20,14 +20,14 @@ int RegionRanks(const BalanceShape& shape);
 // DeepSeek's rebalance (hierarchical or global, as the reference chooses) on per-copy weights.
 // guarded: at most one copy of an expert per rank (copies capped at the region's ranks, packing
 // that skips ranks holding the expert, repaired by a swap when no rank is left).
-// fixed_copies (global mode only): use these copy counts instead of DeepSeek's replication.
+// fixed_copies: use these copy counts (per logical expert; each node's total must match its slots) instead of DeepSeek's replication.
 std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, const BalanceShape& shape,
                                    bool guarded, const std::vector<int32_t>* fixed_copies = nullptr);
 
-// For small layers in global mode (at most kCopySearchMaxSlots slots): searches copy counts by
+// For small layers (at most kCopySearchMaxSlots slots): searches copy counts by
 // moving one or two copies between experts, each candidate packed with the guard, and returns the
 // best guarded phy2log found if it beats `best_max` (else an empty vector).
-constexpr int kCopySearchMaxSlots = 64;
+constexpr int kCopySearchMaxSlots = 128;
 std::vector<int32_t> SearchCopyCounts(std::span<const double> weight, const BalanceShape& shape,
                                       std::span<const int32_t> start, double best_max);
 

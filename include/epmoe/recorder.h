@@ -1,0 +1,106 @@
+// LoadRecorder: counts the router's picks per step and MoE layer, cheaply enough to leave on.
+//
+// Modes:
+//   stat       keeps the last window_steps steps' per-expert counts in a ring buffer; Load()
+//              returns their sum as one step (what a rebalancer places from);
+//   per_step   the same ring buffer returned as the series (one step each);
+//   per_token  per_step plus each row's picks (ids) per step and layer, same window.
+// Every mode keeps per step the balancedness (mean/max picks per rank, averaged over the layers
+// recorded in that step) and the byte-weighted balance (mean/max bytes of distinct experts read
+// per rank), for the current step and the last 10, 100 and 1000 steps.
+// Picks per logical expert, per physical slot and per rank of the last finished step are kept
+// too. Slots follow the dispatch table when one is set (this rank's view), else an even split.
+// Memory: window_steps * layers * experts * 4 bytes (+ the picks in per_token mode).
+// Not thread-safe: one recorder per rank, fed from the thread that runs the steps; SetPlacement
+// and SetDispatch between steps.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/dispatch.h"
+#include "epmoe/load.h"
+#include "epmoe/placement.h"
+#include "epmoe/router.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+enum class RecorderMode { kStat, kPerStep, kPerToken };
+const char* RecorderModeName(RecorderMode mode);
+Result<RecorderMode> ParseRecorderMode(std::string_view name);
+
+struct RecorderOptions {
+  RecorderMode mode = RecorderMode::kStat;
+  int window_steps = 1000;        // steps kept (ring buffer), >= 1
+  double bytes_per_expert = 1.0;  // bytes of one routed expert (byte-weighted balance)
+};
+
+// Balancedness averaged over the last n finished steps (fewer when fewer were recorded).
+struct BalanceReport {
+  int64_t steps = 0;              // finished steps so far
+  double current = 1, last10 = 1, last100 = 1, last1000 = 1;                  // picks
+  double bytes_current = 1, bytes_last10 = 1, bytes_last100 = 1, bytes_last1000 = 1;  // bytes read
+};
+
+class LoadRecorder {
+ public:
+  static Result<LoadRecorder> Create(const RecorderOptions& options, PlacementPtr placement);
+
+  // Uses this placement (same layers and experts) from the next step on.
+  Status SetPlacement(PlacementPtr placement);
+  // Uses this rank's dispatch table for per-slot picks (nullopt: even split over copies).
+  Status SetDispatch(std::optional<DispatchTable> dispatch);
+
+  // Counts one layer's picks for the current step (a layer may be recorded several times per
+  // step, e.g. per micro-batch). Refuses a layer out of range or ids outside [0, E).
+  Status Record(int layer, const Picks& picks);
+  // Finishes the current step: computes its per-slot and per-rank picks and balancedness.
+  void EndStep();
+
+  BalanceReport Balance() const;
+  // stat: one step holding the sum over the window; per_step / per_token: the window's steps.
+  ExpertLoad Load() const;
+  // per_token: the picks of window step `index` (0 = oldest kept) and layer, concatenated over the
+  // Record calls of that step. Empty in the other modes.
+  const Picks& TokenPicks(int64_t index, int layer) const;
+
+  // The last finished step, per layer.
+  std::span<const int64_t> ExpertPicks(int layer) const;
+  std::span<const double> SlotPicks(int layer) const;
+  std::span<const double> RankPicks(int layer) const;
+
+  int64_t steps_kept() const { return kept_; }
+  const RecorderOptions& options() const { return options_; }
+
+ private:
+  LoadRecorder() = default;
+  int64_t RingIndex(int64_t index) const { return (next_ - kept_ + index + options_.window_steps) % options_.window_steps; }
+
+  RecorderOptions options_;
+  PlacementPtr placement_;
+  PlacementPtr next_placement_;
+  std::optional<DispatchTable> dispatch_;
+  int num_layers_ = 0;
+  int num_experts_ = 0;
+  std::vector<int64_t> current_;           // [layer][expert] of the step being recorded
+  std::vector<int64_t> current_rows_;      // rows recorded per layer in this step
+  std::vector<bool> layer_recorded_;
+  std::vector<int32_t> ring_;              // [window][layer][expert]
+  std::vector<int64_t> ring_rows_;         // rows per kept step
+  std::vector<std::vector<Picks>> ring_tokens_;  // per_token: [window][layer]
+  std::vector<Picks> current_tokens_;
+  int64_t next_ = 0;                       // ring position of the next step
+  int64_t kept_ = 0;
+  int64_t steps_ = 0;
+  std::vector<double> balance_history_;    // ring of 1000 per-step values
+  std::vector<double> byte_balance_history_;
+  std::vector<int64_t> last_expert_;       // [layer][expert]
+  std::vector<double> last_slot_;          // [layer][slot]
+  std::vector<double> last_rank_;          // [layer][rank]
+};
+
+}  // namespace epmoe
