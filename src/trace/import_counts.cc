@@ -15,9 +15,9 @@ namespace epmoe::trace_internal {
 namespace {
 
 // Index of each named column in a header, or -1.
-std::map<std::string, int> ColumnIndex(const std::vector<std::string_view>& header) {
+std::map<std::string, int> ColumnIndex(const std::vector<std::string>& header) {
   std::map<std::string, int> index;
-  for (size_t c = 0; c < header.size(); ++c) index[std::string(header[c])] = static_cast<int>(c);
+  for (size_t c = 0; c < header.size(); ++c) index[header[c]] = static_cast<int>(c);
   return index;
 }
 
@@ -49,7 +49,7 @@ Result<ImportedTrace> ImportExpertCountsCsv(std::istream& in, const std::string&
   std::string_view line;
   EPMOE_ASSIGN_OR_RETURN(bool has_header, lines.Next(&line));
   if (!has_header) return InvalidArgument(fmt::format("{}: empty file (expected a header)", source));
-  const std::vector<std::string_view> header = SplitCommas(line);
+  const std::vector<std::string> header = SplitHeader(line);
   std::map<std::string, int> column = ColumnIndex(header);
   for (const char* name : {"layer", "expert", "count"})
     if (!column.count(name)) return lines.Error(fmt::format("the header has no '{}' column", name));
@@ -194,7 +194,7 @@ Result<ImportedTrace> ImportCountsCsv(std::istream& in, const std::string& sourc
   std::string_view line;
   EPMOE_ASSIGN_OR_RETURN(bool has_header, lines.Next(&line));
   if (!has_header) return InvalidArgument(fmt::format("{}: empty file (expected a header)", source));
-  const std::vector<std::string_view> header = SplitCommas(line);
+  const std::vector<std::string> header = SplitHeader(line);
   std::map<std::string, int> column = ColumnIndex(header);
   for (const char* name : {"step", "layer", "expert", "count"})
     if (!column.count(name)) return lines.Error(fmt::format("the header has no '{}' column", name));

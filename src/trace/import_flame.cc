@@ -80,7 +80,7 @@ Status ParseFlameLayerCsv(std::istream& in, const std::string& source, Picks* pi
   EPMOE_ASSIGN_OR_RETURN(bool has_header, lines.Next(&line));
   if (!has_header) return InvalidArgument(fmt::format("{}: empty file (expected a header)", source));
   // Header: layer_id,token_id,expert_0..expert_{E-1}; score columns are the expert_* ones, in order.
-  std::vector<std::string_view> header = SplitCommas(line);
+  const std::vector<std::string> header = SplitHeader(line);
   std::vector<int> column_expert(header.size(), -1);
   int experts = 0;
   for (size_t c = 0; c < header.size(); ++c) {

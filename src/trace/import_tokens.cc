@@ -156,7 +156,7 @@ Result<ImportedTrace> ImportTopkCsv(std::istream& in, const std::string& source,
   std::string_view line;
   EPMOE_ASSIGN_OR_RETURN(bool has_header, lines.Next(&line));
   if (!has_header) return InvalidArgument(fmt::format("{}: empty file (expected a header)", source));
-  const std::vector<std::string_view> header = SplitCommas(line);
+  const std::vector<std::string> header = SplitHeader(line);
   std::map<std::string, int> column;
   for (size_t c = 0; c < header.size(); ++c) column[std::string(header[c])] = static_cast<int>(c);
   if (!column.count("layer")) return lines.Error("the header has no 'layer' column");

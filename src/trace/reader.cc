@@ -62,8 +62,11 @@ Result<std::string> DetectFormat(const std::string& path) {
   if (has("e0")) return std::string("flame-topk-csv");
   if (has("step") && has("expert") && has("count")) return std::string("counts-csv");
   if (has("layer") && has("expert") && has("count")) return std::string("expert-counts-csv");
+  std::string shown = first_line.substr(0, 80);  // printable, for the message
+  for (char& c : shown)
+    if (static_cast<unsigned char>(c) < 32 || static_cast<unsigned char>(c) > 126) c = '?';
   return InvalidArgument(fmt::format("{}: cannot tell the trace format from its first line '{}'; give one of {}",
-                                     path, first_line.substr(0, 80), fmt::join(KnownFormats(), ", ")));
+                                     path, shown, fmt::join(KnownFormats(), ", ")));
 }
 
 }  // namespace

@@ -46,6 +46,12 @@ std::vector<std::string_view> SplitCommas(std::string_view line) {
   return fields;
 }
 
+std::vector<std::string> SplitHeader(std::string_view line) {
+  std::vector<std::string> fields;
+  for (std::string_view field : SplitCommas(line)) fields.emplace_back(field);
+  return fields;
+}
+
 bool ParseInt64(std::string_view text, int64_t* value) {
   if (text.empty()) return false;
   if (text.front() == '+') text.remove_prefix(1);

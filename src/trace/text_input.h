@@ -36,6 +36,9 @@ class LineReader {
 // Splits on commas (no quoting: none of the supported CSV layouts quotes fields); trims spaces.
 std::vector<std::string_view> SplitCommas(std::string_view line);
 
+// The fields of a header line as owned strings (they outlive the line buffer).
+std::vector<std::string> SplitHeader(std::string_view line);
+
 // Whole-field parses; false when the field is not exactly a number of that type.
 bool ParseInt64(std::string_view text, int64_t* value);
 bool ParseDouble(std::string_view text, double* value);

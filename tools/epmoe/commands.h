@@ -9,5 +9,6 @@ namespace epmoe::cli {
 
 void AddModelCommand(CLI::App& app, int* exit_code);
 void AddLayerCommand(CLI::App& app, int* exit_code);
+void AddTraceCommand(CLI::App& app, int* exit_code);
 
 }  // namespace epmoe::cli
