@@ -55,12 +55,24 @@ class ExpertStore {
 struct PackOptions {
   WeightFormat format = WeightFormat::kFp32;
   // Highest instruction set the kernel may use: "auto" (best the CPU has), or a name from the
-  // kernel list (e.g. "avx2", "reference") to force a lower one.
+  // kernel list (e.g. "avx2", "reference") to force a lower one; EPMOE_ISA lowers both (cpu.h).
+  // A kernel that cannot run the shape (input sizes not a multiple of its vector or group width:
+  // avx512 needs 16 (fp32), 32 (bf16), 64 (int8), 256 (nvfp4, mxfp4)) gives way to the next lower
+  // instruction set; the reference runs every shape. kernel_name() says which one runs.
   std::string isa = "auto";
+  // Optional: quantizes and packs the experts in parallel on this pool.
+  ThreadPool* pool = nullptr;
 };
 
-// Packs the given experts (all with the same shape) into one store. Refuses shapes the format
-// cannot hold (see CheckShape) and empty or mismatched inputs.
+// Packs the given experts (all with the same shape) into one store: quantizes each matrix (see
+// quantize.h) and repacks it once into the chosen kernel's layout. Refuses shapes the format
+// cannot hold (see CheckShape: block formats are not padded), NaN or Inf weights, unknown or
+// unsupported instruction sets, and empty or mismatched inputs.
+//
+// Run quantizes activations inside the call, as each kernel's dot product wants them:
+// reference and avx2 keep fp32 rows (weights are dequantized to fp32); avx512 rounds rows to bf16
+// for bf16 weights and quantizes them to int8 per row (scale max|x| / 127) for int8 and the 4-bit
+// formats (VNNI), fp32 weights take fp32 rows.
 Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
                                                  const PackOptions& options);
 

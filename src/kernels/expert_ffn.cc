@@ -4,7 +4,8 @@
 
 #include <cmath>
 
-#include "kernels/ref/fp32_store.h"
+#include "epmoe/cpu.h"
+#include "kernels/expert_store.h"
 
 namespace epmoe {
 
@@ -43,10 +44,10 @@ Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* 
   }
   EPMOE_RETURN_IF_ERROR(CheckShape(options.format, inter, hidden));
   EPMOE_RETURN_IF_ERROR(CheckShape(options.format, hidden, inter));
-  if (options.format != WeightFormat::kFp32)
-    return InvalidArgument(
-        fmt::format("pack experts: weight format {} has no kernel yet", WeightFormatName(options.format)));
-  return std::unique_ptr<ExpertStore>(std::make_unique<Fp32ReferenceStore>(experts));
+  Result<Isa> isa = ResolveIsa(options.isa);
+  if (!isa.ok()) return isa.status().WithContext("pack experts");
+  EPMOE_ASSIGN_OR_RETURN(auto store, kernels::KernelExpertStore::Create(experts, options.format, *isa, options.pool));
+  return std::unique_ptr<ExpertStore>(std::move(store));
 }
 
 }  // namespace epmoe

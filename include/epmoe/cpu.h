@@ -1,0 +1,45 @@
+// CPU feature detection and the choice of instruction set for the expert kernels.
+//
+// Kernels exist for an ordered list of instruction sets, best first: avx512 (F, BW, VL, DQ, VNNI
+// and BF16 together, as on AMD Zen 4 and Intel Sapphire Rapids), avx2 (with FMA and F16C), and
+// reference (plain C++, always available). The best one the CPU has is chosen once at run time;
+// the environment variable EPMOE_ISA (e.g. EPMOE_ISA=avx2) or an explicit request can force a lower
+// one, never a higher one. All functions are thread-safe.
+#pragma once
+
+#include <string_view>
+#include <vector>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+enum class Isa { kReference = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* IsaName(Isa isa);
+// "reference", "avx2" or "avx512".
+Result<Isa> ParseIsa(std::string_view name);
+// Best first: avx512, avx2, reference.
+std::vector<Isa> AllIsas();
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512vnni = false, avx512bf16 = false;
+};
+
+// What this CPU (and OS) supports, detected once.
+const CpuFeatures& DetectCpuFeatures();
+
+// Whether this CPU can run the kernels of `isa`.
+bool IsaSupported(Isa isa);
+
+// The best instruction set this CPU supports (ignores EPMOE_ISA).
+Isa BestSupportedIsa();
+
+// Resolves a request: "auto" is the best supported one, lowered to EPMOE_ISA when that is set; a
+// named set must be supported by the CPU and is also lowered to EPMOE_ISA when that is lower.
+// Fails on unknown names (in the request or in EPMOE_ISA) and on sets the CPU lacks.
+Result<Isa> ResolveIsa(std::string_view requested);
+
+}  // namespace epmoe

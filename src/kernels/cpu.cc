@@ -1,0 +1,84 @@
+#include "epmoe/cpu.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+namespace epmoe {
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kReference: return "reference";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+std::vector<Isa> AllIsas() { return {Isa::kAvx512, Isa::kAvx2, Isa::kReference}; }
+
+Result<Isa> ParseIsa(std::string_view name) {
+  for (Isa isa : AllIsas()) {
+    if (name == IsaName(isa)) return isa;
+  }
+  return InvalidArgument(fmt::format("unknown instruction set '{}' (expected auto, avx512, avx2 or reference)", name));
+}
+
+const CpuFeatures& DetectCpuFeatures() {
+  static const CpuFeatures features = [] {
+    CpuFeatures f;
+#if defined(__x86_64__) || defined(__i386__)
+    // __builtin_cpu_supports also checks that the OS saves the wide registers (XGETBV).
+    __builtin_cpu_init();
+    f.avx2 = __builtin_cpu_supports("avx2");
+    f.fma = __builtin_cpu_supports("fma");
+    f.f16c = __builtin_cpu_supports("f16c");
+    f.avx512f = __builtin_cpu_supports("avx512f");
+    f.avx512bw = __builtin_cpu_supports("avx512bw");
+    f.avx512vl = __builtin_cpu_supports("avx512vl");
+    f.avx512dq = __builtin_cpu_supports("avx512dq");
+    f.avx512vnni = __builtin_cpu_supports("avx512vnni");
+    f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+#endif
+    return f;
+  }();
+  return features;
+}
+
+bool IsaSupported(Isa isa) {
+  const CpuFeatures& f = DetectCpuFeatures();
+  switch (isa) {
+    case Isa::kReference: return true;
+    case Isa::kAvx2: return f.avx2 && f.fma && f.f16c;
+    case Isa::kAvx512:
+      return f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni &&
+             f.avx512bf16;
+  }
+  return false;
+}
+
+Isa BestSupportedIsa() {
+  for (Isa isa : AllIsas()) {
+    if (IsaSupported(isa)) return isa;
+  }
+  return Isa::kReference;
+}
+
+Result<Isa> ResolveIsa(std::string_view requested) {
+  Isa chosen = BestSupportedIsa();
+  if (requested != "auto") {
+    EPMOE_ASSIGN_OR_RETURN(chosen, ParseIsa(requested));
+    if (!IsaSupported(chosen))
+      return FailedPrecondition(fmt::format("this CPU cannot run the {} kernels (best available: {})",
+                                            IsaName(chosen), IsaName(BestSupportedIsa())));
+  }
+  if (const char* env = std::getenv("EPMOE_ISA"); env != nullptr && *env != '\0') {
+    auto cap = ParseIsa(env);
+    if (!cap.ok()) return InvalidArgument(fmt::format("EPMOE_ISA: {}", cap.status().message()));
+    chosen = std::min(chosen, *cap);
+  }
+  return chosen;
+}
+
+}  // namespace epmoe

@@ -1,0 +1,370 @@
+// The AVX-512 matrix kernels (needs F, BW, VL, DQ, VNNI and BF16; see epmoe/cpu.h).
+//   fp32   fp32 activations, FMA.
+//   bf16   activations rounded to bf16, VDPBF16PS (fp32 accumulation).
+//   int8   activations quantized to int8 per row (scale max|x|/127); weights stored offset binary
+//          (w + 128) so VPDPBUSD takes them as its unsigned operand; the offset is removed with
+//          the row's precomputed -128 * sum(q). Integer accumulation over the whole row.
+//   nvfp4, mxfp4  the same int8 activations, permuted to the kGrouped256 layout; E2M1 codes map
+//          through a 16-entry table to 2 * value + 12 (0..24, unsigned); the offset is removed
+//          with -12 * (sum of the lane's 16 activations), precomputed per row. Each 32-bit lane
+//          holds one 16-input block, summed in int32 then scaled by its block scale in fp32.
+// Every kernel tiles up to 4 activation rows x 4 (2 for 4-bit) weight rows in registers and walks
+// the inputs once, so a weight row is read from memory once per call and from L1 for further row
+// tiles.
+// GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* inside shuffles and extracts) as
+// "used uninitialized" once inlined at -O3; the values are never read. Silence only that check.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "kernels/kernel.h"
+
+namespace epmoe::kernels {
+namespace {
+
+// Where a tile reads and writes.
+struct TileArgs {
+  const PackedMatrix* weights;
+  int64_t channel;          // first weight row of the tile
+  const uint8_t* acts;      // first activation row of the tile
+  int64_t act_stride;       // bytes between activation rows
+  float* out;               // result of (first row, first channel)
+  int64_t out_stride;       // floats between output rows
+};
+
+using TileFn = void (*)(const TileArgs&);
+
+template <template <int, int> class Tile, int kMaxRows, int kMaxChannels>
+struct TileTable {
+  template <int... I>
+  static constexpr std::array<TileFn, sizeof...(I)> Make(std::integer_sequence<int, I...>) {
+    return {&Tile<I / kMaxChannels + 1, I % kMaxChannels + 1>::Run...};
+  }
+  static constexpr std::array<TileFn, kMaxRows * kMaxChannels> kTable =
+      Make(std::make_integer_sequence<int, kMaxRows * kMaxChannels>{});
+};
+
+// Walks [n_begin, n_end) in channel tiles and, inside each, all rows in row tiles.
+template <template <int, int> class Tile, int kMaxRows, int kMaxChannels>
+void RunTiles(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t act_stride,
+              int64_t rows, float* out, int64_t out_stride) {
+  for (int64_t n = n_begin; n < n_end; n += kMaxChannels) {
+    const int channels = static_cast<int>(std::min<int64_t>(kMaxChannels, n_end - n));
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
+      const TileArgs args{&w, n, acts + r * act_stride, act_stride, out + r * out_stride + (n - n_begin), out_stride};
+      TileTable<Tile, kMaxRows, kMaxChannels>::kTable[(tile_rows - 1) * kMaxChannels + (channels - 1)](args);
+    }
+  }
+}
+
+// Horizontal sums.
+float SumLanes(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  __m128 s = _mm512_castps512_ps128(v);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+int32_t SumLanes(__m512i v) {
+  v = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  __m128i s = _mm512_castsi512_si128(v);
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+int64_t RoundUp(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// ---- fp32 ----
+
+template <int R, int N>
+struct Fp32Tile {
+  static void Run(const TileArgs& a) {
+    const int64_t cols = a.weights->cols;
+    const float* w[N];
+    for (int j = 0; j < N; ++j) w[j] = reinterpret_cast<const float*>(a.weights->row(a.channel + j));
+    __m512 acc[R][N];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cols; c += 16) {
+      __m512 wv[N];
+      for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_ps(w[j] + c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_loadu_ps(reinterpret_cast<const float*>(a.acts + r * a.act_stride) + c);
+        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], x, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]);
+  }
+};
+
+class Fp32Kernel final : public MatrixKernel {
+ public:
+  Isa isa() const override { return Isa::kAvx512; }
+  WeightFormat format() const override { return WeightFormat::kFp32; }
+  bool SupportsCols(int64_t cols) const override { return cols % 16 == 0; }
+  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(cols * 4, 64); }
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    std::memcpy(out, x, cols * sizeof(float));
+  }
+  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
+              int64_t out_stride) const override {
+    RunTiles<Fp32Tile, 4, 4>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out, out_stride);
+  }
+};
+
+// ---- bf16 ----
+
+template <int R, int N>
+struct Bf16Tile {
+  static void Run(const TileArgs& a) {
+    const int64_t cols = a.weights->cols;
+    const uint8_t* w[N];
+    for (int j = 0; j < N; ++j) w[j] = a.weights->row(a.channel + j);
+    __m512 acc[R][N];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cols; c += 32) {
+      __m512i wv[N];
+      for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w[j] + 2 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(a.acts + r * a.act_stride + 2 * c);
+        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)x, (__m512bh)wv[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]);
+  }
+};
+
+class Bf16Kernel final : public MatrixKernel {
+ public:
+  Isa isa() const override { return Isa::kAvx512; }
+  WeightFormat format() const override { return WeightFormat::kBf16; }
+  bool SupportsCols(int64_t cols) const override { return cols % 32 == 0; }
+  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(cols * 2, 64); }
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t bits = Bf16FromFloat(x[c]);
+      std::memcpy(out + 2 * c, &bits, 2);
+    }
+  }
+  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
+              int64_t out_stride) const override {
+    RunTiles<Bf16Tile, 4, 4>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out, out_stride);
+  }
+};
+
+// ---- int8 activations shared by the int8 and 4-bit kernels ----
+
+// Symmetric per-row quantization: returns the scale (1 for an all-zero row) and writes q.
+float QuantizeRowInt8(const float* x, int64_t cols, int8_t* q) {
+  float amax = 0;
+  for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(x[c]));
+  const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+  const float inverse = 1.0f / scale;
+  for (int64_t c = 0; c < cols; ++c)
+    q[c] = static_cast<int8_t>(std::clamp(std::nearbyint(x[c] * inverse), -127.0f, 127.0f));
+  return scale;
+}
+
+// int8 activation row: cols int8 values, padded to 64 bytes, then fp32 scale and int32 -128*sum(q).
+template <int R, int N>
+struct Int8Tile {
+  static void Run(const TileArgs& a) {
+    const int64_t cols = a.weights->cols;
+    const uint8_t* w[N];
+    for (int j = 0; j < N; ++j) w[j] = a.weights->row(a.channel + j);
+    __m512i acc[R][N];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < cols; c += 64) {
+      __m512i wv[N];
+      for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w[j] + c);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(a.acts + r * a.act_stride + c);
+        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], x);
+      }
+    }
+    const int64_t tail = RoundUp(cols, 64);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = a.acts + r * a.act_stride;
+      float act_scale;
+      int32_t correction;
+      std::memcpy(&act_scale, row + tail, 4);
+      std::memcpy(&correction, row + tail + 4, 4);
+      for (int j = 0; j < N; ++j) {
+        float weight_scale;
+        std::memcpy(&weight_scale, a.weights->scales.data() + (a.channel + j) * 4, 4);
+        const int32_t dot = SumLanes(acc[r][j]) + correction;
+        a.out[r * a.out_stride + j] = static_cast<float>(dot) * (weight_scale * act_scale);
+      }
+    }
+  }
+};
+
+class Int8Kernel final : public MatrixKernel {
+ public:
+  Isa isa() const override { return Isa::kAvx512; }
+  WeightFormat format() const override { return WeightFormat::kInt8; }
+  bool SupportsCols(int64_t cols) const override { return cols % 64 == 0; }
+  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(cols, 64) + 64; }
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    int8_t* q = reinterpret_cast<int8_t*>(out);
+    const float scale = QuantizeRowInt8(x, cols, q);
+    int32_t sum = 0;
+    for (int64_t c = 0; c < cols; ++c) sum += q[c];
+    const int32_t correction = -128 * sum;
+    std::memcpy(out + RoundUp(cols, 64), &scale, 4);
+    std::memcpy(out + RoundUp(cols, 64) + 4, &correction, 4);
+  }
+  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
+              int64_t out_stride) const override {
+    RunTiles<Int8Tile, 4, 4>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out, out_stride);
+  }
+};
+
+// ---- 4-bit (nvfp4, mxfp4) ----
+
+// 4-bit activation row (cols a multiple of 256): cols int8 values in kGrouped256 order, then
+// cols/16 int32 lane corrections (-12 * sum of the lane's 16 values), then the fp32 scale.
+int64_t FourBitCorrectionOffset(int64_t cols) { return cols; }
+int64_t FourBitScaleOffset(int64_t cols) { return cols + cols / 16 * 4; }
+
+// Lane scales of group g for one weight row: 16 fp32, lane i scaling inputs 16i .. 16i+15.
+template <WeightFormat kFormat>
+__m512 LaneScales(const uint8_t* row_scales, int64_t group) {
+  if constexpr (kFormat == WeightFormat::kNvfp4) {
+    // E4M3 (non-negative, never NaN here) -> fp32: place exponent and mantissa bits, then scale by
+    // 2^(127 - 7) to rebias; subnormal codes come out right as fp32 subnormals times 2^120.
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + group * 16)));
+    const __m512 raw = _mm512_castsi512_ps(_mm512_slli_epi32(codes, 20));
+    return _mm512_mul_ps(raw, _mm512_set1_ps(0x1p120f));
+  } else {
+    // E8M0 -> fp32: the code is the fp32 exponent field. One code covers lanes 2i and 2i+1.
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row_scales + group * 8));
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(eight, eight));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(codes, 23));
+  }
+}
+
+template <WeightFormat kFormat>
+struct FourBit {
+  template <int R, int N>
+  struct Tile {
+    static void Run(const TileArgs& a) {
+      const PackedMatrix& m = *a.weights;
+      const int64_t cols = m.cols;
+      const int64_t groups = cols / 256;
+      const int64_t scales_per_row = cols / BlockSize(kFormat);
+      // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), in each 128-bit lane for VPSHUFB.
+      const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+      const __m512i low_mask = _mm512_set1_epi8(0x0F);
+      const uint8_t* w[N];
+      const uint8_t* s[N];
+      for (int j = 0; j < N; ++j) {
+        w[j] = m.row(a.channel + j);
+        s[j] = m.scales.data() + (a.channel + j) * scales_per_row;
+      }
+      __m512 acc[R][N];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512i v[N][4];
+        __m512 scale[N];
+        for (int j = 0; j < N; ++j) {
+          const __m512i p0 = _mm512_loadu_si512(w[j] + g * 128);
+          const __m512i p1 = _mm512_loadu_si512(w[j] + g * 128 + 64);
+          v[j][0] = _mm512_shuffle_epi8(table, _mm512_and_si512(p0, low_mask));
+          v[j][1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p0, 4), low_mask));
+          v[j][2] = _mm512_shuffle_epi8(table, _mm512_and_si512(p1, low_mask));
+          v[j][3] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p1, 4), low_mask));
+          scale[j] = LaneScales<kFormat>(s[j], g);
+        }
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = a.acts + r * a.act_stride;
+          const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
+          const __m512i x0 = _mm512_loadu_si512(x + g * 256);
+          const __m512i x1 = _mm512_loadu_si512(x + g * 256 + 64);
+          const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
+          const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
+          for (int j = 0; j < N; ++j) {
+            __m512i t = _mm512_dpbusd_epi32(correction, v[j][0], x0);
+            t = _mm512_dpbusd_epi32(t, v[j][1], x1);
+            t = _mm512_dpbusd_epi32(t, v[j][2], x2);
+            t = _mm512_dpbusd_epi32(t, v[j][3], x3);
+            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[j], acc[r][j]);
+          }
+        }
+      }
+      // The table doubled the values: halve here, with the activation and tensor scales.
+      const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
+      for (int r = 0; r < R; ++r) {
+        float act_scale;
+        std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(cols), 4);
+        for (int j = 0; j < N; ++j)
+          a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
+      }
+    }
+  };
+};
+
+template <WeightFormat kFormat>
+class FourBitKernel final : public MatrixKernel {
+ public:
+  Isa isa() const override { return Isa::kAvx512; }
+  WeightFormat format() const override { return kFormat; }
+  PackLayout layout() const override { return PackLayout::kGrouped256; }
+  bool SupportsCols(int64_t cols) const override { return cols % 256 == 0; }
+  int64_t ActivationBytes(int64_t cols) const override { return FourBitScaleOffset(cols) + 64; }
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    std::vector<int8_t> q(cols);
+    const float scale = QuantizeRowInt8(x, cols, q.data());
+    int8_t* permuted = reinterpret_cast<int8_t*>(out);
+    for (int64_t g = 0; g < cols / 256; ++g) {
+      for (int lane = 0; lane < 16; ++lane) {
+        int32_t sum = 0;
+        for (int k = 0; k < 16; ++k) {
+          const int vector = k / 4, t = k % 4;
+          const int8_t value = q[g * 256 + lane * 16 + k];
+          permuted[g * 256 + vector * 64 + lane * 4 + t] = value;
+          sum += value;
+        }
+        const int32_t correction = -12 * sum;
+        std::memcpy(out + FourBitCorrectionOffset(cols) + (g * 16 + lane) * 4, &correction, 4);
+      }
+    }
+    std::memcpy(out + FourBitScaleOffset(cols), &scale, 4);
+  }
+  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
+              int64_t out_stride) const override {
+    RunTiles<FourBit<kFormat>::template Tile, 4, 2>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out,
+                                                    out_stride);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<MatrixKernel> MakeAvx512Kernel(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kFp32: return std::make_unique<Fp32Kernel>();
+    case WeightFormat::kBf16: return std::make_unique<Bf16Kernel>();
+    case WeightFormat::kInt8: return std::make_unique<Int8Kernel>();
+    case WeightFormat::kNvfp4: return std::make_unique<FourBitKernel<WeightFormat::kNvfp4>>();
+    case WeightFormat::kMxfp4: return std::make_unique<FourBitKernel<WeightFormat::kMxfp4>>();
+  }
+  return nullptr;
+}
+
+}  // namespace epmoe::kernels

@@ -1,0 +1,168 @@
+#include "kernels/expert_store.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "epmoe/thread_pool.h"
+
+namespace epmoe::kernels {
+namespace {
+
+// Cache budgets (per core) for the blocking: weights of one work item, and one block of rows.
+constexpr int64_t kWeightBlockBytes = 256 * 1024;
+constexpr int64_t kRowBlockBytes = 256 * 1024;
+// Channels per work item in the decode path: small, so that a step touching few experts still has
+// work for every thread.
+constexpr int64_t kDecodeChannels = 64;
+
+// One unit of parallel work: channels [n_begin, n_end) of one expert, for all of its rows.
+struct WorkItem {
+  int expert;
+  int64_t n_begin, n_end;
+};
+
+int64_t ChannelsPerItem(int64_t rows, int64_t weight_row_bytes, int64_t matrices) {
+  if (rows <= KernelExpertStore::kDecodeMaxRows) return kDecodeChannels;
+  const int64_t fit = kWeightBlockBytes / std::max<int64_t>(1, weight_row_bytes * matrices);
+  return std::clamp<int64_t>(fit / 4 * 4, 16, 256);
+}
+
+int64_t RowsPerBlock(int64_t rows, int64_t act_row_bytes) {
+  if (rows <= KernelExpertStore::kDecodeMaxRows) return rows;
+  return std::clamp<int64_t>(kRowBlockBytes / std::max<int64_t>(1, act_row_bytes), 16, 512);
+}
+
+std::vector<WorkItem> MakeItems(std::span<const int64_t> offsets, int64_t channels, int64_t weight_row_bytes,
+                                int64_t matrices) {
+  std::vector<WorkItem> items;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    const int64_t step = ChannelsPerItem(rows, weight_row_bytes, matrices);
+    for (int64_t n = 0; n < channels; n += step)
+      items.push_back({static_cast<int>(e), n, std::min(channels, n + step)});
+  }
+  return items;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<const ExpertWeights* const> experts,
+                                                                     WeightFormat format, Isa highest,
+                                                                     ThreadPool* pool) {
+  std::unique_ptr<KernelExpertStore> store(new KernelExpertStore());
+  store->format_ = format;
+  store->hidden_ = experts[0]->hidden();
+  store->intermediate_ = experts[0]->intermediate();
+  store->kernel_ = ChooseKernel(format, highest, store->hidden_, store->intermediate_);
+  store->experts_.resize(experts.size());
+  std::vector<Status> errors(experts.size());
+  const PackLayout layout = store->kernel_->layout();
+  auto pack_one = [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const ExpertWeights& source = *experts[e];
+      PackedExpert& packed = store->experts_[e];
+      const Matrix* matrices[3] = {&source.gate, &source.up, &source.down};
+      PackedMatrix* targets[3] = {&packed.gate, &packed.up, &packed.down};
+      for (int m = 0; m < 3; ++m) {
+        Result<QuantizedMatrix> q = Quantize(format, *matrices[m]);
+        if (!q.ok()) {
+          static constexpr const char* kNames[3] = {"gate", "up", "down"};
+          errors[e] = q.status().WithContext(fmt::format("expert {} {}", e, kNames[m]));
+          break;
+        }
+        *targets[m] = PackMatrix(*q, layout);
+      }
+    }
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(static_cast<int64_t>(experts.size()), 1, pack_one);
+  } else {
+    pack_one(0, static_cast<int64_t>(experts.size()));
+  }
+  for (const Status& s : errors) EPMOE_RETURN_IF_ERROR(s);
+  return store;
+}
+
+int64_t KernelExpertStore::expert_bytes(int expert) const {
+  const PackedExpert& e = experts_[expert];
+  return e.gate.bytes() + e.up.bytes() + e.down.bytes();
+}
+
+std::string KernelExpertStore::kernel_name() const {
+  return fmt::format("{}/{}", WeightFormatName(format_), IsaName(kernel_->isa()));
+}
+
+void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const {
+  const int num = num_experts();
+  EPMOE_CHECK(static_cast<int>(offsets.size()) == num + 1);
+  EPMOE_CHECK(offsets[0] == 0);
+  for (int e = 0; e < num; ++e) EPMOE_CHECK(offsets[e] <= offsets[e + 1]);
+  const int64_t total = offsets[num];
+  if (total == 0) return;
+  const MatrixKernel& kernel = *kernel_;
+  const int64_t hidden_stride = kernel.ActivationBytes(hidden_);
+  const int64_t mid_stride = kernel.ActivationBytes(intermediate_);
+  constexpr int64_t kQuantizeGrain = 8;
+
+  // Phase 1: input rows in the kernel's activation format.
+  std::vector<uint8_t> inputs(total * hidden_stride);
+  pool.ParallelFor(total, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) kernel.QuantizeActivations(rows + r * hidden_, hidden_, inputs.data() + r * hidden_stride);
+  });
+
+  // Phase 2: silu(gate x) * (up x) for every row, in fp32.
+  std::vector<float> mid(total * intermediate_);
+  const std::vector<WorkItem> gate_items = MakeItems(offsets, intermediate_, experts_[0].gate.row_bytes, 2);
+  pool.ParallelFor(static_cast<int64_t>(gate_items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = gate_items[i];
+      const PackedExpert& expert = experts_[item.expert];
+      const int64_t first = offsets[item.expert];
+      const int64_t count = offsets[item.expert + 1] - first;
+      const int64_t width = item.n_end - item.n_begin;
+      const int64_t block = RowsPerBlock(count, hidden_stride);
+      std::vector<float> gate(block * width), up(block * width);
+      for (int64_t r0 = 0; r0 < count; r0 += block) {
+        const int64_t n_rows = std::min(block, count - r0);
+        const uint8_t* acts = inputs.data() + (first + r0) * hidden_stride;
+        kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width);
+        kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width);
+        for (int64_t r = 0; r < n_rows; ++r) {
+          float* target = mid.data() + (first + r0 + r) * intermediate_ + item.n_begin;
+          for (int64_t c = 0; c < width; ++c) {
+            const float g = gate[r * width + c];
+            target[c] = g / (1.0f + std::exp(-g)) * up[r * width + c];
+          }
+        }
+      }
+    }
+  });
+
+  // Phase 3: the intermediate rows in the kernel's activation format.
+  std::vector<uint8_t> mid_acts(total * mid_stride);
+  pool.ParallelFor(total, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      kernel.QuantizeActivations(mid.data() + r * intermediate_, intermediate_, mid_acts.data() + r * mid_stride);
+  });
+
+  // Phase 4: down projection straight into the output rows.
+  const std::vector<WorkItem> down_items = MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1);
+  pool.ParallelFor(static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = down_items[i];
+      const int64_t first = offsets[item.expert];
+      const int64_t count = offsets[item.expert + 1] - first;
+      const int64_t block = RowsPerBlock(count, mid_stride);
+      for (int64_t r0 = 0; r0 < count; r0 += block) {
+        const int64_t n_rows = std::min(block, count - r0);
+        kernel.MatMul(experts_[item.expert].down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride,
+                      n_rows, out + (first + r0) * hidden_ + item.n_begin, hidden_);
+      }
+    }
+  });
+}
+
+}  // namespace epmoe::kernels

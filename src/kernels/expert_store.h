@@ -1,0 +1,49 @@
+// KernelExpertStore: the ExpertStore of every weight format and instruction set. Packs each
+// expert's three matrices once into its matrix kernel's layout; Run is the grouped SwiGLU over all
+// local experts, in four parallel phases (quantize input rows, gate+up+SwiGLU, quantize the
+// intermediate rows, down). Two paths by rows per expert: decode (up to kDecodeMaxRows rows: one
+// pass over the expert's weights, split into small channel blocks so few experts still spread over
+// every thread) and prefill (more rows: cache-blocked, row blocks sized for L2 and weight blocks
+// re-read from L2, register tiles inside). Immutable after construction; Run is thread-safe.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "epmoe/expert_ffn.h"
+#include "kernels/kernel.h"
+
+namespace epmoe::kernels {
+
+class KernelExpertStore final : public ExpertStore {
+ public:
+  // Rows per expert up to which the decode path runs.
+  static constexpr int64_t kDecodeMaxRows = 16;
+
+  static Result<std::unique_ptr<KernelExpertStore>> Create(std::span<const ExpertWeights* const> experts,
+                                                           WeightFormat format, Isa highest, ThreadPool* pool);
+
+  WeightFormat format() const override { return format_; }
+  int num_experts() const override { return static_cast<int>(experts_.size()); }
+  int64_t hidden() const override { return hidden_; }
+  int64_t intermediate() const override { return intermediate_; }
+  int64_t expert_bytes(int expert) const override;
+  std::string kernel_name() const override;
+  void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const override;
+
+ private:
+  struct PackedExpert {
+    PackedMatrix gate, up, down;
+  };
+  KernelExpertStore() = default;
+
+  WeightFormat format_ = WeightFormat::kFp32;
+  int64_t hidden_ = 0;
+  int64_t intermediate_ = 0;
+  std::unique_ptr<MatrixKernel> kernel_;
+  std::vector<PackedExpert> experts_;
+};
+
+}  // namespace epmoe::kernels

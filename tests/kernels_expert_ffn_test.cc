@@ -1,0 +1,221 @@
+// The kernels harness: every (weight format x instruction set x path) against the fp32 reference.
+//
+// Two bounds per case, both as normalized max error (max |actual - expected| / max |expected|):
+//  - against ReferenceExpertFfn on the original fp32 weights: quantization plus kernel error, the
+//    bound users rely on (kFormatTolerance, also what `epmoe layer --check` enforces);
+//  - against ReferenceExpertFfn on the dequantized weights: the kernel's own error (activation
+//    rounding and summation order), much tighter, so a kernel bug cannot hide in quantization noise.
+// Rows per expert 0, 1, 2, 3, 7 (decode path), 64 and 1000 (prefill path), uneven, with experts
+// that get no rows; input sizes that are not multiples of the vector or group width.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "epmoe/cpu.h"
+#include "epmoe/expert_ffn.h"
+#include "epmoe/quantize.h"
+#include "epmoe/thread_pool.h"
+#include "kernels/expert_store.h"
+
+namespace epmoe {
+namespace {
+
+double FormatTolerance(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kFp32: return 1e-4;
+    case WeightFormat::kBf16: return 1.5e-2;
+    case WeightFormat::kInt8: return 5e-2;
+    case WeightFormat::kNvfp4: return 3e-1;   // E2M1 has 3 bits of magnitude: errors up to 1/6 of a block's max
+    case WeightFormat::kMxfp4: return 3.5e-1; // and power-of-two scales leave up to 2x headroom unused
+  }
+  return 0;
+}
+
+// Kernel error alone: fp32 activations (reference, avx2) or bf16 / int8 activations (avx512).
+double KernelTolerance(WeightFormat format, Isa isa) {
+  if (isa != Isa::kAvx512 || format == WeightFormat::kFp32) return 1e-4;
+  return format == WeightFormat::kBf16 ? 1e-2 : 5e-2;
+}
+
+Matrix RandomMatrix(int64_t rows, int64_t cols, float bound, std::mt19937& rng) {
+  Matrix m(rows, cols);
+  std::uniform_real_distribution<float> dist(-bound, bound);
+  for (float& v : m.data) v = dist(rng);
+  return m;
+}
+
+std::vector<ExpertWeights> RandomExperts(int count, int64_t hidden, int64_t inter, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<ExpertWeights> experts(count);
+  for (auto& e : experts) {
+    e.gate = RandomMatrix(inter, hidden, 1.0f / std::sqrt(static_cast<float>(hidden)), rng);
+    e.up = RandomMatrix(inter, hidden, 1.0f / std::sqrt(static_cast<float>(hidden)), rng);
+    e.down = RandomMatrix(hidden, inter, 1.0f / std::sqrt(static_cast<float>(inter)), rng);
+    // A few outliers per matrix, as real weights have, so scales are not all alike.
+    for (Matrix* m : {&e.gate, &e.up, &e.down}) {
+      for (int i = 0; i < 8; ++i) m->data[rng() % m->data.size()] *= 6.0f;
+    }
+  }
+  return experts;
+}
+
+ExpertWeights DequantizedExpert(const ExpertWeights& e, WeightFormat format) {
+  ExpertWeights d;
+  d.gate = Dequantize(*Quantize(format, e.gate));
+  d.up = Dequantize(*Quantize(format, e.up));
+  d.down = Dequantize(*Quantize(format, e.down));
+  return d;
+}
+
+std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> offsets(1, 0);
+  for (int64_t c : counts) offsets.push_back(offsets.back() + c);
+  return offsets;
+}
+
+Matrix ReferenceOutputs(const std::vector<ExpertWeights>& experts, const Matrix& rows,
+                        const std::vector<int64_t>& offsets) {
+  Matrix out(rows.rows, rows.cols);
+  for (size_t e = 0; e < experts.size(); ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) ReferenceExpertFfn(experts[e], rows.row_span(r), out.row_span(r));
+  }
+  return out;
+}
+
+std::vector<const ExpertWeights*> Pointers(const std::vector<ExpertWeights>& experts) {
+  std::vector<const ExpertWeights*> p;
+  for (const auto& e : experts) p.push_back(&e);
+  return p;
+}
+
+Matrix RunStore(const ExpertStore& store, const Matrix& rows, const std::vector<int64_t>& offsets, int threads) {
+  ThreadPool pool(threads);
+  Matrix out(rows.rows, rows.cols);
+  // Poison the output: every row must be written.
+  std::fill(out.data.begin(), out.data.end(), std::nanf(""));
+  store.Run(rows.data.data(), offsets, out.data.data(), pool);
+  return out;
+}
+
+struct Case {
+  WeightFormat format;
+  Isa isa;
+};
+
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (WeightFormat f : AllWeightFormats()) {
+    for (Isa isa : AllIsas()) {
+      if (IsaSupported(isa)) cases.push_back({f, isa});
+    }
+  }
+  return cases;
+}
+
+class KernelHarness : public ::testing::TestWithParam<Case> {};
+
+// 8 experts, rows per expert 0, 1, 2, 3, 7, 64, 1000, 5: both paths and zero-pick experts.
+TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
+  const auto [format, isa] = GetParam();
+  constexpr int64_t kHidden = 512, kInter = 256;
+  const std::vector<ExpertWeights> experts = RandomExperts(8, kHidden, kInter, 7);
+  const std::vector<int64_t> offsets = Offsets({0, 1, 2, 3, 7, 64, 1000, 5});
+  std::mt19937 rng(11);
+  const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
+  const auto pointers = Pointers(experts);
+  auto store = PackExperts(pointers, PackOptions{format, IsaName(isa)});
+  ASSERT_TRUE(store.ok()) << store.status().message();
+  EXPECT_EQ((*store)->kernel_name(), std::string(WeightFormatName(format)) + "/" + IsaName(isa));
+  for (int e = 0; e < 8; ++e) EXPECT_EQ((*store)->expert_bytes(e), ExpertByteCount(format, kHidden, kInter));
+
+  const Matrix actual = RunStore(**store, rows, offsets, 2);
+  ASSERT_EQ(FirstNonFinite(actual.data), -1);
+  std::vector<ExpertWeights> dequantized;
+  for (const auto& e : experts) dequantized.push_back(DequantizedExpert(e, format));
+  const Matrix exact = ReferenceOutputs(experts, rows, offsets);
+  const Matrix same_weights = ReferenceOutputs(dequantized, rows, offsets);
+  // Per expert, so each row count (path) is judged on its own.
+  for (int e = 0; e < 8; ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    if (count == 0) continue;
+    Matrix a(count, kHidden), x(count, kHidden), q(count, kHidden);
+    std::copy_n(actual.row(offsets[e]), count * kHidden, a.data.begin());
+    std::copy_n(exact.row(offsets[e]), count * kHidden, x.data.begin());
+    std::copy_n(same_weights.row(offsets[e]), count * kHidden, q.data.begin());
+    EXPECT_LE(NormalizedMaxError(a, x), FormatTolerance(format)) << "expert " << e << " rows " << count;
+    EXPECT_LE(NormalizedMaxError(a, q), KernelTolerance(format, isa)) << "expert " << e << " rows " << count;
+  }
+  // The result of a row depends neither on the thread count nor on the other rows.
+  const Matrix single = RunStore(**store, rows, offsets, 1);
+  EXPECT_EQ(single.data, actual.data);
+}
+
+// Uneven counts, zero-pick experts, and sizes that are multiples of the format's block but not of
+// every vector or group width (avx512 then gives way to a lower instruction set, stated in
+// kernel_name).
+TEST_P(KernelHarness, OddSizesAndUnevenCounts) {
+  const auto [format, isa] = GetParam();
+  const int64_t hidden = 96, inter = 160;  // multiples of 32, not of 64 or 256
+  const std::vector<ExpertWeights> experts = RandomExperts(5, hidden, inter, 3);
+  const std::vector<int64_t> offsets = Offsets({3, 0, 17, 0, 40});
+  std::mt19937 rng(5);
+  const Matrix rows = RandomMatrix(offsets.back(), hidden, 1.0f, rng);
+  const auto pointers = Pointers(experts);
+  auto store = PackExperts(pointers, PackOptions{format, IsaName(isa)});
+  ASSERT_TRUE(store.ok()) << store.status().message();
+  const Matrix actual = RunStore(**store, rows, offsets, 2);
+  const Matrix exact = ReferenceOutputs(experts, rows, offsets);
+  EXPECT_LE(NormalizedMaxError(actual, exact), FormatTolerance(format)) << (*store)->kernel_name();
+  for (int e = 0; e < 5; ++e) EXPECT_EQ((*store)->expert_bytes(e), ExpertByteCount(format, hidden, inter));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, KernelHarness, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(WeightFormatName(info.param.format)) + "_" + IsaName(info.param.isa);
+                         });
+
+TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
+  if (!IsaSupported(Isa::kAvx512)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const std::vector<ExpertWeights> experts = RandomExperts(1, 96, 160, 1);
+  const auto pointers = Pointers(experts);
+  auto nvfp4 = PackExperts(pointers, PackOptions{WeightFormat::kNvfp4, "avx512"});
+  ASSERT_TRUE(nvfp4.ok());
+  EXPECT_EQ((*nvfp4)->kernel_name(), "nvfp4/avx2");
+  auto bf16 = PackExperts(pointers, PackOptions{WeightFormat::kBf16, "avx512"});
+  ASSERT_TRUE(bf16.ok());
+  EXPECT_EQ((*bf16)->kernel_name(), "bf16/avx512");
+}
+
+TEST(KernelChoice, RefusesWhatItCannotStore) {
+  const auto experts = RandomExperts(1, 64, 48, 1);  // 48 is not a multiple of MXFP4's 32
+  const auto pointers = Pointers(experts);
+  EXPECT_FALSE(PackExperts(pointers, PackOptions{WeightFormat::kMxfp4, "auto"}).ok());
+  EXPECT_TRUE(PackExperts(pointers, PackOptions{WeightFormat::kNvfp4, "auto"}).ok());
+  EXPECT_FALSE(PackExperts(pointers, PackOptions{WeightFormat::kInt8, "sse9"}).ok());
+  auto bad = RandomExperts(1, 64, 32, 2);
+  bad[0].up.at(3, 5) = std::nanf("");
+  const auto bad_pointers = Pointers(bad);
+  auto refused = PackExperts(bad_pointers, PackOptions{WeightFormat::kInt8, "auto"});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("row 3, column 5"), std::string::npos) << refused.status().message();
+}
+
+TEST(KernelChoice, EnvironmentLowersTheInstructionSet) {
+  const auto experts = RandomExperts(1, 256, 256, 1);
+  const auto pointers = Pointers(experts);
+  ASSERT_EQ(setenv("EPMOE_ISA", "reference", 1), 0);
+  auto store = PackExperts(pointers, PackOptions{WeightFormat::kInt8, "auto"});
+  unsetenv("EPMOE_ISA");
+  ASSERT_TRUE(store.ok());
+  EXPECT_EQ((*store)->kernel_name(), "int8/reference");
+  ASSERT_EQ(setenv("EPMOE_ISA", "fast", 1), 0);
+  EXPECT_FALSE(ResolveIsa("auto").ok());
+  unsetenv("EPMOE_ISA");
+}
+
+}  // namespace
+}  // namespace epmoe
