@@ -90,7 +90,8 @@ struct StepStats {
   double unpack_us = 0;    // decoding outputs and summing each row's picks
   double shared_us = 0;    // shared expert
   int64_t rows = 0;              // rows this rank is home for
-  int64_t row_copies_sent = 0;   // rows sent to other ranks' experts (a2a: one per destination)
+  int64_t row_copies = 0;        // ranks this rank's rows were delivered to, itself included (a2a:
+                                 // one per destination rank; all-gather: G; rows that stay: 0)
   int64_t picks = 0;             // picks computed on this rank (a slice counts as a pick)
   int64_t expert_bytes_read = 0; // bytes of local expert weights touched (+ shared)
   int64_t bytes_sent = 0;        // to other ranks (not to itself)

@@ -191,7 +191,7 @@ class A2aExecutor : public MoeExecutor {
       st.dispatch_us += watch.Lap();
       st.bytes_sent += send_offsets[g] - send_bytes[me];
       st.bytes_received += recv_offsets[g] - recv_bytes[me];
-      st.row_copies_sent += send_offsets[g] / record_bytes - send_n[me];
+      st.row_copies += send_offsets[g] / record_bytes;
 
       // Expert side: decode the received rows and group their picks by local slot.
       const int64_t received = recv_offsets[g] / record_bytes;

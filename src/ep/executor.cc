@@ -54,7 +54,7 @@ void StepStats::Add(const StepStats& o) {
   unpack_us += o.unpack_us;
   shared_us += o.shared_us;
   rows += o.rows;
-  row_copies_sent += o.row_copies_sent;
+  row_copies += o.row_copies;
   picks += o.picks;
   expert_bytes_read += o.expert_bytes_read;
   bytes_sent += o.bytes_sent;

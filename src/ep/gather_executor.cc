@@ -201,7 +201,7 @@ class GatherExecutor : public MoeExecutor {
         st.dispatch_us += watch.Lap();
         st.bytes_sent += bytes[me] * (g - 1);
         st.bytes_received += offsets[g] - bytes[me];
-        st.row_copies_sent += chunk[me] * (g - 1);
+        st.row_copies += chunk[me] * g;
         for (int64_t q = 0; q < round_total; ++q) {
           const uint8_t* record = recv.data() + q * record_bytes;
           std::memcpy(gathered_experts.data() + q * k, record, k * 4);

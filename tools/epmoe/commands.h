@@ -9,6 +9,7 @@ namespace epmoe::cli {
 
 void AddModelCommand(CLI::App& app, int* exit_code);
 void AddLayerCommand(CLI::App& app, int* exit_code);
+void AddRunCommand(CLI::App& app, int* exit_code);
 void AddTraceCommand(CLI::App& app, int* exit_code);
 
 }  // namespace epmoe::cli
