@@ -1,0 +1,94 @@
+// Hardware profiles: what the planner needs to know about a machine to price each option.
+//
+// A profile describes one kind of node (GPUs, or a CPU server) and how nodes are linked; an EP group
+// of G ranks spans ceil(G / gpus_per_node) such nodes. Profiles live in configs/hardware/<name>.json
+// and are compiled into the binary (LoadHardware("b300x8")); a path to a .json file loads that file.
+// Every number records its source in the profile's "sources" list. JSON layout (all fields required
+// unless marked optional; units in the names):
+//   name, description, sources[]          strings
+//   gpus_per_node                         ranks that share the fast link domain (NVLink, one host)
+//   ranks_share_device                    true on a CPU server: ranks on a node share one memory
+//                                         system and its arithmetic (each gets 1/ranks of it)
+//   memory: {capacity_gb, bandwidth_gbs, read_efficiency}
+//                                         per device; read_efficiency = share of the data-sheet
+//                                         bandwidth an expert kernel reaches when reading weights
+//   peak_tflops: {fp32, bf16, int8, fp8, fp4}   dense data-sheet peaks per arithmetic path
+//   arithmetic_efficiency                 share of the peak a grouped expert kernel reaches
+//   kernel_fixed_us                       fixed cost of one layer's expert kernel (launch, tail)
+//   intra_node, inter_node: {bandwidth_gbs, efficiency, latency_us}
+//                                         per rank and direction; latency_us = fixed cost of one
+//                                         collective step (launch + synchronization), not wire time
+//   kernel_lines (optional): [{format, fixed_us, us_per_gb, source, sliced_extra_us (optional)}]
+//                                         a measured line "time = fixed + us_per_gb x GB read" for
+//                                         experts stored in `format`; it replaces the bandwidth
+//                                         term and the fixed cost for that format
+// HardwareProfile is a plain value (thread-compatible).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "epmoe/status.h"
+#include "epmoe/weight_format.h"
+
+namespace epmoe {
+
+// A link between ranks: per-rank bandwidth in one direction, its achieved share, a fixed cost.
+struct LinkSpec {
+  double bandwidth_gbs = 0;  // GB/s (10^9 bytes) per rank and direction, data sheet
+  double efficiency = 0;     // share of bandwidth_gbs reached by collectives, (0, 1]
+  double latency_us = 0;     // fixed cost of one collective step (>= 0)
+
+  double bytes_per_second() const { return bandwidth_gbs * 1e9 * efficiency; }
+};
+
+// A measured expert-kernel line: time = fixed_us + us_per_gb x (GB of weights read).
+struct KernelLine {
+  WeightFormat format = WeightFormat::kNvfp4;
+  double fixed_us = 0;
+  double us_per_gb = 0;
+  double sliced_extra_us = 0;  // extra fixed cost when the experts are sliced (optional, default 0)
+  std::string source;
+};
+
+// Dense peaks per arithmetic path, in TFLOP/s (TOP/s for int8).
+struct PeakTflops {
+  double fp32 = 0, bf16 = 0, int8 = 0, fp8 = 0, fp4 = 0;
+};
+
+struct HardwareProfile {
+  std::string name;
+  std::string description;
+  std::vector<std::string> sources;
+  int gpus_per_node = 0;
+  bool ranks_share_device = false;
+  double memory_capacity_gb = 0;
+  double memory_bandwidth_gbs = 0;
+  double memory_read_efficiency = 0;
+  PeakTflops peak_tflops;
+  double arithmetic_efficiency = 0;
+  double kernel_fixed_us = 0;
+  LinkSpec intra_node;
+  LinkSpec inter_node;
+  std::vector<KernelLine> kernel_lines;
+
+  // The measured line for experts stored in `format`, if the profile has one.
+  std::optional<KernelLine> LineFor(WeightFormat format) const;
+  // Peak of the arithmetic path that experts stored in `format` use (4-bit formats: fp4; int8: int8).
+  double PeakTflopsFor(WeightFormat format) const;
+};
+
+// Checks every field (positive sizes, efficiencies in (0, 1], non-negative latencies); the message
+// names `source` and the field, e.g. "configs/hardware/x.json: field 'memory.bandwidth_gbs' ...".
+Status ValidateHardware(const HardwareProfile& profile, std::string_view source);
+
+// Parses profile JSON; every required field must be present. `source` names the text in errors.
+Result<HardwareProfile> ParseHardware(std::string_view json_text, std::string_view source);
+// A built-in profile by name (see ListHardwareProfiles) or a .json file by path.
+Result<HardwareProfile> LoadHardware(std::string_view name_or_path);
+std::string HardwareToJson(const HardwareProfile& profile);
+std::vector<std::string> ListHardwareProfiles();
+
+}  // namespace epmoe

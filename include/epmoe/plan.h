@@ -1,0 +1,168 @@
+// The planner: predicts what each way of meeting the experts costs on a hardware profile, for a
+// model preset and a routing load (a trace's picks or an even router), per EP size and batch.
+//
+// Cost model (DESIGN.md "Cost model"), per MoE layer and rank, for the picks that land on it:
+//   kernel = fixed + sum over touched local experts (or slices) of max(bytes / read bandwidth,
+//            flops / achieved peak), + the shared expert (sliced or copied);
+//   communication: options 1-3 all-gather rows to G-1 ranks and reduce-scatter the results;
+//            option 4 dispatches a row only to the ranks holding its experts and combines back;
+//            option 5 fetches (G-1)/G of the layer's expert bytes, overlapped with the kernel;
+//   each collective costs latency + bytes / link bandwidth (intra- and inter-node shares in
+//   parallel), and the slowest rank sets the layer's time. Step = MoE layers + dense FFN layers
+//   (attention and everything else is not modeled).
+// Functions are pure; the planner is thread-compatible (no shared state).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epmoe/hardware.h"
+#include "epmoe/load.h"
+#include "epmoe/model.h"
+#include "epmoe/status.h"
+#include "epmoe/weight_format.h"
+
+namespace epmoe {
+
+// The five ways a row meets its experts (DESIGN.md).
+enum class PlanOption { kSliced = 1, kWholeAllRows = 2, kHybrid = 3, kTravelingRows = 4, kTravelingWeights = 5 };
+const char* PlanOptionName(PlanOption option);  // "sliced", "whole", "hybrid", "rows", "weights"
+std::vector<PlanOption> AllPlanOptions();
+
+enum class PlanPhase { kDecode, kPrefill };
+// How the shared expert or the dense layers are held: auto = sliced under options 1-3, copied under 4-5.
+enum class Sharing { kAuto, kSliced, kCopied };
+// How rows travel to the experts (results always come back in 16 bits).
+enum class RowFormat { kBf16, kFp4 };
+
+// ---- Derived quantities (from the preset alone) ----
+int64_t WeightsPerExpert(const ModelConfig& model);             // 3 x hidden x expert_intermediate
+int64_t WeightsPerSharedExpert(const ModelConfig& model);        // all shared experts of a layer
+int64_t WeightsPerDenseLayer(const ModelConfig& model);          // 3 x hidden x dense_intermediate
+int64_t FourBitBytes(int64_t weights);                          // weights / 2: 4 bits, no scales
+// Share of a layer's experts an even router touches in a step of `tokens` rows: 1 - (1 - k/E)^T.
+double EvenTouchedShare(const ModelConfig& model, int64_t tokens);
+// Probability that none of a row's k distinct experts is among `held` of E: C(E-held, k) / C(E, k).
+double ProbabilityNoneHeld(int num_experts, double held, int top_k);
+// Expected ranks holding at least one of a row's experts, G ranks of E/G experts each:
+// G x (1 - C(E - E/G, k) / C(E, k)).
+double ExpectedRanksPerRow(const ModelConfig& model, int gpus);
+// Copies of a row sent to other ranks under option 4: (G - 1) x (1 - C(E - E/G, k) / C(E, k)).
+double CopiesSentPerRow(const ModelConfig& model, int gpus);
+int64_t RowBytes(const ModelConfig& model, RowFormat format);   // bf16: 2d; fp4: d/2 + d/16
+// All-to-all bytes per token per layer: dispatch + combine of k copies, 2 x k x hidden x bytes.
+int64_t AllToAllBytesPerToken(const ModelConfig& model, int bytes_per_number);
+
+// Formats the planner prices the model's weights in.
+struct WeightFormats {
+  WeightFormat experts = WeightFormat::kNvfp4;  // routed experts
+  WeightFormat shared = WeightFormat::kBf16;    // shared expert(s), as GLM-5.3's NVFP4 checkpoint
+  WeightFormat dense = WeightFormat::kInt8;     // dense FFN layers (8 bits, as in that checkpoint)
+};
+
+struct ModelBytes {
+  int64_t expert = 0;         // one routed expert, scales included
+  int64_t routed_layer = 0;   // E experts
+  int64_t shared_layer = 0;   // the shared expert(s) of a layer
+  int64_t dense_layer = 0;    // one dense FFN layer
+  int64_t routed_model = 0;   // all MoE layers' routed experts
+};
+ModelBytes ComputeModelBytes(const ModelConfig& model, const WeightFormats& formats);
+// DWDP (option 5): bytes a rank fetches per layer, (G - 1) / G of the layer's routed experts.
+int64_t DwdpBytesPerRankPerLayer(const ModelConfig& model, WeightFormat format, int gpus);
+
+// Weight memory per rank (bytes), all layers, attention weights and KV cache not included.
+struct MemoryPerRank {
+  int64_t routed = 0, shared = 0, dense = 0, fetch_buffers = 0;
+  int64_t total() const { return routed + shared + dense + fetch_buffers; }
+};
+MemoryPerRank ComputeMemoryPerRank(const ModelConfig& model, const WeightFormats& formats, PlanOption option,
+                                   int gpus, Sharing shared, Sharing dense);
+bool SharedIsSliced(PlanOption option, Sharing shared);
+
+// ---- Routing loads ----
+// One layer of one step: picks per logical expert (E values) and the rows that made them.
+struct LayerLoad {
+  int64_t rows = 0;
+  std::vector<int64_t> picks;
+};
+// `samples` layer loads of an even router (k distinct uniform experts per row), deterministic in seed.
+std::vector<LayerLoad> EvenRouterLoads(const ModelConfig& model, int64_t rows, int samples, uint64_t seed);
+// Layer loads of `rows` rows from a trace: consecutive steps are joined until they hold `rows` rows,
+// and a join that holds more keeps each pick with probability rows / held (deterministic in seed).
+// At most `max_samples` (step group, layer) loads, spread over the trace. Refuses a trace whose
+// experts differ from the model's, or whose rows per step are unknown and top_k is 0.
+Result<std::vector<LayerLoad>> TraceLayerLoads(const ExpertLoad& trace, const ModelConfig& model, int64_t rows,
+                                               int max_samples, uint64_t seed);
+// Balancedness of one layer load on G ranks holding E/G consecutive experts each:
+// mean picks per rank / max picks per rank (1.0 when there are no picks).
+double Balancedness(const LayerLoad& load, int gpus);
+
+// ---- Planner ----
+struct PlanConfig {
+  PlanPhase phase = PlanPhase::kDecode;
+  std::vector<int64_t> batches;            // rows (tokens) per step over the whole EP group
+  std::vector<int> gpus;                   // EP sizes
+  std::vector<PlanOption> options = AllPlanOptions();
+  WeightFormats formats;
+  RowFormat rows = RowFormat::kBf16;       // how rows travel out under option 4 (1-3 gather bf16)
+  Sharing shared = Sharing::kAuto;
+  Sharing dense = Sharing::kSliced;        // the seed's servers kept dense layers sliced
+  int samples = 16;                        // layer loads per batch (even router or trace)
+  uint64_t seed = 1;
+};
+
+// What one option costs at one EP size and batch. Times per MoE layer are means over the sampled
+// layer loads of the slowest rank; step_ms covers all MoE and dense FFN layers.
+struct OptionCost {
+  PlanOption option = PlanOption::kSliced;
+  int gpus = 0;
+  int64_t batch = 0;
+  int slices = 1;                 // hybrid (option 3): experts sliced this many ways in a group
+  bool applicable = true;
+  std::string not_applicable;     // why not, when !applicable
+  double kernel_us = 0;           // slowest rank's expert kernel (+ shared expert) per MoE layer
+  double kernel_mean_us = 0;      // the mean rank's
+  double comm_us = 0;             // communication per MoE layer (option 5: the weight fetch)
+  double layer_us = 0;            // kernel + comm (option 5: max of the two)
+  double dense_us = 0;            // one dense FFN layer
+  double step_ms = 0;
+  double read_us = 0, arith_us = 0, fixed_us = 0;  // slowest rank's kernel split
+  double imbalance_us = 0;        // kernel_us - kernel_mean_us
+  double read_gb = 0;             // slowest rank's expert bytes read per MoE layer
+  double copies_per_row = 0;      // copies of each row sent to other ranks
+  double balancedness = 1;        // picks, mean / max over ranks (1 for slices)
+  int64_t memory_bytes = 0;       // weights per rank
+  bool fits = true;               // memory_bytes <= the device's memory
+  std::string dominant;           // "reading weights", "arithmetic", "communication", "imbalance", "fixed costs"
+};
+
+struct PlanWinner {
+  int64_t batch = 0;
+  int gpus = 0;
+  PlanOption option = PlanOption::kSliced;
+  int slices = 1;
+  double step_ms = 0;
+  std::string why;
+};
+
+struct PlanResult {
+  std::string model;
+  std::string hardware;
+  PlanPhase phase = PlanPhase::kDecode;
+  std::string load;              // "even router" or the trace's description
+  std::vector<OptionCost> costs;  // batch-major, then gpus, then options
+  std::vector<PlanWinner> winners;
+};
+
+// Prices every option for every batch and EP size. `trace` null: an even router. Refuses EP sizes
+// < 1 or > 4096, batches < 1, and a trace that does not match the model.
+Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hardware, const PlanConfig& config,
+                           const ExpertLoad* trace, const std::string& load_description);
+
+// An SVG (written here, no plotting library) with three charts: step time against batch per option
+// (at the largest EP size), copies per row against GPUs, balancedness against GPUs.
+std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model);
+
+}  // namespace epmoe

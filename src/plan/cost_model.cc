@@ -1,0 +1,448 @@
+// The cost model and the planner: per option, EP size and batch, the slowest rank's kernel and the
+// communication of one MoE layer, summed into a step. See include/epmoe/plan.h for the model.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "epmoe/plan.h"
+
+namespace epmoe {
+namespace {
+
+constexpr int kMaxGpus = 4096;
+constexpr int64_t kMaxBatch = int64_t{1} << 24;
+
+// Per-rank rates of one EP size on a profile. On a shared device (a CPU server) the ranks of a node
+// divide its bandwidth and arithmetic among themselves.
+class RankRates {
+ public:
+  RankRates(const HardwareProfile& hw, int gpus) : hw_(hw) {
+    share_ = hw.ranks_share_device ? std::min(gpus, hw.gpus_per_node) : 1;
+  }
+  // Microseconds per byte of weights in `format` read by an expert kernel.
+  double UsPerByte(WeightFormat format) const {
+    if (auto line = hw_.LineFor(format)) return line->us_per_gb * 1e-9 * share_;
+    return share_ / (hw_.memory_bandwidth_gbs * 1e3 * hw_.memory_read_efficiency);
+  }
+  double UsPerFlop(WeightFormat format) const {
+    return share_ / (hw_.PeakTflopsFor(format) * 1e6 * hw_.arithmetic_efficiency);
+  }
+  double FixedUs(WeightFormat format) const {
+    if (auto line = hw_.LineFor(format)) return line->fixed_us;
+    return hw_.kernel_fixed_us;
+  }
+  // Measured extra fixed cost of sliced experts (narrow slices), 0 without a line.
+  double SlicedExtraUs(WeightFormat format) const {
+    if (auto line = hw_.LineFor(format)) return line->sliced_extra_us;
+    return 0;
+  }
+
+ private:
+  const HardwareProfile& hw_;
+  int share_ = 1;
+};
+
+// One rank's kernel time, split by what bounds each part.
+struct KernelParts {
+  double fixed = 0, read = 0, arith = 0;
+  double bytes = 0;  // routed expert bytes read
+  double total() const { return fixed + read + arith; }
+  // A block of weights used by `flops` of arithmetic: bound by the slower of reading and computing.
+  void Add(double bytes_read, double flops, WeightFormat format, const RankRates& rates) {
+    const double read_us = bytes_read * rates.UsPerByte(format);
+    const double arith_us = flops * rates.UsPerFlop(format);
+    if (read_us >= arith_us) {
+      read += read_us;
+    } else {
+      arith += arith_us;
+    }
+  }
+};
+
+// Time to move `bytes` out of (or into) one rank spread evenly over its G-1 peers: the intra- and
+// inter-node shares travel in parallel on their own links.
+double TransferUs(const HardwareProfile& hw, int gpus, double bytes) {
+  if (gpus <= 1 || bytes <= 0) return 0;
+  const int local = std::min(gpus, hw.gpus_per_node);
+  const double to_other_nodes = static_cast<double>(gpus - local) / (gpus - 1);
+  const double intra = bytes * (1 - to_other_nodes) / (hw.intra_node.bytes_per_second() * 1e-6);
+  const double inter = bytes * to_other_nodes / (hw.inter_node.bytes_per_second() * 1e-6);
+  return std::max(intra, inter);
+}
+
+double CollectiveLatencyUs(const HardwareProfile& hw, int gpus) {
+  if (gpus <= 1) return 0;
+  if (gpus > hw.gpus_per_node) return std::max(hw.intra_node.latency_us, hw.inter_node.latency_us);
+  return hw.intra_node.latency_us;
+}
+
+struct Context {
+  const ModelConfig& model;
+  const HardwareProfile& hw;
+  const PlanConfig& config;
+  ModelBytes bytes;
+  double expert_flops_per_pick = 0;  // 2 x weights of one expert
+};
+
+// Routed experts' kernel per rank under whole or sliced experts: rank of expert e = e * groups / E,
+// each group of `slices` ranks holds 1/slices of its experts (slices = G: option 1, 1: options 2/4).
+std::vector<KernelParts> RoutedKernel(const Context& c, const LayerLoad& load, int gpus, int slices,
+                                      const RankRates& rates) {
+  const int groups = gpus / slices;
+  const int experts = c.model.num_experts;
+  std::vector<KernelParts> per_group(groups);
+  for (int e = 0; e < experts; ++e) {
+    const int64_t n = load.picks[e];
+    if (n == 0) continue;
+    KernelParts& k = per_group[static_cast<int64_t>(e) * groups / experts];
+    const double bytes = static_cast<double>(c.bytes.expert) / slices;
+    k.bytes += bytes;
+    k.Add(bytes, c.expert_flops_per_pick * n / slices, c.config.formats.experts, rates);
+  }
+  std::vector<KernelParts> per_rank(gpus);
+  for (int g = 0; g < gpus; ++g) per_rank[g] = per_group[g / slices];
+  return per_rank;
+}
+
+// Option 5: every rank runs every expert its own rows picked. A rank's rows are 1/G of the batch,
+// so its picks of expert e are a multinomial share of e's picks.
+std::vector<KernelParts> TravelingWeightsKernel(const Context& c, const LayerLoad& load, int gpus,
+                                                const RankRates& rates, std::mt19937_64* rng) {
+  std::vector<KernelParts> per_rank(gpus);
+  std::vector<int64_t> share(gpus);
+  std::uniform_int_distribution<int> any_rank(0, gpus - 1);
+  for (int e = 0; e < c.model.num_experts; ++e) {
+    const int64_t n = load.picks[e];
+    if (n == 0) continue;
+    std::fill(share.begin(), share.end(), 0);
+    if (n <= 4LL * gpus) {
+      for (int64_t i = 0; i < n; ++i) ++share[any_rank(*rng)];
+    } else {
+      int64_t left = n;
+      for (int g = 0; g < gpus && left > 0; ++g) {
+        share[g] = g + 1 == gpus ? left : std::binomial_distribution<int64_t>(left, 1.0 / (gpus - g))(*rng);
+        left -= share[g];
+      }
+    }
+    for (int g = 0; g < gpus; ++g) {
+      if (share[g] == 0) continue;
+      per_rank[g].bytes += static_cast<double>(c.bytes.expert);
+      per_rank[g].Add(static_cast<double>(c.bytes.expert), c.expert_flops_per_pick * share[g],
+                      c.config.formats.experts, rates);
+    }
+  }
+  return per_rank;
+}
+
+// The shared expert's part of every rank's kernel: sliced (1/G of it for all rows) or copied
+// (all of it for the rank's own rows).
+void AddSharedExpert(const Context& c, PlanOption option, int gpus, int64_t rows, const RankRates& rates,
+                     std::vector<KernelParts>* per_rank) {
+  if (c.bytes.shared_layer == 0) return;
+  const double flops_all_rows = 2.0 * WeightsPerSharedExpert(c.model) * rows;
+  const bool sliced = SharedIsSliced(option, c.config.shared);
+  const double bytes = sliced ? static_cast<double>(c.bytes.shared_layer) / gpus : c.bytes.shared_layer;
+  const double flops = flops_all_rows / gpus;  // sliced: 1/G of it for every row; copied: all of it for 1/G of rows
+  for (auto& k : *per_rank) k.Add(bytes, flops, c.config.formats.shared, rates);
+}
+
+// One dense FFN layer: sliced (all-gather + reduce-scatter of 16-bit rows) or copied (no exchange).
+double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows, const RankRates& rates) {
+  if (c.model.num_dense_layers == 0) return 0;
+  const bool sliced = SharedIsSliced(option, c.config.dense);
+  const double rows_per_rank = static_cast<double>(rows) / gpus;
+  KernelParts k;
+  k.fixed = c.hw.kernel_fixed_us;
+  const double flops = 2.0 * WeightsPerDenseLayer(c.model) * rows / gpus;
+  k.Add(sliced ? static_cast<double>(c.bytes.dense_layer) / gpus : c.bytes.dense_layer, flops, c.config.formats.dense,
+        rates);
+  double comm = 0;
+  if (sliced && gpus > 1) {
+    const double bytes = rows_per_rank * (gpus - 1) * RowBytes(c.model, RowFormat::kBf16);
+    comm = 2 * CollectiveLatencyUs(c.hw, gpus) + 2 * TransferUs(c.hw, gpus, bytes);
+  }
+  return k.total() + comm;
+}
+
+struct SampleCost {
+  double kernel = 0, kernel_mean = 0, comm = 0, layer = 0;
+  double read = 0, arith = 0, fixed = 0, read_bytes = 0, copies = 0;
+};
+
+SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices, const LayerLoad& load,
+                       const RankRates& rates, std::mt19937_64* rng) {
+  const int64_t rows = load.rows;
+  const double rows_per_rank = static_cast<double>(rows) / gpus;
+  std::vector<KernelParts> per_rank;
+  switch (option) {
+    case PlanOption::kSliced: per_rank = RoutedKernel(c, load, gpus, gpus, rates); break;
+    case PlanOption::kHybrid: per_rank = RoutedKernel(c, load, gpus, slices, rates); break;
+    case PlanOption::kWholeAllRows:
+    case PlanOption::kTravelingRows: per_rank = RoutedKernel(c, load, gpus, 1, rates); break;
+    case PlanOption::kTravelingWeights: per_rank = TravelingWeightsKernel(c, load, gpus, rates, rng); break;
+  }
+  double fixed = rates.FixedUs(c.config.formats.experts);
+  if (option == PlanOption::kSliced || option == PlanOption::kHybrid) fixed += rates.SlicedExtraUs(c.config.formats.experts);
+  for (auto& k : per_rank) k.fixed = fixed;
+  AddSharedExpert(c, option, gpus, rows, rates, &per_rank);
+
+  SampleCost cost;
+  const auto slowest = std::max_element(per_rank.begin(), per_rank.end(),
+                                        [](const KernelParts& a, const KernelParts& b) { return a.total() < b.total(); });
+  cost.kernel = slowest->total();
+  cost.read = slowest->read;
+  cost.arith = slowest->arith;
+  cost.fixed = slowest->fixed;
+  cost.read_bytes = slowest->bytes;
+  double sum = 0;
+  for (const auto& k : per_rank) sum += k.total();
+  cost.kernel_mean = sum / gpus;
+
+  // Rows travel quantized only with traveling rows (the a2a path); the all-gather moves 16-bit rows.
+  const double out_row = static_cast<double>(
+      RowBytes(c.model, option == PlanOption::kTravelingRows ? c.config.rows : RowFormat::kBf16));
+  const double back_row = static_cast<double>(RowBytes(c.model, RowFormat::kBf16));
+  const double latency = CollectiveLatencyUs(c.hw, gpus);
+  switch (option) {
+    case PlanOption::kSliced:
+    case PlanOption::kWholeAllRows:
+    case PlanOption::kHybrid:
+      if (gpus > 1) {
+        cost.copies = gpus - 1;
+        cost.comm = 2 * latency + TransferUs(c.hw, gpus, rows_per_rank * (gpus - 1) * out_row) +
+                    TransferUs(c.hw, gpus, rows_per_rank * (gpus - 1) * back_row);
+      }
+      cost.layer = cost.kernel + cost.comm;
+      break;
+    case PlanOption::kTravelingRows: {
+      if (gpus > 1) {
+        // Share of rows touching each rank, from the share of the picks it holds.
+        const int experts = c.model.num_experts;
+        std::vector<double> picks_on(gpus, 0.0);
+        double all_picks = 0;
+        for (int e = 0; e < experts; ++e) {
+          picks_on[static_cast<int64_t>(e) * gpus / experts] += load.picks[e];
+          all_picks += load.picks[e];
+        }
+        std::vector<double> covered(gpus, 0.0);
+        double covered_sum = 0;
+        for (int g = 0; g < gpus; ++g) {
+          const double held = all_picks > 0 ? picks_on[g] / all_picks * experts : 0.0;
+          covered[g] = 1.0 - ProbabilityNoneHeld(experts, held, c.model.top_k);
+          covered_sum += covered[g];
+        }
+        double worst = 0;
+        for (int g = 0; g < gpus; ++g) {
+          const double received = (rows - rows_per_rank) * covered[g];
+          const double sent = rows_per_rank * (covered_sum - covered[g]);
+          const double moved = std::max(received, sent);
+          worst = std::max(worst, TransferUs(c.hw, gpus, moved * out_row) + TransferUs(c.hw, gpus, moved * back_row));
+        }
+        cost.copies = covered_sum * (gpus - 1) / gpus;
+        cost.comm = 2 * latency + worst;
+      }
+      cost.layer = cost.kernel + cost.comm;
+      break;
+    }
+    case PlanOption::kTravelingWeights:
+      cost.comm = TransferUs(c.hw, gpus,
+                             static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus)));
+      cost.layer = std::max(cost.kernel, cost.comm);  // fetches start ahead and overlap the kernel
+      break;
+  }
+  return cost;
+}
+
+// Why `option` at `gpus` cannot run, or "" when it can; *slices gets the hybrid's best split candidates.
+std::string NotApplicable(const ModelConfig& m, PlanOption option, int gpus) {
+  switch (option) {
+    case PlanOption::kSliced:
+      if (m.expert_intermediate % gpus != 0)
+        return fmt::format("expert_intermediate {} is not a multiple of {} ranks", m.expert_intermediate, gpus);
+      return "";
+    case PlanOption::kHybrid:
+      if (gpus < 4) return "needs at least 4 ranks (groups of at least 2, sliced at least 2 ways)";
+      return "";
+    case PlanOption::kWholeAllRows:
+    case PlanOption::kTravelingRows:
+    case PlanOption::kTravelingWeights:
+      if (gpus > m.num_experts) return fmt::format("more ranks ({}) than experts ({})", gpus, m.num_experts);
+      return "";
+  }
+  return "";
+}
+
+std::vector<int> HybridSplits(const ModelConfig& m, int gpus) {
+  std::vector<int> splits;
+  for (int slices = 2; slices < gpus; ++slices) {
+    if (gpus % slices != 0 || m.expert_intermediate % slices != 0) continue;
+    if (gpus / slices > m.num_experts || gpus / slices < 2) continue;
+    splits.push_back(slices);
+  }
+  return splits;
+}
+
+OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices, const std::vector<LayerLoad>& loads) {
+  OptionCost out;
+  out.option = option;
+  out.gpus = gpus;
+  out.batch = loads.front().rows;
+  out.slices = option == PlanOption::kSliced ? gpus : slices;
+  const RankRates rates(c.hw, gpus);
+  std::mt19937_64 rng(c.config.seed + 7919ULL * gpus + static_cast<uint64_t>(out.batch));
+  SampleCost mean;
+  double balancedness = 0;
+  for (const auto& load : loads) {
+    const SampleCost s = PriceSample(c, option, gpus, slices, load, rates, &rng);
+    mean.kernel += s.kernel;
+    mean.kernel_mean += s.kernel_mean;
+    mean.comm += s.comm;
+    mean.layer += s.layer;
+    mean.read += s.read;
+    mean.arith += s.arith;
+    mean.fixed += s.fixed;
+    mean.read_bytes += s.read_bytes;
+    mean.copies += s.copies;
+    balancedness += option == PlanOption::kSliced ? 1.0 : Balancedness(load, option == PlanOption::kHybrid ? gpus / slices : gpus);
+  }
+  const double n = static_cast<double>(loads.size());
+  out.kernel_us = mean.kernel / n;
+  out.kernel_mean_us = mean.kernel_mean / n;
+  out.comm_us = mean.comm / n;
+  out.layer_us = mean.layer / n;
+  out.read_us = mean.read / n;
+  out.arith_us = mean.arith / n;
+  out.fixed_us = mean.fixed / n;
+  out.read_gb = mean.read_bytes / n / 1e9;
+  out.copies_per_row = mean.copies / n;
+  out.balancedness = balancedness / n;
+  out.imbalance_us = out.kernel_us - out.kernel_mean_us;
+  out.dense_us = DenseLayerUs(c, option, gpus, out.batch, rates);
+  out.step_ms = (c.model.num_moe_layers() * out.layer_us + c.model.num_dense_layers * out.dense_us) / 1000.0;
+  const MemoryPerRank memory = ComputeMemoryPerRank(c.model, c.config.formats, option, gpus, c.config.shared, c.config.dense);
+  out.memory_bytes = memory.total();
+  const double ranks_per_device = c.hw.ranks_share_device ? std::min(gpus, c.hw.gpus_per_node) : 1;
+  out.fits = out.memory_bytes <= c.hw.memory_capacity_gb * 1e9 / ranks_per_device;
+  // What dominates: the largest share of the slowest rank's layer time.
+  const double exposed_comm = option == PlanOption::kTravelingWeights ? std::max(0.0, out.comm_us - out.kernel_us) : out.comm_us;
+  const std::pair<double, const char*> parts[] = {{out.read_us, "reading weights"},
+                                                  {out.arith_us, "arithmetic"},
+                                                  {exposed_comm, "communication"},
+                                                  {out.imbalance_us, "imbalance"},
+                                                  {out.fixed_us, "fixed costs"}};
+  out.dominant = std::max_element(std::begin(parts), std::end(parts))->second;
+  return out;
+}
+
+std::string OptionLabel(PlanOption option, int slices) {
+  if (option == PlanOption::kHybrid) return fmt::format("hybrid x{}", slices);
+  return PlanOptionName(option);
+}
+
+// "12.3 us/layer shorter" for how much less the winner spends on a part than the next best.
+std::string Compare(double saved_us) {
+  if (std::fabs(saved_us) < 0.05) return "the same";
+  return fmt::format("{:.1f} us/layer {}", std::fabs(saved_us), saved_us > 0 ? "shorter" : "longer");
+}
+
+// The time of the part that dominates a cost (the same parts PriceOption compares).
+double DominantUs(const OptionCost& cost) {
+  if (cost.dominant == "reading weights") return cost.read_us;
+  if (cost.dominant == "arithmetic") return cost.arith_us;
+  if (cost.dominant == "communication") return cost.layer_us - cost.kernel_us;
+  if (cost.dominant == "imbalance") return cost.imbalance_us;
+  return cost.fixed_us;
+}
+
+std::string ExplainWinner(const OptionCost& best, const OptionCost* next, bool any_fits) {
+  std::string why = fmt::format("{}: {:.0f}% of the layer is {}", OptionLabel(best.option, best.slices),
+                                100.0 * DominantUs(best) / std::max(best.layer_us, 1e-9), best.dominant);
+  if (next != nullptr) {
+    const double kernel = next->kernel_us - best.kernel_us;
+    const double comm = (next->layer_us - next->kernel_us) - (best.layer_us - best.kernel_us);
+    why += fmt::format("; next best {} ({:.2f} ms per step): kernel {}, communication {}",
+                       OptionLabel(next->option, next->slices), next->step_ms, Compare(kernel), Compare(comm));
+  }
+  if (!any_fits) why += "; no option fits the weights in memory at this EP size";
+  return why;
+}
+
+}  // namespace
+
+Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, const PlanConfig& config,
+                           const ExpertLoad* trace, const std::string& load_description) {
+  EPMOE_RETURN_IF_ERROR(ValidateModel(model, model.name));
+  EPMOE_RETURN_IF_ERROR(ValidateHardware(hw, hw.name));
+  if (config.batches.empty()) return InvalidArgument("no batch sizes given");
+  if (config.gpus.empty()) return InvalidArgument("no EP sizes given");
+  if (config.options.empty()) return InvalidArgument("no options given");
+  if (config.samples < 1 || config.samples > 4096)
+    return InvalidArgument(fmt::format("samples must be in 1..4096, got {}", config.samples));
+  for (int64_t b : config.batches)
+    if (b < 1 || b > kMaxBatch) return InvalidArgument(fmt::format("batch {} is out of range 1..{}", b, kMaxBatch));
+  for (int g : config.gpus)
+    if (g < 1 || g > kMaxGpus) return InvalidArgument(fmt::format("EP size {} is out of range 1..{}", g, kMaxGpus));
+
+  Context c{model, hw, config, ComputeModelBytes(model, config.formats), 2.0 * WeightsPerExpert(model)};
+  PlanResult result;
+  result.model = model.name;
+  result.hardware = hw.name;
+  result.phase = config.phase;
+  result.load = load_description;
+  for (int64_t batch : config.batches) {
+    std::vector<LayerLoad> loads;
+    if (trace != nullptr) {
+      EPMOE_ASSIGN_OR_RETURN(loads, TraceLayerLoads(*trace, model, batch, config.samples, config.seed));
+    } else {
+      loads = EvenRouterLoads(model, batch, config.samples, config.seed);
+    }
+    for (int gpus : config.gpus) {
+      const size_t first = result.costs.size();
+      for (PlanOption option : config.options) {
+        OptionCost cost;
+        std::string why_not = NotApplicable(model, option, gpus);
+        std::vector<int> splits = option == PlanOption::kHybrid ? HybridSplits(model, gpus) : std::vector<int>{1};
+        if (why_not.empty() && splits.empty()) why_not = fmt::format("no split of {} ranks into sliced groups fits the model", gpus);
+        if (!why_not.empty()) {
+          cost.option = option;
+          cost.gpus = gpus;
+          cost.batch = batch;
+          cost.applicable = false;
+          cost.not_applicable = why_not;
+        } else {
+          for (size_t i = 0; i < splits.size(); ++i) {
+            OptionCost candidate = PriceOption(c, option, gpus, splits[i], loads);
+            if (i == 0 || candidate.step_ms < cost.step_ms) cost = candidate;
+          }
+        }
+        result.costs.push_back(cost);
+      }
+      // The winner among the options that run and fit (or that run, when none fits).
+      std::vector<const OptionCost*> ranked;
+      bool any_fits = false;
+      for (size_t i = first; i < result.costs.size(); ++i) {
+        if (!result.costs[i].applicable) continue;
+        any_fits = any_fits || result.costs[i].fits;
+      }
+      for (size_t i = first; i < result.costs.size(); ++i)
+        if (result.costs[i].applicable && (result.costs[i].fits || !any_fits)) ranked.push_back(&result.costs[i]);
+      if (ranked.empty()) continue;
+      std::stable_sort(ranked.begin(), ranked.end(),
+                       [](const OptionCost* a, const OptionCost* b) { return a->step_ms < b->step_ms; });
+      PlanWinner w;
+      w.batch = batch;
+      w.gpus = gpus;
+      w.option = ranked[0]->option;
+      w.slices = ranked[0]->slices;
+      w.step_ms = ranked[0]->step_ms;
+      w.why = ExplainWinner(*ranked[0], ranked.size() > 1 ? ranked[1] : nullptr, any_fits);
+      result.winners.push_back(w);
+    }
+  }
+  return result;
+}
+
+}  // namespace epmoe

@@ -1,0 +1,111 @@
+// `epmoe plan` and `epmoe hardware` end to end: every output format, the SVG, refusals of bad flags.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct CommandRun {
+  int exit_code = -1;
+  std::string out;  // stdout and stderr together
+};
+
+CommandRun Epmoe(const std::string& args) {
+  const char* binary = std::getenv("EPMOE_BINARY");
+  const std::string path = binary != nullptr ? binary : EPMOE_BINARY_DIR "/epmoe";
+  CommandRun run;
+  FILE* pipe = popen((path + " " + args + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) run.out.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+TEST(PlanCliTest, JsonOutputParses) {
+  const CommandRun run = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8,16 --batch 8,64 --samples 4 --format json");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  EXPECT_EQ(j["model"], "glm-5.3");
+  EXPECT_EQ(j["hardware"], "b300x8");
+  EXPECT_EQ(j["costs"].size(), 2u * 2u * 5u);
+  EXPECT_EQ(j["winners"].size(), 4u);
+  EXPECT_EQ(j["derived"]["bytes_per_expert"], 21'233'676);
+  EXPECT_EQ(j["derived"]["four_bit_bytes_per_layer"], 4'831'838'208);
+  for (const auto& c : j["costs"])
+    if (c["applicable"].get<bool>()) {
+      EXPECT_GT(c["step_ms"].get<double>(), 0.0) << c.dump();
+    }
+}
+
+TEST(PlanCliTest, TextMarkdownCsvAndPlot) {
+  const CommandRun text = Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 32 --batch 256 --samples 2");
+  ASSERT_EQ(text.exit_code, 0) << text.out;
+  EXPECT_NE(text.out.find("winner:"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("copies sent per row"), std::string::npos) << text.out;
+
+  const CommandRun md = Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 32 --batch 256 --samples 2 --format md");
+  ASSERT_EQ(md.exit_code, 0) << md.out;
+  EXPECT_NE(md.out.find("| batch | GPUs | option |"), std::string::npos) << md.out;
+
+  const CommandRun csv = Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 16,32 --batch 256 --samples 2 --format csv");
+  ASSERT_EQ(csv.exit_code, 0) << csv.out;
+  std::istringstream lines(csv.out);
+  std::string line;
+  int rows = 0;
+  std::getline(lines, line);
+  EXPECT_EQ(line.rfind("model,hardware,phase,batch,gpus,option", 0), 0u) << line;
+  while (std::getline(lines, line)) ++rows;
+  EXPECT_EQ(rows, 10);
+
+  const std::string svg_path = ::testing::TempDir() + "plan_cli_test.svg";
+  const CommandRun plot = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8,16,32 --batch 8,64,256 --samples 2 "
+                         "--format csv --plot " + svg_path);
+  ASSERT_EQ(plot.exit_code, 0) << plot.out;
+  std::ifstream in(svg_path);
+  std::stringstream svg;
+  svg << in.rdbuf();
+  EXPECT_EQ(svg.str().rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.str().find("copies sent per row"), std::string::npos);
+  EXPECT_NE(svg.str().find("</svg>"), std::string::npos);
+  EXPECT_NE(svg.str().find("<polyline"), std::string::npos);
+}
+
+TEST(PlanCliTest, BadInputIsRefusedWithOneLine) {
+  for (const char* args : {"plan --model glm-5.3 --hardware b300x8 --gpus 0",
+                           "plan --model glm-5.3 --hardware b300x8 --batch -5",
+                           "plan --model glm-5.3 --hardware nope",
+                           "plan --model nope --hardware b300x8",
+                           "plan --model glm-5.3 --hardware b300x8 --phase train",
+                           "plan --model glm-5.3 --hardware b300x8 --options sliced,teleport",
+                           "plan --model glm-5.3 --hardware b300x8 --frobnicate",
+                           "plan --model glm-5.3 --hardware b300x8 --trace /nonexistent/trace.bin",
+                           "hardware show /nonexistent/profile.json"}) {
+    const CommandRun run = Epmoe(args);
+    EXPECT_NE(run.exit_code, 0) << args << "\n" << run.out;
+    EXPECT_FALSE(run.out.empty()) << args;
+    EXPECT_LE(std::count(run.out.begin(), run.out.end(), '\n'), 1) << args << "\n" << run.out;
+  }
+}
+
+TEST(PlanCliTest, HardwareListAndShow) {
+  const CommandRun list = Epmoe("hardware list");
+  ASSERT_EQ(list.exit_code, 0);
+  EXPECT_NE(list.out.find("gb200nvl72"), std::string::npos);
+  const CommandRun show = Epmoe("hardware show mi355xx8");
+  ASSERT_EQ(show.exit_code, 0) << show.out;
+  EXPECT_EQ(nlohmann::json::parse(show.out)["gpus_per_node"], 8);
+}
+
+}  // namespace

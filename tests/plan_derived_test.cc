@@ -1,0 +1,125 @@
+// Derived quantities of the planner against hand calculations for glm-5.3 and deepseek-v3. Each
+// expected value is worked out in the comment above it; the seed (000) quotes several of them.
+#include <gtest/gtest.h>
+
+#include "epmoe/model.h"
+#include "epmoe/plan.h"
+
+namespace epmoe {
+namespace {
+
+ModelConfig Preset(const char* name) {
+  auto model = LoadModel(name);
+  EXPECT_TRUE(model.ok()) << model.status().message();
+  return *model;
+}
+
+TEST(PlanDerivedTest, Glm53SizesMatchHandCalculation) {
+  const ModelConfig m = Preset("glm-5.3");
+  // 3 x 6,144 x 2,048 = 37,748,736 weights ("37.7 million").
+  EXPECT_EQ(WeightsPerExpert(m), 37'748'736);
+  // 4 bits without scales: 37,748,736 / 2 = 18,874,368 B ("18.9 MB"); x 256 = 4,831,838,208 ("4.83 GB");
+  // x 75 MoE layers = 362,387,865,600 ("362 GB").
+  EXPECT_EQ(FourBitBytes(WeightsPerExpert(m)), 18'874'368);
+  EXPECT_EQ(FourBitBytes(WeightsPerExpert(m)) * m.num_experts, 4'831'838'208);
+  EXPECT_EQ(FourBitBytes(WeightsPerExpert(m)) * m.num_experts * m.num_moe_layers(), 362'387'865'600);
+
+  const ModelBytes b = ComputeModelBytes(m, WeightFormats{});
+  // NVFP4: a 2,048 x 6,144 matrix has 786,432 blocks of 16 at 9 B + one 4-byte scale = 7,077,892 B;
+  // three of them 21,233,676 B ("21 MB per whole expert"); x 256 = 5,435,821,056 ("5.4 GB per layer").
+  EXPECT_EQ(b.expert, 21'233'676);
+  EXPECT_EQ(b.routed_layer, 5'435'821'056);
+  EXPECT_EQ(b.routed_model, 5'435'821'056LL * 75);
+  // Shared expert in bf16: 37,748,736 x 2 = 75,497,472 B ("75 MB").
+  EXPECT_EQ(b.shared_layer, 75'497'472);
+  // Dense layer in int8 (+ one fp32 scale per output row): gate and up 12,288 x 6,144 + 12,288 x 4 =
+  // 75,546,624 each, down 6,144 x 12,288 + 6,144 x 4 = 75,522,048; total 226,615,296 ("226 MB").
+  EXPECT_EQ(b.dense_layer, 226'615'296);
+
+  // In bf16 and int8 (scales per output channel).
+  EXPECT_EQ(ComputeModelBytes(m, {WeightFormat::kBf16, WeightFormat::kBf16, WeightFormat::kBf16}).expert, 75'497'472);
+  EXPECT_EQ(ComputeModelBytes(m, {WeightFormat::kInt8, WeightFormat::kBf16, WeightFormat::kBf16}).expert,
+            37'748'736 + (2 * 2048 + 6144) * 4);
+}
+
+TEST(PlanDerivedTest, Glm53RowsTrafficAndCoverage) {
+  const ModelConfig m = Preset("glm-5.3");
+  // A row: 6,144 x 2 = 12,288 B in bf16; NVFP4 3,072 B of values + 384 B of scales = 3,456 B.
+  EXPECT_EQ(RowBytes(m, RowFormat::kBf16), 12'288);
+  EXPECT_EQ(RowBytes(m, RowFormat::kFp4), 3'456);
+  // All-to-all per token per layer: 2 x 8 x 6,144 x 2 = 196,608 B.
+  EXPECT_EQ(AllToAllBytesPerToken(m, 2), 196'608);
+  // Even router, 64 rows: 1 - (1 - 8/256)^64 = 1 - 0.96875^64 = 1 - 0.131082 = 0.868918 ("87%").
+  EXPECT_NEAR(EvenTouchedShare(m, 64), 0.868918, 1e-5);
+  // 8 rows: 0.96875^8 = exp(8 x ln 0.96875) = exp(-0.253990) = 0.775700, so 0.224300.
+  EXPECT_NEAR(EvenTouchedShare(m, 8), 0.224300, 1e-5);
+  // Ranks per row on 8 GPUs: 8 x (1 - C(224,8)/C(256,8)) = 5.2947 ("5.3"); copies sent (7/8 of it)
+  // 4.6328 ("4.6"); 16 GPUs 6.1156 ("6.1"); 32 GPUs 7.0397 ("7.0"). Products computed exactly.
+  EXPECT_NEAR(ExpectedRanksPerRow(m, 8), 5.294652, 1e-5);
+  EXPECT_NEAR(CopiesSentPerRow(m, 8), 4.632821, 1e-5);
+  EXPECT_NEAR(CopiesSentPerRow(m, 16), 6.115575, 1e-5);
+  EXPECT_NEAR(CopiesSentPerRow(m, 32), 7.039712, 1e-5);
+  EXPECT_NEAR(ExpectedRanksPerRow(m, 1), 1.0, 1e-12);
+  EXPECT_NEAR(CopiesSentPerRow(m, 1), 0.0, 1e-12);
+  // Never more than k = 8 copies at any EP size.
+  for (int g : {64, 128, 256}) EXPECT_LT(CopiesSentPerRow(m, g), 8.0);
+  // DWDP on 8 GPUs: 7/8 of 5,435,821,056 = 4,756,343,424 B ("about 4.8 GB").
+  EXPECT_EQ(DwdpBytesPerRankPerLayer(m, WeightFormat::kNvfp4, 8), 4'756'343'424);
+}
+
+TEST(PlanDerivedTest, Glm53MemoryPerRank) {
+  const ModelConfig m = Preset("glm-5.3");
+  const WeightFormats f;
+  // Shared expert copied on every GPU over 75 layers: 75,497,472 x 75 = 5,662,310,400 ("about 5.7 GB");
+  // sliced 8 ways 707,788,800, so copies cost 4,954,521,600 more ("5 GB more").
+  const auto sliced = ComputeMemoryPerRank(m, f, PlanOption::kSliced, 8, Sharing::kAuto, Sharing::kSliced);
+  const auto rows = ComputeMemoryPerRank(m, f, PlanOption::kTravelingRows, 8, Sharing::kAuto, Sharing::kSliced);
+  EXPECT_EQ(rows.shared, 5'662'310'400);
+  EXPECT_EQ(sliced.shared, 707'788'800);
+  // Routed: 5,435,821,056 / 8 x 75 = 50,960,822,400 under every option.
+  EXPECT_EQ(sliced.routed, 50'960'822'400);
+  EXPECT_EQ(rows.routed, sliced.routed);
+  // Dense sliced: 226,615,296 / 8 x 3 = 84,980,736; copied 679,845,888.
+  EXPECT_EQ(sliced.dense, 84'980'736);
+  EXPECT_EQ(ComputeMemoryPerRank(m, f, PlanOption::kSliced, 8, Sharing::kAuto, Sharing::kCopied).dense, 679'845'888);
+  // DWDP: two fetch buffers of 4,756,343,424 B.
+  EXPECT_EQ(ComputeMemoryPerRank(m, f, PlanOption::kTravelingWeights, 8, Sharing::kAuto, Sharing::kSliced).fetch_buffers,
+            2 * 4'756'343'424LL);
+}
+
+TEST(PlanDerivedTest, DeepSeekV3MatchesHandCalculation) {
+  const ModelConfig m = Preset("deepseek-v3");
+  // 3 x 7,168 x 2,048 = 44,040,192 weights; 4 bits: 22,020,096 B; x 256 = 5,637,144,576 per layer;
+  // x 58 MoE layers = 326,954,385,408 B.
+  EXPECT_EQ(WeightsPerExpert(m), 44'040'192);
+  EXPECT_EQ(FourBitBytes(WeightsPerExpert(m)), 22'020'096);
+  EXPECT_EQ(FourBitBytes(WeightsPerExpert(m)) * m.num_experts, 5'637'144'576);
+  EXPECT_EQ(FourBitBytes(WeightsPerExpert(m)) * m.num_experts * m.num_moe_layers(), 326'954'385'408);
+  // NVFP4: 2,048 x 7,168 = 14,680,064 weights = 917,504 blocks x 9 B + 4 = 8,257,540 B; x 3 = 24,772,620.
+  const ModelBytes b = ComputeModelBytes(m, WeightFormats{});
+  EXPECT_EQ(b.expert, 24'772'620);
+  // Dense int8: 18,432 x 7,168 = 132,120,576 weights; gate, up + 18,432 x 4; down + 7,168 x 4:
+  // 2 x 132,194,304 + 132,149,248 = 396,537,856 B.
+  EXPECT_EQ(b.dense_layer, 396'537'856);
+  // Rows: 14,336 B in bf16; 3,584 + 448 = 4,032 B in NVFP4; all-to-all 2 x 8 x 7,168 x 2 = 229,376 B.
+  EXPECT_EQ(RowBytes(m, RowFormat::kBf16), 14'336);
+  EXPECT_EQ(RowBytes(m, RowFormat::kFp4), 4'032);
+  EXPECT_EQ(AllToAllBytesPerToken(m, 2), 229'376);
+  // 32 GPUs (same E and k as GLM-5.3): copies 31 x (1 - C(248,8)/C(256,8)) = 7.0397.
+  EXPECT_NEAR(CopiesSentPerRow(m, 32), 7.039712, 1e-5);
+  // DWDP on 32 GPUs: 256 x 24,772,620 = 6,341,790,720; / 32 x 31 = 6,143,609,760 B.
+  EXPECT_EQ(DwdpBytesPerRankPerLayer(m, WeightFormat::kNvfp4, 32), 6'143'609'760);
+  // Routed weights per rank on 32 GPUs: 6,341,790,720 / 32 x 58 = 11,494,495,680 B.
+  EXPECT_EQ(ComputeMemoryPerRank(m, WeightFormats{}, PlanOption::kTravelingRows, 32, Sharing::kAuto, Sharing::kSliced).routed,
+            11'494'495'680);
+}
+
+TEST(PlanDerivedTest, ProbabilityNoneHeldEdges) {
+  // Holding none of E: probability 1; holding all: 0; one expert of 4, k = 2: C(3,2)/C(4,2) = 3/6.
+  EXPECT_DOUBLE_EQ(ProbabilityNoneHeld(256, 0, 8), 1.0);
+  EXPECT_DOUBLE_EQ(ProbabilityNoneHeld(256, 256, 8), 0.0);
+  EXPECT_DOUBLE_EQ(ProbabilityNoneHeld(4, 1, 2), 0.5);
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,135 @@
+// Hardware profiles: every built-in profile loads and names its sources; a profile with a missing,
+// negative, out-of-range or unknown field is refused with a message naming the field.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "epmoe/hardware.h"
+
+namespace epmoe {
+namespace {
+
+using nlohmann::json;
+
+json B300() {
+  auto profile = LoadHardware("b300x8");
+  EXPECT_TRUE(profile.ok()) << profile.status().message();
+  return json::parse(HardwareToJson(*profile));
+}
+
+// Parses `j` and expects a refusal whose message contains every piece of `expected`.
+void ExpectRefused(const json& j, std::initializer_list<const char*> expected) {
+  auto parsed = ParseHardware(j.dump(), "test.json");
+  ASSERT_FALSE(parsed.ok()) << j.dump();
+  for (const char* piece : expected)
+    EXPECT_NE(parsed.status().message().find(piece), std::string::npos) << parsed.status().message();
+  EXPECT_NE(parsed.status().message().find("test.json"), std::string::npos) << parsed.status().message();
+}
+
+TEST(PlanHardwareTest, EveryBuiltInProfileLoads) {
+  const std::vector<std::string> expected = {"b200x8", "b300x8", "gb200nvl72", "h100x8", "h200x8", "h20x8", "local", "mi355xx8"};
+  EXPECT_EQ(ListHardwareProfiles(), expected);
+  for (const auto& name : expected) {
+    auto profile = LoadHardware(name);
+    ASSERT_TRUE(profile.ok()) << name << ": " << profile.status().message();
+    EXPECT_EQ(profile->name, name);
+    EXPECT_GE(profile->sources.size(), 2u) << name;
+    // Round trip through JSON.
+    auto again = ParseHardware(HardwareToJson(*profile), name);
+    ASSERT_TRUE(again.ok()) << again.status().message();
+    EXPECT_EQ(HardwareToJson(*again), HardwareToJson(*profile));
+  }
+}
+
+TEST(PlanHardwareTest, DataSheetFigures) {
+  auto b300 = LoadHardware("b300x8");
+  ASSERT_TRUE(b300.ok());
+  EXPECT_EQ(b300->gpus_per_node, 8);
+  EXPECT_DOUBLE_EQ(b300->memory_capacity_gb, 288);
+  EXPECT_DOUBLE_EQ(b300->memory_bandwidth_gbs, 8000);
+  // The seed's kernel line for NVFP4 experts on one B300: 28 us + 150 us per GB.
+  auto line = b300->LineFor(WeightFormat::kNvfp4);
+  ASSERT_TRUE(line.has_value());
+  EXPECT_DOUBLE_EQ(line->fixed_us, 28);
+  EXPECT_DOUBLE_EQ(line->us_per_gb, 150);
+  EXPECT_FALSE(b300->LineFor(WeightFormat::kBf16).has_value());
+  EXPECT_DOUBLE_EQ(b300->PeakTflopsFor(WeightFormat::kNvfp4), b300->peak_tflops.fp4);
+  EXPECT_DOUBLE_EQ(b300->PeakTflopsFor(WeightFormat::kBf16), b300->peak_tflops.bf16);
+  auto nvl72 = LoadHardware("gb200nvl72");
+  ASSERT_TRUE(nvl72.ok());
+  EXPECT_EQ(nvl72->gpus_per_node, 72);
+  auto local = LoadHardware("local");
+  ASSERT_TRUE(local.ok());
+  EXPECT_TRUE(local->ranks_share_device);
+}
+
+TEST(PlanHardwareTest, MissingFieldsAreNamed) {
+  for (const char* top : {"name", "sources", "gpus_per_node", "ranks_share_device", "memory", "peak_tflops",
+                          "arithmetic_efficiency", "kernel_fixed_us", "intra_node", "inter_node"}) {
+    json j = B300();
+    j.erase(top);
+    ExpectRefused(j, {"missing field", top});
+  }
+  for (const auto& [object, field] : std::vector<std::pair<const char*, const char*>>{
+           {"memory", "bandwidth_gbs"}, {"memory", "capacity_gb"}, {"memory", "read_efficiency"},
+           {"peak_tflops", "fp4"}, {"peak_tflops", "bf16"}, {"intra_node", "latency_us"},
+           {"inter_node", "bandwidth_gbs"}, {"inter_node", "efficiency"}}) {
+    json j = B300();
+    j[object].erase(field);
+    ExpectRefused(j, {"missing field", (std::string(object) + "." + field).c_str()});
+  }
+  json j = B300();
+  j["kernel_lines"][0].erase("us_per_gb");
+  ExpectRefused(j, {"kernel_lines[0]", "us_per_gb"});
+}
+
+TEST(PlanHardwareTest, NegativeOrOutOfRangeFieldsAreNamed) {
+  json j = B300();
+  j["memory"]["bandwidth_gbs"] = -1;
+  ExpectRefused(j, {"memory.bandwidth_gbs", "must be positive"});
+  j = B300();
+  j["intra_node"]["latency_us"] = -3;
+  ExpectRefused(j, {"intra_node.latency_us", "must not be negative"});
+  j = B300();
+  j["inter_node"]["efficiency"] = 1.5;
+  ExpectRefused(j, {"inter_node.efficiency", "(0, 1]"});
+  j = B300();
+  j["peak_tflops"]["fp8"] = 0;
+  ExpectRefused(j, {"peak_tflops.fp8", "must be positive"});
+  j = B300();
+  j["gpus_per_node"] = 2.5;
+  ExpectRefused(j, {"gpus_per_node", "whole number"});
+  j = B300();
+  j["kernel_fixed_us"] = -1;
+  ExpectRefused(j, {"kernel_fixed_us", "must not be negative"});
+  j = B300();
+  j["kernel_lines"][0]["us_per_gb"] = -150;
+  ExpectRefused(j, {"kernel_lines[0].us_per_gb", "must be positive"});
+  j = B300();
+  j["kernel_lines"][0]["format"] = "fp3";
+  ExpectRefused(j, {"kernel_lines[0].format"});
+  j = B300();
+  j["memory"]["bandwidth_gbs"] = "fast";
+  ExpectRefused(j, {"memory.bandwidth_gbs", "must be a number"});
+  j = B300();
+  j["sources"] = json::array();
+  ExpectRefused(j, {"sources"});
+}
+
+TEST(PlanHardwareTest, UnknownFieldsAndBadTextAreRefused) {
+  json j = B300();
+  j["memory"]["bandwith_gbs"] = 8000;  // a typo must not be silently ignored
+  ExpectRefused(j, {"unknown field 'memory.bandwith_gbs'"});
+  j = B300();
+  j["flops"] = 1;
+  ExpectRefused(j, {"unknown field 'flops'"});
+  EXPECT_FALSE(ParseHardware("{", "broken.json").ok());
+  EXPECT_FALSE(ParseHardware("[1,2]", "array.json").ok());
+  auto missing = LoadHardware("no-such-gpu");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("b300x8"), std::string::npos);  // lists the known ones
+  EXPECT_FALSE(LoadHardware("/nonexistent/profile.json").ok());
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,380 @@
+// `epmoe plan`: predicted kernel, communication and step time per option and EP size on a hardware
+// profile, from a trace or an even router, with the derived sizes of the model; `epmoe hardware`
+// lists and shows the profiles.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "epmoe/hardware.h"
+#include "epmoe/model.h"
+#include "epmoe/plan.h"
+#include "epmoe/trace.h"
+#include "output.h"
+
+namespace epmoe::cli {
+namespace {
+
+using nlohmann::json;
+
+struct PlanFlags {
+  std::string model;
+  std::string hardware;
+  std::string trace;
+  std::string trace_format = "auto";
+  std::string phase = "decode";
+  std::vector<int64_t> batches;
+  std::vector<int> gpus = {8};
+  std::vector<std::string> options = {"sliced", "whole", "hybrid", "rows", "weights"};
+  std::string expert_weights = "nvfp4";
+  std::string shared_weights = "bf16";
+  std::string dense_weights = "int8";
+  std::string rows = "bf16";
+  std::string shared = "auto";
+  std::string dense = "sliced";
+  int samples = 16;
+  uint64_t seed = 1;
+  std::string format = "text";
+  std::string plot;
+};
+
+Result<Sharing> ParseSharing(const std::string& name) {
+  if (name == "auto") return Sharing::kAuto;
+  if (name == "sliced") return Sharing::kSliced;
+  if (name == "copied") return Sharing::kCopied;
+  return InvalidArgument(fmt::format("'{}' is not auto, sliced or copied", name));
+}
+
+Result<PlanOption> ParseOption(const std::string& name) {
+  for (PlanOption o : AllPlanOptions())
+    if (name == PlanOptionName(o) || name == std::to_string(static_cast<int>(o))) return o;
+  return InvalidArgument(fmt::format("--options: unknown option '{}' (sliced, whole, hybrid, rows, weights or 1-5)", name));
+}
+
+std::string Label(const OptionCost& c) {
+  if (c.option == PlanOption::kHybrid && c.applicable) return fmt::format("hybrid x{}", c.slices);
+  return PlanOptionName(c.option);
+}
+std::string Label(const PlanWinner& w) {
+  if (w.option == PlanOption::kHybrid) return fmt::format("hybrid x{}", w.slices);
+  return PlanOptionName(w.option);
+}
+
+json DerivedJson(const ModelConfig& m, const PlanConfig& config) {
+  const ModelBytes b = ComputeModelBytes(m, config.formats);
+  const int64_t wpe = WeightsPerExpert(m);
+  json per_gpus = json::array();
+  for (int g : config.gpus) {
+    json memory = json::object();
+    for (PlanOption o : AllPlanOptions())
+      memory[PlanOptionName(o)] = ComputeMemoryPerRank(m, config.formats, o, g, config.shared, config.dense).total();
+    per_gpus.push_back({{"gpus", g},
+                        {"expected_ranks_per_row", ExpectedRanksPerRow(m, g)},
+                        {"copies_sent_per_row_rows", CopiesSentPerRow(m, g)},
+                        {"copies_sent_per_row_all_gather", g - 1},
+                        {"dwdp_bytes_per_rank_per_layer", DwdpBytesPerRankPerLayer(m, config.formats.experts, g)},
+                        {"memory_per_rank_bytes", memory}});
+  }
+  json touched = json::array();
+  for (int64_t t : config.batches) touched.push_back({{"batch", t}, {"even_router_touched_share", EvenTouchedShare(m, t)}});
+  return {{"weights_per_expert", wpe},
+          {"four_bit_bytes_per_expert", FourBitBytes(wpe)},
+          {"four_bit_bytes_per_layer", FourBitBytes(wpe) * m.num_experts},
+          {"four_bit_bytes_all_moe_layers", FourBitBytes(wpe) * m.num_experts * m.num_moe_layers()},
+          {"expert_format", WeightFormatName(config.formats.experts)},
+          {"bytes_per_expert", b.expert},
+          {"bytes_per_layer_routed", b.routed_layer},
+          {"bytes_all_moe_layers_routed", b.routed_model},
+          {"shared_format", WeightFormatName(config.formats.shared)},
+          {"bytes_per_layer_shared", b.shared_layer},
+          {"dense_format", WeightFormatName(config.formats.dense)},
+          {"bytes_per_dense_layer", b.dense_layer},
+          {"row_bytes_bf16", RowBytes(m, RowFormat::kBf16)},
+          {"row_bytes_nvfp4", RowBytes(m, RowFormat::kFp4)},
+          {"all_to_all_bytes_per_token_per_layer_bf16", AllToAllBytesPerToken(m, 2)},
+          {"touched", touched},
+          {"per_gpus", per_gpus}};
+}
+
+void PrintDerived(const ModelConfig& m, const json& d, bool markdown) {
+  const char* bullet = markdown ? "- " : "  ";
+  std::printf("%s%s", markdown ? "" : "derived from the preset:\n", "");
+  std::printf("%sweights per expert: %s; at 4 bits without scales: %s per expert, %s per layer, %s for %d MoE layers\n",
+              bullet, HumanCount(d["weights_per_expert"]).c_str(), HumanBytes(d["four_bit_bytes_per_expert"]).c_str(),
+              HumanBytes(d["four_bit_bytes_per_layer"]).c_str(), HumanBytes(d["four_bit_bytes_all_moe_layers"]).c_str(),
+              m.num_moe_layers());
+  std::printf("%sin %s with scales: %s per expert, %s per layer, %s all MoE layers; shared expert (%s) %s per layer; "
+              "dense layer (%s) %s\n",
+              bullet, d["expert_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_expert"]).c_str(),
+              HumanBytes(d["bytes_per_layer_routed"]).c_str(), HumanBytes(d["bytes_all_moe_layers_routed"]).c_str(),
+              d["shared_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_layer_shared"]).c_str(),
+              d["dense_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_dense_layer"]).c_str());
+  std::printf("%sbytes per row: bf16 %lld, nvfp4 %lld; all-to-all per token per layer (2 x k x hidden x 2 B): %lld B\n",
+              bullet, static_cast<long long>(d["row_bytes_bf16"].get<int64_t>()),
+              static_cast<long long>(d["row_bytes_nvfp4"].get<int64_t>()),
+              static_cast<long long>(d["all_to_all_bytes_per_token_per_layer_bf16"].get<int64_t>()));
+  std::string touched;
+  for (const auto& t : d["touched"])
+    touched += fmt::format("{}{} rows {:.1f}%", touched.empty() ? "" : ", ", t["batch"].get<int64_t>(),
+                           100 * t["even_router_touched_share"].get<double>());
+  std::printf("%sexperts an even router touches per step: %s\n", bullet, touched.c_str());
+  for (const auto& g : d["per_gpus"]) {
+    std::string memory;
+    for (auto it = g["memory_per_rank_bytes"].begin(); it != g["memory_per_rank_bytes"].end(); ++it)
+      memory += fmt::format("{}{} {}", memory.empty() ? "" : ", ", it.key(), HumanBytes(it.value().get<int64_t>()));
+    std::printf("%s%d GPUs: ranks per row %.2f, copies sent per row %.2f (all-gather %d), DWDP fetch %s per rank per "
+                "layer; weights per rank: %s\n",
+                bullet, g["gpus"].get<int>(), g["expected_ranks_per_row"].get<double>(),
+                g["copies_sent_per_row_rows"].get<double>(), g["copies_sent_per_row_all_gather"].get<int>(),
+                HumanBytes(g["dwdp_bytes_per_rank_per_layer"]).c_str(), memory.c_str());
+  }
+}
+
+json CostJson(const OptionCost& c) {
+  json j = {{"option", PlanOptionName(c.option)}, {"option_number", static_cast<int>(c.option)}, {"gpus", c.gpus},
+            {"batch", c.batch}, {"applicable", c.applicable}};
+  if (!c.applicable) {
+    j["not_applicable"] = c.not_applicable;
+    return j;
+  }
+  j.update({{"slices", c.slices},
+            {"kernel_us", c.kernel_us},
+            {"kernel_mean_us", c.kernel_mean_us},
+            {"comm_us", c.comm_us},
+            {"layer_us", c.layer_us},
+            {"dense_layer_us", c.dense_us},
+            {"step_ms", c.step_ms},
+            {"read_us", c.read_us},
+            {"arith_us", c.arith_us},
+            {"fixed_us", c.fixed_us},
+            {"imbalance_us", c.imbalance_us},
+            {"read_gb_per_layer", c.read_gb},
+            {"copies_per_row", c.copies_per_row},
+            {"balancedness", c.balancedness},
+            {"memory_bytes_per_rank", c.memory_bytes},
+            {"fits", c.fits},
+            {"dominant", c.dominant}});
+  return j;
+}
+
+const PlanWinner* WinnerFor(const PlanResult& r, int64_t batch, int gpus) {
+  for (const auto& w : r.winners)
+    if (w.batch == batch && w.gpus == gpus) return &w;
+  return nullptr;
+}
+
+void PrintText(const PlanResult& r, const ModelConfig& m, const json& derived) {
+  std::printf("%s on %s, %s, load: %s\n", r.model.c_str(), r.hardware.c_str(),
+              r.phase == PlanPhase::kDecode ? "decode" : "prefill", r.load.c_str());
+  PrintDerived(m, derived, false);
+  std::printf("times per MoE layer are the slowest rank's; step = all MoE and dense FFN layers (attention not modeled)\n");
+  int64_t batch = -1;
+  int gpus = -1;
+  auto finish_group = [&] {
+    if (gpus < 0) return;
+    if (const PlanWinner* w = WinnerFor(r, batch, gpus))
+      std::printf("  winner: %s, %.2f ms per step. %s\n", Label(*w).c_str(), w->step_ms, w->why.c_str());
+  };
+  for (const auto& c : r.costs) {
+    if (c.batch != batch || c.gpus != gpus) {
+      finish_group();
+      batch = c.batch;
+      gpus = c.gpus;
+      std::printf("\nbatch %lld rows, %d GPUs (%.1f rows per GPU)\n", static_cast<long long>(batch), gpus,
+                  static_cast<double>(batch) / gpus);
+      std::printf("  %-10s %9s %9s %9s %9s %8s %7s %8s %10s  %s\n", "option", "kernel us", "comm us", "layer us",
+                  "step ms", "read GB", "copies", "balance", "weights/GPU", "dominant");
+    }
+    if (!c.applicable) {
+      std::printf("  %-10s not applicable: %s\n", Label(c).c_str(), c.not_applicable.c_str());
+      continue;
+    }
+    std::printf("  %-10s %9.1f %9.1f %9.1f %9.2f %8.3f %7.2f %8.2f %10s  %s%s\n", Label(c).c_str(), c.kernel_us,
+                c.comm_us, c.layer_us, c.step_ms, c.read_gb, c.copies_per_row, c.balancedness,
+                HumanBytes(c.memory_bytes).c_str(), c.dominant.c_str(), c.fits ? "" : " (does not fit in memory)");
+  }
+  finish_group();
+}
+
+void PrintMarkdown(const PlanResult& r, const ModelConfig& m, const json& derived) {
+  std::printf("**%s on %s, %s, load: %s**\n\n", r.model.c_str(), r.hardware.c_str(),
+              r.phase == PlanPhase::kDecode ? "decode" : "prefill", r.load.c_str());
+  PrintDerived(m, derived, true);
+  std::printf("\n| batch | GPUs | option | kernel us | comm us | layer us | step ms | read GB | copies | balance | "
+              "weights/GPU | dominant |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  for (const auto& c : r.costs) {
+    if (!c.applicable) {
+      std::printf("| %lld | %d | %s | | | | | | | | | not applicable: %s |\n", static_cast<long long>(c.batch), c.gpus,
+                  Label(c).c_str(), c.not_applicable.c_str());
+      continue;
+    }
+    const PlanWinner* w = WinnerFor(r, c.batch, c.gpus);
+    const bool wins = w != nullptr && w->option == c.option;
+    std::printf("| %lld | %d | %s%s%s | %.1f | %.1f | %.1f | %.2f | %.3f | %.2f | %.2f | %s | %s%s |\n",
+                static_cast<long long>(c.batch), c.gpus, wins ? "**" : "", Label(c).c_str(), wins ? "**" : "",
+                c.kernel_us, c.comm_us, c.layer_us, c.step_ms, c.read_gb, c.copies_per_row, c.balancedness,
+                HumanBytes(c.memory_bytes).c_str(), c.dominant.c_str(), c.fits ? "" : " (does not fit)");
+  }
+  std::printf("\n");
+  for (const auto& w : r.winners)
+    std::printf("- batch %lld, %d GPUs: **%s**, %.2f ms per step. %s\n", static_cast<long long>(w.batch), w.gpus,
+                Label(w).c_str(), w.step_ms, w.why.c_str());
+}
+
+void PrintCsv(const PlanResult& r) {
+  std::printf("model,hardware,phase,batch,gpus,option,slices,applicable,kernel_us,kernel_mean_us,comm_us,layer_us,"
+              "dense_layer_us,step_ms,read_gb,copies_per_row,balancedness,memory_bytes,fits,dominant,winner\n");
+  for (const auto& c : r.costs) {
+    const PlanWinner* w = WinnerFor(r, c.batch, c.gpus);
+    const bool wins = w != nullptr && c.applicable && w->option == c.option;
+    std::printf("%s,%s,%s,%lld,%d,%s,%d,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.4f,%.5f,%.4f,%.4f,%lld,%d,%s,%d\n", r.model.c_str(),
+                r.hardware.c_str(), r.phase == PlanPhase::kDecode ? "decode" : "prefill",
+                static_cast<long long>(c.batch), c.gpus, PlanOptionName(c.option), c.slices, c.applicable ? 1 : 0,
+                c.kernel_us, c.kernel_mean_us, c.comm_us, c.layer_us, c.dense_us, c.step_ms, c.read_gb,
+                c.copies_per_row, c.balancedness, static_cast<long long>(c.memory_bytes), c.fits ? 1 : 0,
+                c.applicable ? c.dominant.c_str() : "", wins ? 1 : 0);
+  }
+}
+
+int RunPlanCommand(const PlanFlags& f) {
+  auto model = LoadModel(f.model);
+  if (!model.ok()) return ReportError(model.status());
+  auto hardware = LoadHardware(f.hardware);
+  if (!hardware.ok()) return ReportError(hardware.status());
+  PlanConfig config;
+  config.phase = f.phase == "prefill" ? PlanPhase::kPrefill : PlanPhase::kDecode;
+  config.batches = f.batches;
+  if (config.batches.empty())
+    config.batches = config.phase == PlanPhase::kDecode ? std::vector<int64_t>{8, 64, 256} : std::vector<int64_t>{8192};
+  config.gpus = f.gpus;
+  config.options.clear();
+  for (const auto& name : f.options) {
+    auto option = ParseOption(name);
+    if (!option.ok()) return ReportError(option.status());
+    config.options.push_back(*option);
+  }
+  auto experts = ParseWeightFormat(f.expert_weights);
+  if (!experts.ok()) return ReportError(experts.status().WithContext("--weights"));
+  auto shared_format = ParseWeightFormat(f.shared_weights);
+  if (!shared_format.ok()) return ReportError(shared_format.status().WithContext("--shared-weights"));
+  auto dense_format = ParseWeightFormat(f.dense_weights);
+  if (!dense_format.ok()) return ReportError(dense_format.status().WithContext("--dense-weights"));
+  config.formats = {*experts, *shared_format, *dense_format};
+  config.rows = f.rows == "nvfp4" ? RowFormat::kFp4 : RowFormat::kBf16;
+  auto shared = ParseSharing(f.shared);
+  if (!shared.ok()) return ReportError(shared.status().WithContext("--shared"));
+  auto dense = ParseSharing(f.dense);
+  if (!dense.ok()) return ReportError(dense.status().WithContext("--dense"));
+  config.shared = *shared;
+  config.dense = *dense;
+  config.samples = f.samples;
+  config.seed = f.seed;
+
+  ExpertLoad trace_load;
+  std::string load_description = fmt::format("even router ({} sampled layer loads per batch)", f.samples);
+  if (!f.trace.empty()) {
+    LoadReadOptions read;
+    read.format = f.trace_format;
+    auto loaded = ReadExpertLoad(f.trace, read);
+    if (!loaded.ok()) return ReportError(loaded.status());
+    trace_load = std::move(*loaded);
+    load_description = fmt::format("trace {} ({} steps x {} layers, up to {} layer loads per batch)", f.trace,
+                                   trace_load.num_steps, trace_load.num_layers, f.samples);
+  }
+  auto result = RunPlan(*model, *hardware, config, f.trace.empty() ? nullptr : &trace_load, load_description);
+  if (!result.ok()) return ReportError(result.status());
+  const json derived = DerivedJson(*model, config);
+
+  if (!f.plot.empty()) {
+    std::ofstream out(f.plot);
+    out << PlanPlotSvg(*result, *model);
+    if (!out) return ReportError(IoError(fmt::format("{}: cannot write the plot", f.plot)));
+  }
+  if (f.format == "json") {
+    json j = {{"model", result->model}, {"hardware", result->hardware},
+              {"phase", result->phase == PlanPhase::kDecode ? "decode" : "prefill"}, {"load", result->load},
+              {"derived", derived}};
+    j["costs"] = json::array();
+    for (const auto& c : result->costs) j["costs"].push_back(CostJson(c));
+    j["winners"] = json::array();
+    for (const auto& w : result->winners)
+      j["winners"].push_back({{"batch", w.batch}, {"gpus", w.gpus}, {"option", PlanOptionName(w.option)},
+                              {"slices", w.slices}, {"step_ms", w.step_ms}, {"why", w.why}});
+    std::printf("%s\n", j.dump(2).c_str());
+  } else if (f.format == "md") {
+    PrintMarkdown(*result, *model, derived);
+  } else if (f.format == "csv") {
+    PrintCsv(*result);
+  } else {
+    PrintText(*result, *model, derived);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddPlanCommand(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<PlanFlags>();
+  auto* cmd = app.add_subcommand("plan", "Predict each option's kernel, communication and step time on a hardware profile");
+  cmd->add_option("--model", f->model, "Model preset name or .json path")->required();
+  cmd->add_option("--hardware", f->hardware, "Hardware profile name (see `epmoe hardware list`) or .json path")->required();
+  cmd->add_option("--trace", f->trace, "Routing trace (any format `epmoe trace` reads); default: an even router");
+  cmd->add_option("--trace-format", f->trace_format, "Trace format (auto detects)")->capture_default_str();
+  cmd->add_option("--phase", f->phase, "decode or prefill")->check(CLI::IsMember({"decode", "prefill"}))->capture_default_str();
+  cmd->add_option("--batch", f->batches, "Rows per step over the whole EP group, comma separated (default: decode 8,64,256; prefill 8192)")
+      ->delimiter(',')
+      ->check(kPositive);
+  cmd->add_option("--gpus", f->gpus, "EP sizes, comma separated")->delimiter(',')->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--options", f->options, "Options to price: sliced, whole, hybrid, rows, weights (or 1-5)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--weights", f->expert_weights, "Routed experts' weight format")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
+      ->capture_default_str();
+  cmd->add_option("--shared-weights", f->shared_weights, "Shared expert's weight format")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
+      ->capture_default_str();
+  cmd->add_option("--dense-weights", f->dense_weights, "Dense FFN layers' weight format")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
+      ->capture_default_str();
+  cmd->add_option("--rows", f->rows, "How rows travel under traveling rows (option 4): bf16 or nvfp4; results return in bf16, the all-gather of 1-3 moves bf16")
+      ->check(CLI::IsMember({"bf16", "nvfp4"}))
+      ->capture_default_str();
+  cmd->add_option("--shared", f->shared, "Shared expert: auto (sliced under 1-3, copied under 4-5), sliced, copied")
+      ->check(CLI::IsMember({"auto", "sliced", "copied"}))
+      ->capture_default_str();
+  cmd->add_option("--dense", f->dense, "Dense layers: sliced, copied or auto")
+      ->check(CLI::IsMember({"auto", "sliced", "copied"}))
+      ->capture_default_str();
+  cmd->add_option("--samples", f->samples, "Layer loads priced per batch")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--seed", f->seed, "Seed of the even router and of batch thinning")->capture_default_str();
+  AddFormatOption(cmd, &f->format, {"text", "md", "csv", "json"});
+  cmd->add_option("--plot", f->plot, "Write an SVG: time against batch, copies per row and balancedness against GPUs");
+  cmd->callback([f, exit_code] { *exit_code = RunPlanCommand(*f); });
+
+  auto* hw = app.add_subcommand("hardware", "List hardware profiles or show one");
+  hw->require_subcommand(1);
+  hw->add_subcommand("list", "List the built-in hardware profiles")->callback([exit_code] {
+    for (const auto& name : ListHardwareProfiles()) std::printf("%s\n", name.c_str());
+    *exit_code = 0;
+  });
+  auto name = std::make_shared<std::string>();
+  auto* show = hw->add_subcommand("show", "Print a profile (built-in name or .json path) after validating it");
+  show->add_option("profile", *name, "Profile name or path")->required();
+  show->callback([name, exit_code] {
+    auto profile = LoadHardware(*name);
+    if (!profile.ok()) {
+      *exit_code = ReportError(profile.status());
+      return;
+    }
+    std::printf("%s\n", HardwareToJson(*profile).c_str());
+    *exit_code = 0;
+  });
+}
+
+}  // namespace epmoe::cli
