@@ -1,5 +1,5 @@
 // Row codecs (bf16, q8, q4) against hand-computed values and error bounds, and the small helpers
-// of the executors (row split, dispatch table, expected copies per row).
+// of the executors (row split, expected copies per row, option names).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -106,23 +106,6 @@ TEST(ExecutorHelpers, ExpectedCopiesPerRow) {
   }
   EXPECT_NEAR(ExpectedCopiesPerRow(128, 8, 1), 1.0, 1e-12);
   EXPECT_LT(ExpectedCopiesPerRow(256, 8, 64), 8.0);
-}
-
-TEST(ExecutorHelpers, DispatchPrefersOwnRankThenNode) {
-  // 4 experts, 8 slots on 4 ranks in 2 nodes: slots 2r, 2r+1 on rank r. Expert 0 on ranks 0 and 3.
-  auto p = Placement::Create(4, 4, 2, {{0, 1, 2, 3, 1, 2, 3, 0}});
-  ASSERT_TRUE(p.ok()) << p.status().ToString();
-  EXPECT_EQ(DispatchSlot(*p, 0, 0, 0), 0);  // own rank
-  EXPECT_EQ(DispatchSlot(*p, 0, 3, 0), 7);  // own rank
-  EXPECT_EQ(DispatchSlot(*p, 0, 1, 0), 0);  // rank 1 is on node 0 with rank 0
-  EXPECT_EQ(DispatchSlot(*p, 0, 2, 0), 7);  // rank 2 is on node 1 with rank 3
-  EXPECT_EQ(DispatchSlot(*p, 0, 0, 2), 2);  // expert 2: slots 2 (rank 1, node 0) and 5 (rank 2, node 1)
-  EXPECT_EQ(DispatchSlot(*p, 0, 3, 2), 5);
-  // Copies only on another node are spread over the asking ranks.
-  auto far = Placement::Create(2, 4, 2, {{0, 0, 1, 1, 1, 1, 1, 1}});
-  ASSERT_TRUE(far.ok()) << far.status().ToString();
-  EXPECT_EQ(DispatchSlot(*far, 0, 2, 0), 0);
-  EXPECT_EQ(DispatchSlot(*far, 0, 3, 0), 1);
 }
 
 TEST(ExecutorHelpers, OptionNames) {

@@ -75,7 +75,10 @@ struct ExecutorOptions {
   uint64_t seed = 1;
   // Placement of whole experts for a2a and whole (null: Placement::Trivial with no redundant
   // slots, so rank g holds experts [g*E/G, (g+1)*E/G)). Its ranks must equal the communicator's.
+  // A rank sends its picks of an expert to the copies its DispatchTable (dispatch.h) names, dealt
+  // in pick order (row, then j) each step.
   PlacementPtr placement;
+  uint64_t dispatch_seed = 0;  // DispatchTable::Build's seed
   ExpertSource routed_source;  // empty: synthetic
   ExpertSource shared_source;  // empty: synthetic
 };
@@ -131,10 +134,6 @@ Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const Mo
 // First global row of `rank` when `total` rows are split over `ranks` data-parallel (the first
 // total % ranks ranks get one more row).
 int64_t RowBegin(int64_t total, int ranks, int rank);
-
-// The slot rank `rank` sends the picks of `expert` to: a copy on the rank itself, else one on its
-// node, else spread over the copies by rank (the dispatch table).
-int32_t DispatchSlot(const Placement& placement, int layer, int rank, int expert);
 
 // Expected ranks a row is sent to under uniform routing: G (1 - C(E - E/G, k) / C(E, k)).
 double ExpectedCopiesPerRow(int num_experts, int top_k, int num_ranks);

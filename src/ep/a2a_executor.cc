@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "ep/executor_internal.h"
+#include "epmoe/dispatch.h"
 #include "epmoe/thread_pool.h"
 
 namespace epmoe::ep_internal {
@@ -28,14 +29,14 @@ class A2aExecutor : public MoeExecutor {
     const Placement& p = *placement_;
     const ExpertSource routed = RoutedSource(model_, options_);
     stores_.resize(options_.num_layers);
-    dispatch_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers; ++layer) {
       std::vector<ExpertWeights> local;
       for (int s = 0; s < p.slots_per_rank(); ++s)
         local.push_back(routed(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, model_.expert_intermediate));
       EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(local, options_.pack));
-      for (int e = 0; e < model_.num_experts; ++e) dispatch_[layer].push_back(DispatchSlot(p, layer, me, e));
     }
+    EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(p, me, options_.dispatch_seed));
+    dispatch_ = std::make_unique<DispatchTable>(std::move(table));
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     return Status::Ok();
   }
@@ -102,10 +103,11 @@ class A2aExecutor : public MoeExecutor {
     // Layout: destination and slot of every pick; the rows each destination gets, in row order.
     std::vector<int32_t> pick_rank(n * k), pick_slot(n * k);
     std::vector<std::vector<int64_t>> send_rows(g);
-    std::vector<int64_t> seen(g, -1);
+    std::vector<int64_t> seen(g, -1), nth(model_.num_experts, 0);
     for (int64_t r = 0; r < n; ++r) {
       for (int j = 0; j < k; ++j) {
-        const int32_t slot = dispatch_[layer][picks.expert(r, j)];
+        const int32_t e = picks.expert(r, j);
+        const int32_t slot = dispatch_->SlotFor(layer, e, nth[e]++);
         const int dest = p.rank_of_slot(slot);
         pick_rank[r * k + j] = dest;
         pick_slot[r * k + j] = slot - dest * slots;
@@ -314,7 +316,7 @@ class A2aExecutor : public MoeExecutor {
   ThreadPool& pool_;
   PlacementPtr placement_;
   std::vector<std::unique_ptr<ExpertStore>> stores_;   // per layer: this rank's slots
-  std::vector<std::vector<int32_t>> dispatch_;         // per layer: logical expert -> slot
+  std::unique_ptr<DispatchTable> dispatch_;            // this rank's picks -> slots
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
 };
 

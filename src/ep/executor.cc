@@ -68,19 +68,6 @@ int64_t RowBegin(int64_t total, int ranks, int rank) {
   return rank * base + std::min<int64_t>(rank, extra);
 }
 
-int32_t DispatchSlot(const Placement& placement, int layer, int rank, int expert) {
-  const auto copies = placement.copies(layer, expert);
-  for (int32_t slot : copies) {
-    if (placement.rank_of_slot(slot) == rank) return slot;
-  }
-  std::vector<int32_t> same_node;
-  for (int32_t slot : copies) {
-    if (placement.node_of_rank(placement.rank_of_slot(slot)) == placement.node_of_rank(rank)) same_node.push_back(slot);
-  }
-  if (!same_node.empty()) return same_node[rank % same_node.size()];
-  return copies[rank % copies.size()];
-}
-
 double ExpectedCopiesPerRow(int num_experts, int top_k, int num_ranks) {
   // C(E - E/G, k) / C(E, k) = prod_{i<k} (E - E/G - i) / (E - i): the chance a rank holds none of a
   // row's k distinct experts.

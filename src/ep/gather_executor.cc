@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "ep/executor_internal.h"
+#include "epmoe/dispatch.h"
 #include "epmoe/thread_pool.h"
 
 namespace epmoe::ep_internal {
@@ -31,28 +32,29 @@ class GatherExecutor : public MoeExecutor {
     if (options_.option == EpOption::kWhole) {
       EPMOE_ASSIGN_OR_RETURN(placement_, ResolvePlacement(model_, options_, g, comm_.num_nodes()));
     }
+    if (options_.option == EpOption::kWhole) {
+      // Every rank's dispatch table: a row's picks go to the copies its home rank would choose.
+      for (int home = 0; home < g; ++home) {
+        EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*placement_, home, options_.dispatch_seed));
+        tables_.push_back(std::move(table));
+      }
+    }
     for (int layer = 0; layer < options_.num_layers; ++layer) {
       std::vector<ExpertWeights> local;
-      // local_of_[layer][home * E + e]: the store index computing rank `home`'s picks of e here, or -1.
+      // Sliced and hybrid: local_of_[layer][e]: the store index holding e's slice here, or -1.
       std::vector<int32_t>& local_of = local_of_[layer];
-      local_of.assign(static_cast<size_t>(g) * e_count, -1);
+      local_of.assign(e_count, -1);
       if (options_.option == EpOption::kWhole) {
         const Placement& p = *placement_;
         const int first = me * p.slots_per_rank();
         for (int s = 0; s < p.slots_per_rank(); ++s)
           local.push_back(routed(layer, p.phy2log(layer)[first + s], 0, model_.expert_intermediate));
-        for (int home = 0; home < g; ++home) {
-          for (int e = 0; e < e_count; ++e) {
-            const int32_t slot = DispatchSlot(p, layer, home, e);
-            if (p.rank_of_slot(slot) == me) local_of[static_cast<size_t>(home) * e_count + e] = slot - first;
-          }
-        }
       } else {
         const int begin = static_cast<int>(static_cast<int64_t>(group) * e_count / groups);
         const int end = static_cast<int>(static_cast<int64_t>(group + 1) * e_count / groups);
         for (int e = begin; e < end; ++e) {
           local.push_back(routed(layer, e, slice * width, (slice + 1) * width));
-          for (int home = 0; home < g; ++home) local_of[static_cast<size_t>(home) * e_count + e] = e - begin;
+          local_of[e] = e - begin;
         }
       }
       if (!local.empty()) {
@@ -141,6 +143,7 @@ class GatherExecutor : public MoeExecutor {
     st.pack_us += watch.Lap();
 
     *out = Matrix(rows.rows, h);
+    std::vector<int64_t> nth(tables_.empty() ? 0 : static_cast<size_t>(g) * model_.num_experts, 0);
     std::vector<int64_t> chunk(g), chunk_first(g);
     std::vector<uint8_t> send, recv;
     Matrix gathered_rows, partial, work_in, work_out, reduced;
@@ -224,8 +227,15 @@ class GatherExecutor : public MoeExecutor {
       std::vector<int32_t> item_local(round_total * k, -1);
       for (int64_t q = 0; q < round_total; ++q) {
         for (int j = 0; j < k; ++j) {
-          const int32_t li =
-              local_of[static_cast<size_t>(gathered_home[q]) * model_.num_experts + gathered_experts[q * k + j]];
+          const int32_t e = gathered_experts[q * k + j];
+          int32_t li = local_of[e];
+          if (!tables_.empty()) {
+            // Whole experts: the copy the home rank's table deals this pick to (its nth pick of e
+            // this step: rounds and rows come in the home rank's order).
+            const int home = gathered_home[q];
+            const int32_t slot = tables_[home].SlotFor(layer, e, nth[static_cast<size_t>(home) * model_.num_experts + e]++);
+            li = placement_->rank_of_slot(slot) == me ? slot - me * placement_->slots_per_rank() : -1;
+          }
           item_local[q * k + j] = li;
           if (li >= 0) ++offsets[li + 1];
         }
@@ -308,7 +318,8 @@ class GatherExecutor : public MoeExecutor {
   int slices_ = 1;
   PlacementPtr placement_;
   std::vector<std::unique_ptr<ExpertStore>> stores_;  // per layer; null when a rank holds no expert
-  std::vector<std::vector<int32_t>> local_of_;
+  std::vector<DispatchTable> tables_;          // whole: every rank's dispatch table
+  std::vector<std::vector<int32_t>> local_of_;  // sliced, hybrid
   bool shared_copied_ = false;
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
 };
