@@ -307,7 +307,8 @@ std::vector<int32_t> SearchCopyCounts(std::span<const double> weight, const Bala
   std::vector<int32_t> phy2log;
   Score best = evaluate(copies, &phy2log);
   std::vector<int32_t> best_phy2log = phy2log;
-  constexpr int kMaxEvaluations = 4000;
+  // Bounded work: about 100k slots packed in all (6,250 candidates for 16 slots, 1,400 for 72).
+  const int kMaxEvaluations = std::max(100, 100000 / static_cast<int>(start.size()));
   int evaluations = 0;
   bool improved = true;
   while (improved && evaluations < kMaxEvaluations) {

@@ -92,7 +92,8 @@ std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const Bala
     if (repaired_max < best_max) best = repaired, best_max = repaired_max;
   }
   const int num_slots = num_experts + shape.num_redundant;
-  if (num_slots <= eplb_internal::kCopySearchMaxSlots) {
+  // Search copy counts only where the guard binds: deepseek put two copies of an expert on a rank.
+  if (num_slots <= eplb_internal::kCopySearchMaxSlots && eplb_internal::HasDuplicateOnRank(plain, shape.num_ranks)) {
     std::vector<int32_t> searched = eplb_internal::SearchCopyCounts(weight, shape, best, best_max);
     if (!searched.empty()) {
       best = std::move(searched);

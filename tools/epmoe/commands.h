@@ -10,6 +10,7 @@ namespace epmoe::cli {
 void AddModelCommand(CLI::App& app, int* exit_code);
 void AddLayerCommand(CLI::App& app, int* exit_code);
 void AddRunCommand(CLI::App& app, int* exit_code);
+void AddBalanceCommand(CLI::App& app, int* exit_code);
 void AddTraceCommand(CLI::App& app, int* exit_code);
 void AddPlanCommand(CLI::App& app, int* exit_code);  // also `epmoe hardware`
 

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   epmoe::cli::AddModelCommand(app, &exit_code);
   epmoe::cli::AddLayerCommand(app, &exit_code);
   epmoe::cli::AddRunCommand(app, &exit_code);
+  epmoe::cli::AddBalanceCommand(app, &exit_code);
   epmoe::cli::AddTraceCommand(app, &exit_code);
   epmoe::cli::AddPlanCommand(app, &exit_code);
   try {

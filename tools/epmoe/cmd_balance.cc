@@ -1,0 +1,277 @@
+// `epmoe balance`: fits expert placements on the first part of a routing trace and scores them on
+// the rest (held-out), per policy, against the trivial placement and an even router.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "epmoe/balance.h"
+#include "epmoe/eplb_policy.h"
+#include "epmoe/model.h"
+#include "epmoe/placement.h"
+#include "epmoe/trace.h"
+#include "epmoe/weight_format.h"
+#include "output.h"
+
+namespace epmoe::cli {
+namespace {
+
+struct BalanceOptions {
+  std::string trace;
+  std::string trace_format = "auto";
+  std::string phase = "auto";
+  int64_t batch = 0;
+  std::string filter;
+  int ranks = 0;
+  int nodes = 1;
+  int groups = 0;  // 0: the model preset's, else 1
+  int redundant = 0;
+  std::string policy = "all";
+  double train = 0.5;
+  std::string model;
+  std::string weight_format = "bf16";
+  double bandwidth_gbs = 30;
+  double peak_gflops = 115;
+  double fixed_us = 0;
+  std::string current;
+  double min_move_factor = 1.05;
+  int search_rounds = 64;
+  uint64_t seed = 1;
+  std::string out;
+  std::string format = "text";
+};
+
+nlohmann::json ScoreJson(const PlacementScore& s) {
+  return {{"balancedness", s.balancedness},      {"max_picks_per_rank", s.max_picks},
+          {"mean_picks_per_rank", s.mean_picks}, {"byte_balancedness", s.byte_balancedness},
+          {"max_bytes_per_rank", s.max_bytes},   {"mean_bytes_per_rank", s.mean_bytes},
+          {"step_seconds", s.step_seconds},      {"mean_rank_step_seconds", s.mean_rank_seconds}};
+}
+
+Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
+  if (!(o.train > 0 && o.train <= 1)) return InvalidArgument(fmt::format("--train {} must be in (0, 1]", o.train));
+  std::vector<Policy> policies;
+  if (o.policy == "all") {
+    policies = AllPolicies();
+  } else {
+    EPMOE_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(o.policy));
+    policies.push_back(policy);
+  }
+  if (!o.out.empty() && policies.size() != 1)
+    return InvalidArgument("--out writes one placement: choose one --policy");
+
+  // Expert size and groups from the model preset, when given.
+  CostModel cost;
+  int groups = o.groups;
+  std::string expert_source = "a 1024 x 1024 expert (no --model)";
+  int64_t hidden = 1024, intermediate = 1024;
+  EPMOE_ASSIGN_OR_RETURN(WeightFormat format, ParseWeightFormat(o.weight_format));
+  if (!o.model.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
+    hidden = model.hidden;
+    intermediate = model.expert_intermediate;
+    if (groups == 0) groups = model.num_expert_groups;
+    expert_source = model.name;
+  }
+  if (groups == 0) groups = 1;
+  cost.bytes_per_expert = static_cast<double>(ExpertByteCount(format, hidden, intermediate));
+  cost.flops_per_row = 6.0 * hidden * intermediate;
+  cost.memory_bandwidth = o.bandwidth_gbs * 1e9;
+  cost.peak_flops = o.peak_gflops * 1e9;
+  cost.fixed_seconds = o.fixed_us * 1e-6;
+
+  LoadReadOptions read;
+  read.format = o.trace_format;
+  read.phase = o.phase;
+  read.batch = o.batch;
+  read.filter = o.filter;
+  EPMOE_ASSIGN_OR_RETURN(ExpertLoad load, ReadExpertLoad(o.trace, read));
+  EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, o.trace));
+  if (load.num_steps < 1) return InvalidArgument(fmt::format("{}: the trace holds no steps", o.trace));
+  const bool score = o.train < 1;
+  const int64_t train_steps =
+      score ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(o.train * load.num_steps))) : load.num_steps;
+  if (score && train_steps >= load.num_steps)
+    return InvalidArgument(fmt::format("{}: {} steps; --train {} leaves none to score (use --train 1 to fit only)",
+                                       o.trace, load.num_steps, o.train));
+  if (!o.model.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
+    if (model.num_experts != load.num_experts)
+      return InvalidArgument(fmt::format("--model {} has {} experts, the trace {}", model.name, model.num_experts,
+                                         load.num_experts));
+  }
+  const ExpertLoad train = SliceSteps(load, 0, train_steps);
+  const ExpertLoad test = score ? SliceSteps(load, train_steps, load.num_steps) : ExpertLoad();
+
+  PolicyOptions options;
+  options.shape = {o.ranks, o.nodes, groups, o.redundant};
+  options.cost = cost;
+  options.min_move_factor = o.min_move_factor;
+  options.search_rounds = o.search_rounds;
+  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
+  EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(load.num_layers, load.num_experts, o.redundant,
+                                                               o.ranks, o.nodes));
+  std::optional<Placement> current;
+  if (!o.current.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
+  }
+  const Placement& current_placement = current ? *current : trivial;
+  options.current = &current_placement;
+
+  nlohmann::json results = nlohmann::json::array();
+  auto add = [&](const std::string& name, const Placement* placement, double solve_seconds,
+                 const std::optional<PlacementScore>& forced) {
+    nlohmann::json r = {{"policy", name}};
+    if (solve_seconds >= 0) r["solve_seconds"] = solve_seconds;
+    if (placement != nullptr) r["moved_copies"] = placement->MovedCopies(current_placement);
+    if (forced) {
+      r["held_out"] = ScoreJson(*forced);
+    } else if (score && placement != nullptr) {
+      r["held_out"] = ScoreJson(ScorePlacement(*placement, test, cost));
+    }
+    if (placement != nullptr) r["train"] = ScoreJson(ScorePlacement(*placement, train, cost));
+    results.push_back(r);
+  };
+  add("trivial", &trivial, -1, std::nullopt);
+  if (score) add("even-router", nullptr, -1, ScoreEvenRouter(trivial, test, cost, o.seed));
+  for (Policy policy : policies) {
+    options.policy = policy;
+    const auto start = std::chrono::steady_clock::now();
+    auto placement = ComputePlacement(train, options);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!placement.ok()) return placement.status().WithContext(fmt::format("policy {}", PolicyName(policy)));
+    add(PolicyName(policy), &*placement, seconds, std::nullopt);
+    if (!o.out.empty()) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
+  }
+  *report = {{"trace", o.trace},
+             {"layers", load.num_layers},
+             {"experts", load.num_experts},
+             {"top_k", load.top_k},
+             {"steps", load.num_steps},
+             {"train_steps", train_steps},
+             {"held_out_steps", score ? load.num_steps - train_steps : 0},
+             {"ranks", o.ranks},
+             {"nodes", o.nodes},
+             {"groups", groups},
+             {"redundant", o.redundant},
+             {"slots", load.num_experts + o.redundant},
+             {"current", o.current.empty() ? "trivial" : o.current},
+             {"cost_model",
+              {{"expert", expert_source},
+               {"weight_format", WeightFormatName(format)},
+               {"bytes_per_expert", cost.bytes_per_expert},
+               {"flops_per_row", cost.flops_per_row},
+               {"memory_bandwidth", cost.memory_bandwidth},
+               {"peak_flops", cost.peak_flops},
+               {"fixed_seconds", cost.fixed_seconds}}},
+             {"results", results}};
+  if (!o.out.empty()) (*report)["out"] = o.out;
+  return Status::Ok();
+}
+
+void PrintText(const nlohmann::json& r) {
+  const bool scored = r["held_out_steps"].get<int64_t>() > 0;
+  std::printf("%s: %d layers, %d experts, top-%d, %lld steps (fit on %lld, %s)\n",
+              r["trace"].get<std::string>().c_str(), r["layers"].get<int>(), r["experts"].get<int>(),
+              r["top_k"].get<int>(), static_cast<long long>(r["steps"].get<int64_t>()),
+              static_cast<long long>(r["train_steps"].get<int64_t>()),
+              scored ? fmt::format("scored on the other {}", r["held_out_steps"].get<int64_t>()).c_str()
+                     : "no held-out steps: figures are on the fitted steps");
+  const auto& c = r["cost_model"];
+  std::printf("shape: %d ranks, %d nodes, %d groups, %d redundant (%d slots); cost model: %s, %s, %s per expert, "
+              "%.0f GB/s, %.0f GFLOP/s, %.1f us fixed\n",
+              r["ranks"].get<int>(), r["nodes"].get<int>(), r["groups"].get<int>(), r["redundant"].get<int>(),
+              r["slots"].get<int>(), c["expert"].get<std::string>().c_str(),
+              c["weight_format"].get<std::string>().c_str(),
+              HumanBytes(static_cast<int64_t>(c["bytes_per_expert"].get<double>())).c_str(),
+              c["memory_bandwidth"].get<double>() / 1e9, c["peak_flops"].get<double>() / 1e9,
+              c["fixed_seconds"].get<double>() * 1e6);
+  std::printf("%-17s %8s %9s %9s %8s %11s %11s %7s %10s %9s\n", "policy", "balanced", "max pick", "mean pick",
+              "byte bal", "max bytes", "mean bytes", "moved", "step us", "solve ms");
+  for (const auto& p : r["results"]) {
+    const auto& s = scored ? p["held_out"] : p["train"];
+    std::printf("%-17s %8.4f %9.1f %9.1f %8.4f %11s %11s %7s %10.1f %9s\n", p["policy"].get<std::string>().c_str(),
+                s["balancedness"].get<double>(), s["max_picks_per_rank"].get<double>(),
+                s["mean_picks_per_rank"].get<double>(), s["byte_balancedness"].get<double>(),
+                HumanBytes(static_cast<int64_t>(s["max_bytes_per_rank"].get<double>())).c_str(),
+                HumanBytes(static_cast<int64_t>(s["mean_bytes_per_rank"].get<double>())).c_str(),
+                p.contains("moved_copies") ? std::to_string(p["moved_copies"].get<int64_t>()).c_str() : "-",
+                s["step_seconds"].get<double>() * 1e6,
+                p.contains("solve_seconds") ? fmt::format("{:.2f}", p["solve_seconds"].get<double>() * 1e3).c_str()
+                                            : "-");
+  }
+  if (r.contains("out")) std::printf("placement written to %s\n", r["out"].get<std::string>().c_str());
+}
+
+}  // namespace
+
+void AddBalanceCommand(CLI::App& app, int* exit_code) {
+  auto o = std::make_shared<BalanceOptions>();
+  auto* cmd = app.add_subcommand(
+      "balance", "Fit expert placements (EPLB policies) on the first part of a trace and score them on the rest");
+  cmd->add_option("--trace", o->trace, "Routing trace: file or folder (see `epmoe trace`)")->required();
+  cmd->add_option("--trace-format", o->trace_format, "Trace format (auto detects)")->capture_default_str();
+  cmd->add_option("--phase", o->phase, "Steps of per-token traces: decode (batches of rows) or prefill (chunks)")
+      ->check(CLI::IsMember({"auto", "decode", "prefill"}))
+      ->capture_default_str();
+  cmd->add_option("--batch", o->batch, "Rows per decode step or tokens per prefill chunk (0: the trace's own)")
+      ->check(kNonNegative);
+  cmd->add_option("--filter", o->filter, "Series of a count file, e.g. model=olmoe,selection=topk");
+  cmd->add_option("--ranks,-g", o->ranks, "Ranks in the EP group (G)")->required()->check(kPositive);
+  cmd->add_option("--nodes", o->nodes, "Nodes (G/N ranks each)")->check(kPositive)->capture_default_str();
+  cmd->add_option("--groups", o->groups, "Expert groups (0: the model preset's, else 1)")->check(kNonNegative);
+  cmd->add_option("--redundant,-r", o->redundant, "Redundant copies per layer (R; P = E + R slots)")
+      ->required()
+      ->check(kNonNegative);
+  cmd->add_option("--policy", o->policy, "deepseek, deepseek-guarded, per-step, cost, min-move or all")
+      ->check(CLI::IsMember({"all", "deepseek", "deepseek-guarded", "per-step", "cost", "min-move"}))
+      ->capture_default_str();
+  cmd->add_option("--train", o->train, "Fraction of steps to fit on (the rest is scored; 1: fit on all, no scoring)")
+      ->capture_default_str();
+  cmd->add_option("--model", o->model, "Model preset or .json: expert size for bytes and time, expert groups");
+  cmd->add_option("--weight-format", o->weight_format, "Expert weight format for bytes read")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
+      ->capture_default_str();
+  cmd->add_option("--bandwidth-gbs", o->bandwidth_gbs, "Cost model: weight read bandwidth per rank, GB/s")
+      ->check(kPositive)
+      ->capture_default_str();
+  cmd->add_option("--peak-gflops", o->peak_gflops, "Cost model: peak per rank, GFLOP/s")
+      ->check(kPositive)
+      ->capture_default_str();
+  cmd->add_option("--fixed-us", o->fixed_us, "Cost model: fixed time per rank and layer, microseconds")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  cmd->add_option("--current", o->current, "Placement JSON in use (min-move starts from it; moved copies count "
+                                           "against it); default: the trivial placement");
+  cmd->add_option("--min-move-factor", o->min_move_factor,
+                  "min-move: allowed max load relative to deepseek-guarded's (>= 1)")
+      ->capture_default_str();
+  cmd->add_option("--search-rounds", o->search_rounds, "per-step and cost: improving swaps per layer (bound)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
+  cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
+  AddFormatOption(cmd, &o->format, {"text", "json"});
+  cmd->callback([o, exit_code] {
+    nlohmann::json report;
+    const Status status = RunBalance(*o, &report);
+    if (!status.ok()) {
+      *exit_code = ReportError(status);
+      return;
+    }
+    if (o->format == "json") {
+      std::printf("%s\n", report.dump(2).c_str());
+    } else {
+      PrintText(report);
+    }
+  });
+}
+
+}  // namespace epmoe::cli
