@@ -49,11 +49,14 @@ struct PermutedPicks {
 };
 PermutedPicks PermuteByExpert(const Picks& picks, int num_experts);
 
-// permuted.row(p) = rows.row(source_pick[p] / k).
-void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out);
+// permuted.row(p) = rows.row(source_pick[p] / k). Runs on the pool's threads when one is given.
+void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out,
+                        ThreadPool* pool = nullptr);
 // out.row(r) = sum over the k picks of row r of weight * expert_out.row(position of that pick),
 // summed in pick order j = 0..k-1 (deterministic). `out` is overwritten.
-void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out);
+// The result does not depend on the pool.
+void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out,
+                         ThreadPool* pool = nullptr);
 
 // Per-layer figures of one forward pass.
 struct LayerStats {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
@@ -111,29 +112,45 @@ PermutedPicks PermuteByExpert(const Picks& picks, int num_experts) {
   return p;
 }
 
-void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out) {
-  const int64_t n = static_cast<int64_t>(permuted.source_pick.size());
-  if (out->rows != n || out->cols != rows.cols) *out = Matrix(n, rows.cols);
-  for (int64_t p = 0; p < n; ++p) {
-    const float* src = rows.row(permuted.source_pick[p] / k);
-    std::copy(src, src + rows.cols, out->row(p));
+namespace {
+// Runs body over [0, n) on the pool when there is one and the work is worth splitting.
+void ForRows(int64_t n, ThreadPool* pool, const std::function<void(int64_t, int64_t)>& body) {
+  if (pool != nullptr && n > 64) {
+    pool->ParallelFor(n, 32, body);
+  } else {
+    body(0, n);
   }
 }
+}  // namespace
 
-void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out) {
+void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k, Matrix* out, ThreadPool* pool) {
+  const int64_t n = static_cast<int64_t>(permuted.source_pick.size());
+  if (out->rows != n || out->cols != rows.cols) *out = Matrix(n, rows.cols);
+  ForRows(n, pool, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* src = rows.row(permuted.source_pick[p] / k);
+      std::copy(src, src + rows.cols, out->row(p));
+    }
+  });
+}
+
+void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out,
+                         ThreadPool* pool) {
   const int64_t n = static_cast<int64_t>(permuted.source_pick.size());
   std::vector<int64_t> position(n);
   for (int64_t p = 0; p < n; ++p) position[permuted.source_pick[p]] = p;
   if (out->rows != picks.rows || out->cols != expert_out.cols) *out = Matrix(picks.rows, expert_out.cols);
-  for (int64_t r = 0; r < picks.rows; ++r) {
-    float* y = out->row(r);
-    std::fill(y, y + out->cols, 0.0f);
-    for (int j = 0; j < picks.k; ++j) {
-      const float w = picks.weight(r, j);
-      const float* src = expert_out.row(position[r * picks.k + j]);
-      for (int64_t h = 0; h < out->cols; ++h) y[h] += w * src[h];
+  ForRows(picks.rows, pool, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* y = out->row(r);
+      std::fill(y, y + out->cols, 0.0f);
+      for (int j = 0; j < picks.k; ++j) {
+        const float w = picks.weight(r, j);
+        const float* src = expert_out.row(position[r * picks.k + j]);
+        for (int64_t h = 0; h < out->cols; ++h) y[h] += w * src[h];
+      }
     }
-  }
+  });
 }
 
 Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const MoeLayerWeights& weights,
@@ -167,7 +184,7 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
   auto t0 = std::chrono::steady_clock::now();
   const PermutedPicks permuted = PermuteByExpert(picks, model_.num_experts);
   Matrix gathered, expert_out;
-  GatherPermutedRows(rows, permuted, picks.k, &gathered);
+  GatherPermutedRows(rows, permuted, picks.k, &gathered, &pool);
   local.permute_us = MicrosSince(t0);
 
   t0 = std::chrono::steady_clock::now();
@@ -176,7 +193,7 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
   local.experts_us = MicrosSince(t0);
 
   t0 = std::chrono::steady_clock::now();
-  CombinePermutedRows(expert_out, permuted, picks, out);
+  CombinePermutedRows(expert_out, permuted, picks, out, &pool);
   local.combine_us = MicrosSince(t0);
 
   if (shared_ != nullptr) {
