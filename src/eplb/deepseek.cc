@@ -212,16 +212,22 @@ bool ImproveGuarded(const CopyWeight& weight, int num_experts, const BalanceShap
   std::vector<double> slot_weight(phy2log.size());
   for (size_t s = 0; s < phy2log.size(); ++s) slot_weight[s] = weight(phy2log[s], copies[phy2log[s]]);
   std::vector<double> load = RankLoads(weight, phy2log, num_experts, num_ranks);
-  // Copies of `expert` on `rank`, not counting slot `except`.
+  // copies_on[rank * E + expert]: how many copies of the expert the rank holds.
+  std::vector<uint16_t> copies_on(static_cast<size_t>(num_ranks) * num_experts, 0);
+  for (size_t s = 0; s < phy2log.size(); ++s) ++copies_on[s / slots_per_rank * num_experts + phy2log[s]];
+  // Whether `rank` holds a copy of `expert` other than the one in slot `except`.
   auto holds = [&](int rank, int expert, int except) {
-    for (int s = rank * slots_per_rank; s < (rank + 1) * slots_per_rank; ++s)
-      if (s != except && phy2log[s] == expert) return true;
-    return false;
+    const int n = copies_on[static_cast<size_t>(rank) * num_experts + expert];
+    return n - (except >= 0 && phy2log[except] == expert ? 1 : 0) > 0;
   };
   auto swap_slots = [&](int a, int b) {
     const int rank_a = a / slots_per_rank, rank_b = b / slots_per_rank;
     load[rank_a] += slot_weight[b] - slot_weight[a];
     load[rank_b] += slot_weight[a] - slot_weight[b];
+    --copies_on[static_cast<size_t>(rank_a) * num_experts + phy2log[a]];
+    --copies_on[static_cast<size_t>(rank_b) * num_experts + phy2log[b]];
+    ++copies_on[static_cast<size_t>(rank_a) * num_experts + phy2log[b]];
+    ++copies_on[static_cast<size_t>(rank_b) * num_experts + phy2log[a]];
     std::swap(phy2log[a], phy2log[b]);
     std::swap(slot_weight[a], slot_weight[b]);
   };

@@ -83,26 +83,32 @@ std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const Bala
   const int num_experts = static_cast<int>(weight.size());
   const CopyWeight per_copy = [&](int e, int n) { return weight[e] / n; };
   std::vector<int32_t> plain = eplb_internal::SolveDeepseek(per_copy, num_experts, shape, false);
+  if (!eplb_internal::HasDuplicateOnRank(plain, shape.num_ranks)) {
+    // DeepSeek's placement already keeps the guard: only lower its busiest rank further.
+    EPMOE_CHECK(eplb_internal::ImproveGuarded(per_copy, num_experts, shape, &plain));
+    return plain;
+  }
   std::vector<int32_t> best = eplb_internal::SolveDeepseek(per_copy, num_experts, shape, true);
   EPMOE_CHECK(eplb_internal::ImproveGuarded(per_copy, num_experts, shape, &best));
   double best_max = eplb_internal::MaxLoad(per_copy, best, num_experts, shape.num_ranks);
+  const double plain_max = eplb_internal::MaxLoad(per_copy, plain, num_experts, shape.num_ranks);
+  const int num_slots = num_experts + shape.num_redundant;
+  const bool small = num_slots <= eplb_internal::kCopySearchMaxSlots;
+  if (best_max <= plain_max && !small) return best;  // never worse than deepseek: done
+  // Else also repair deepseek's own placement (move duplicates away, then lower the busiest rank).
   std::vector<int32_t> repaired = plain;
   if (eplb_internal::ImproveGuarded(per_copy, num_experts, shape, &repaired)) {
     const double repaired_max = eplb_internal::MaxLoad(per_copy, repaired, num_experts, shape.num_ranks);
     if (repaired_max < best_max) best = repaired, best_max = repaired_max;
   }
-  const int num_slots = num_experts + shape.num_redundant;
-  // Search copy counts only where the guard binds: deepseek put two copies of an expert on a rank.
-  if (num_slots <= eplb_internal::kCopySearchMaxSlots && eplb_internal::HasDuplicateOnRank(plain, shape.num_ranks)) {
+  // Small layers: search copy counts too (the guard binds here: deepseek put two copies on a rank).
+  if (small) {
     std::vector<int32_t> searched = eplb_internal::SearchCopyCounts(weight, shape, best, best_max);
     if (!searched.empty()) {
       best = std::move(searched);
       best_max = eplb_internal::MaxLoad(per_copy, best, num_experts, shape.num_ranks);
     }
   }
-  if (!eplb_internal::HasDuplicateOnRank(plain, shape.num_ranks) &&
-      eplb_internal::MaxLoad(per_copy, plain, num_experts, shape.num_ranks) <= best_max)
-    best = plain;
   return best;
 }
 
@@ -124,10 +130,10 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
   bool any_load = false;
   for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
     for (int64_t c : load.at(s, layer)) any_load = any_load || c > 0;
-  const eplb_internal::StepValues values = [&](int expert, int copies, std::span<double> out) {
+  const eplb_internal::StepValues values = [&](int expert, int copies, std::span<float> out) {
     for (int64_t s = 0; s < steps; ++s) {
       const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
-      out[s] = per_copy_value(rows / copies);
+      out[s] = static_cast<float>(per_copy_value(rows / copies));
     }
   };
   // Start from the candidate with the best objective; the search only lowers it.
@@ -219,11 +225,16 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
         // Starts: DeepSeek's steps on the mean predicted time per copy, and deepseek-guarded.
         const int64_t steps = std::max<int64_t>(load.num_steps, 1);
         const bool any_load = std::any_of(weight.begin(), weight.end(), [](double w) { return w > 0; });
+        // Mean over steps of one copy's time, memoized per (expert, copies): the solver asks often.
+        std::vector<std::vector<double>> memo(num_experts);
         const CopyWeight time_per_copy = [&](int e, int n) {
+          std::vector<double>& known = memo[e];
+          if (static_cast<int>(known.size()) <= n) known.resize(n + 1, -1.0);
+          if (known[n] >= 0) return known[n];
           double sum = 0;
           for (int64_t s = 0; s < load.num_steps; ++s)
             sum += ExpertCopySeconds(cost, static_cast<double>(load.at(s, layer)[e]) / n);
-          return any_load ? sum / steps : ExpertCopySeconds(cost, 1.0 / n);
+          return known[n] = any_load ? sum / steps : ExpertCopySeconds(cost, 1.0 / n);
         };
         std::vector<int32_t> timed = eplb_internal::SolveDeepseek(time_per_copy, num_experts, shape, true);
         eplb_internal::ImproveGuarded(time_per_copy, num_experts, shape, &timed);

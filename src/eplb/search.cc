@@ -20,21 +20,22 @@ class StepLoads {
             std::span<const int32_t> phy2log, int num_ranks)
       : steps_(num_steps), ranks_(num_ranks), slots_per_rank_(static_cast<int>(phy2log.size()) / num_ranks),
         expert_values_(static_cast<size_t>(num_experts) * num_steps),
-        load_(static_cast<size_t>(num_ranks) * num_steps, fixed), top_(num_steps) {
+        load_(static_cast<size_t>(num_ranks) * num_steps, static_cast<float>(fixed)), top_(num_steps),
+        top_max_(num_steps) {
     const std::vector<int32_t> copies = CountCopies(phy2log, num_experts);
     for (int e = 0; e < num_experts; ++e) values(e, copies[e], ExpertValues(e));
     for (size_t slot = 0; slot < phy2log.size(); ++slot) AddSlot(static_cast<int>(slot) / slots_per_rank_, phy2log[slot], 1);
     RefreshTop();
   }
 
-  std::span<double> ExpertValues(int e) { return {expert_values_.data() + static_cast<size_t>(e) * steps_, static_cast<size_t>(steps_)}; }
-  const double* Load(int rank) const { return load_.data() + static_cast<size_t>(rank) * steps_; }
-  double* MutableLoad(int rank) { return load_.data() + static_cast<size_t>(rank) * steps_; }
+  std::span<float> ExpertValues(int e) { return {expert_values_.data() + static_cast<size_t>(e) * steps_, static_cast<size_t>(steps_)}; }
+  const float* Load(int rank) const { return load_.data() + static_cast<size_t>(rank) * steps_; }
+  float* MutableLoad(int rank) { return load_.data() + static_cast<size_t>(rank) * steps_; }
   const std::vector<Top3>& top() const { return top_; }
 
-  void AddSlot(int rank, int expert, double sign) {
-    double* load = MutableLoad(rank);
-    const double* v = expert_values_.data() + static_cast<size_t>(expert) * steps_;
+  void AddSlot(int rank, int expert, float sign) {
+    float* load = MutableLoad(rank);
+    const float* v = expert_values_.data() + static_cast<size_t>(expert) * steps_;
     for (int64_t s = 0; s < steps_; ++s) load[s] += sign * v[s];
   }
 
@@ -55,6 +56,7 @@ class StepLoads {
         }
       }
       top_[s] = t;
+      top_max_[s] = static_cast<float>(t.value[0]);
     }
   }
 
@@ -66,25 +68,26 @@ class StepLoads {
 
   // Change of the objective when rank a swaps a copy of expert x for rank b's copy of expert y.
   // `other`: RestExcluding(a, b).
-  double SwapDelta(int a, int x, int b, int y, const double* other) const {
-    const double* la = Load(a);
-    const double* lb = Load(b);
-    const double* vx = expert_values_.data() + static_cast<size_t>(x) * steps_;
-    const double* vy = expert_values_.data() + static_cast<size_t>(y) * steps_;
-    double delta = 0;
+  double SwapDelta(int a, int x, int b, int y, const float* other) const {
+    const float* la = Load(a);
+    const float* lb = Load(b);
+    const float* vx = expert_values_.data() + static_cast<size_t>(x) * steps_;
+    const float* vy = expert_values_.data() + static_cast<size_t>(y) * steps_;
+    // The new per-step maximum minus the old one (top_max_), summed; vectorizes.
+    float delta = 0;
     for (int64_t s = 0; s < steps_; ++s) {
-      const double d = vy[s] - vx[s];
-      delta += std::max(other[s], std::max(la[s] + d, lb[s] - d)) - top_[s].value[0];
+      const float d = vy[s] - vx[s];
+      delta += std::max(other[s], std::max(la[s] + d, lb[s] - d)) - top_max_[s];
     }
     return delta;
   }
 
   // Per step, the largest load among ranks other than a and b (from the top three).
-  const double* RestExcluding(int a, int b, std::vector<double>* rest) const {
+  const float* RestExcluding(int a, int b, std::vector<float>* rest) const {
     rest->resize(steps_);
     for (int64_t s = 0; s < steps_; ++s) {
       const Top3& t = top_[s];
-      double v = ranks_ > 2 ? 0.0 : -1e300;
+      float v = ranks_ > 2 ? 0.0f : -1e30f;
       for (int i = 0; i < 3; ++i)
         if (t.rank[i] >= 0 && t.rank[i] != a && t.rank[i] != b) {
           v = t.value[i];
@@ -102,9 +105,10 @@ class StepLoads {
   int64_t steps_;
   int ranks_;
   int slots_per_rank_;
-  std::vector<double> expert_values_;
-  std::vector<double> load_;
+  std::vector<float> expert_values_;
+  std::vector<float> load_;
   std::vector<Top3> top_;
+  std::vector<float> top_max_;  // top_[s].value[0], contiguous
 };
 
 }  // namespace
@@ -129,7 +133,7 @@ double SearchPerStep(const StepValues& values, int num_experts, int64_t num_step
       if (s != except && phy2log[s] == expert) return true;
     return false;
   };
-  std::vector<double> rest;
+  std::vector<float> rest;
   for (int round = 0; round < rounds; ++round) {
     // How much each rank, when it is the busiest, stands above the second busiest.
     std::vector<double> critical(num_ranks, 0.0);
@@ -148,7 +152,7 @@ double SearchPerStep(const StepValues& values, int num_experts, int64_t num_step
       for (int g = first; g < first + region; ++g) {
         if (g == rank_a) continue;
         double sum = 0;
-        const double* load = loads.Load(g);
+        const float* load = loads.Load(g);
         for (int64_t s = 0; s < loads.steps(); ++s)
           if (loads.top()[s].rank[0] == rank_a) sum += load[s];
         partners.push_back({sum, g});
@@ -157,7 +161,7 @@ double SearchPerStep(const StepValues& values, int num_experts, int64_t num_step
       if (static_cast<int>(partners.size()) > kPartnerRanks) partners.resize(kPartnerRanks);
       for (int a = rank_a * spr; a < (rank_a + 1) * spr; ++a)
         for (const auto& [unused, rank_b] : partners) {
-          const double* other = loads.RestExcluding(rank_a, rank_b, &rest);
+          const float* other = loads.RestExcluding(rank_a, rank_b, &rest);
           for (int b = rank_b * spr; b < (rank_b + 1) * spr; ++b) {
             if (phy2log[a] == phy2log[b]) continue;
             if (keep_guard && (holds(rank_b, phy2log[a], b) || holds(rank_a, phy2log[b], a))) continue;
@@ -166,7 +170,8 @@ double SearchPerStep(const StepValues& values, int num_experts, int64_t num_step
           }
         }
     }
-    if (best_a < 0 || best_delta > -1e-9 * std::abs(loads.Objective())) break;
+    // Stop when the best swap gains less than 0.01% of the objective (diminishing returns).
+    if (best_a < 0 || best_delta > -1e-4 * std::abs(loads.Objective())) break;
     const int rank_a = best_a / spr, rank_b = best_b / spr;
     loads.AddSlot(rank_a, phy2log[best_a], -1);
     loads.AddSlot(rank_b, phy2log[best_b], -1);

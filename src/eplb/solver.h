@@ -50,7 +50,7 @@ namespace epmoe::eplb_internal {
 
 // Per-step values of one layer: values(expert, copies, out) writes, for each of num_steps steps,
 // what one copy of `expert` costs its rank when the expert has `copies` copies.
-using StepValues = std::function<void(int expert, int copies, std::span<double> out)>;
+using StepValues = std::function<void(int expert, int copies, std::span<float> out)>;
 
 // Swaps copies between ranks of a region to lower sum over steps of (fixed + the busiest rank's
 // summed values); keeps the guard when `keep_guard`. At most `rounds` swaps. Returns the objective.
