@@ -86,9 +86,10 @@ struct ExecutorOptions {
 // One rank's figures for one Forward (or their sum over layers, see Add).
 struct StepStats {
   double route_us = 0;     // filled by the caller, who routes
-  double pack_us = 0;      // layout: destinations, counting sort, encoding rows
+  double pack_us = 0;      // layout, counting sort, encoding rows (a2a: also weighting and encoding
+                           // outputs for their return; dwdp: packing the fetched experts)
   double dispatch_us = 0;  // row exchange (count exchange included); dwdp: waiting for weights
-  double experts_us = 0;   // grouped expert FFN (dwdp: and packing fetched experts)
+  double experts_us = 0;   // grouped expert FFN
   double combine_us = 0;   // output exchange (reduce-scatter / all-reduce / return alltoallv)
   double unpack_us = 0;    // decoding outputs and summing each row's picks
   double shared_us = 0;    // shared expert

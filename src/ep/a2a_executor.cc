@@ -271,6 +271,7 @@ class A2aExecutor : public MoeExecutor {
           st.peak_buffer_bytes, static_cast<int64_t>(returned.size() + send.size() + recv.size() + back_send.size() +
                                                      back_recv.size()) +
                                     static_cast<int64_t>(recv_rows.data.size() + work_in.data.size() + work_out.data.size()) * 4);
+      st.pack_us += watch.Lap();
       EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(back_send.data(), back_send_bytes,
                                             std::span<const int64_t>(back_send_offsets.data(), g), back_recv.data(),
                                             back_recv_bytes, std::span<const int64_t>(back_recv_offsets.data(), g)));
