@@ -1,0 +1,288 @@
+#include "epmoe/kernel_bench.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "epmoe/cpu.h"
+#include "epmoe/expert_ffn.h"
+#include "epmoe/machine_limits.h"
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return 0;
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Skewed top-k routing: expert e has log-popularity sigma * z_e (z_e ~ N(0,1), fixed per seed);
+// each row takes the k experts with the largest log-popularity + Gumbel noise, which samples k
+// distinct experts with probabilities proportional to popularity (Gumbel top-k).
+class SkewedRouter {
+ public:
+  SkewedRouter(int experts, int k, double sigma, uint64_t seed) : k_(k), log_popularity_(experts) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (double& v : log_popularity_) v = sigma * normal(rng);
+  }
+
+  // Picks per expert for `tokens` rows.
+  std::vector<int64_t> Counts(int64_t tokens, uint64_t seed) const {
+    const int experts = static_cast<int>(log_popularity_.size());
+    std::vector<int64_t> counts(experts, 0);
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> uniform(1e-12, 1.0);
+    std::vector<std::pair<double, int>> keys(experts);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int e = 0; e < experts; ++e) keys[e] = {log_popularity_[e] - std::log(-std::log(uniform(rng))), e};
+      std::partial_sort(keys.begin(), keys.begin() + k_, keys.end(), std::greater<>());
+      for (int j = 0; j < k_; ++j) ++counts[keys[j].second];
+    }
+    return counts;
+  }
+
+ private:
+  int k_;
+  std::vector<double> log_popularity_;
+};
+
+std::vector<int64_t> OffsetsOf(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> offsets(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) offsets[e + 1] = offsets[e] + counts[e];
+  return offsets;
+}
+
+// Reads a buffer larger than the last-level cache so the next run reads its weights from DRAM.
+class CacheFlusher {
+ public:
+  explicit CacheFlusher(int64_t bytes) : data_(std::max<int64_t>(bytes / 8, 1), 1) {}
+  void Flush(ThreadPool& pool) {
+    const int64_t n = static_cast<int64_t>(data_.size());
+    pool.ParallelFor(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+      uint64_t s = 0;
+      for (int64_t i = begin; i < end; ++i) s += data_[i];
+      sink_.fetch_add(s, std::memory_order_relaxed);  // keeps the reads alive
+    });
+  }
+
+ private:
+  std::vector<uint64_t> data_;
+  std::atomic<uint64_t> sink_{0};
+};
+
+double TimeRun(const ExpertStore& store, const Matrix& rows, const std::vector<int64_t>& offsets, Matrix* out,
+               ThreadPool& pool) {
+  const auto start = std::chrono::steady_clock::now();
+  store.Run(rows.data.data(), offsets, out->data.data(), pool);
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+}
+
+Matrix RandomRows(int64_t count, int hidden, uint64_t seed, ThreadPool& pool) {
+  Matrix rows(count, hidden);
+  SyntheticTensor t{TensorKind::kRows, 0, static_cast<int>(seed % 100000), count, hidden};
+  pool.ParallelFor(count, 256, [&](int64_t begin, int64_t end) {
+    FillSynthetic(seed, t, begin, end - begin, 0, hidden, rows.row(begin));
+  });
+  // Synthetic values are scaled for weights (1/sqrt(fan_in)); rows are of order one.
+  const float scale = std::sqrt(static_cast<float>(hidden));
+  for (float& v : rows.data) v *= scale;
+  return rows;
+}
+
+}  // namespace
+
+void FitLine(const std::vector<double>& x, const std::vector<double>& y, double* intercept, double* slope) {
+  const size_t n = std::min(x.size(), y.size());
+  *intercept = 0;
+  *slope = 0;
+  if (n < 2) return;
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < n; ++i) mx += x[i], my += y[i];
+  mx /= n;
+  my /= n;
+  double sxy = 0, sxx = 0;
+  for (size_t i = 0; i < n; ++i) sxy += (x[i] - mx) * (y[i] - my), sxx += (x[i] - mx) * (x[i] - mx);
+  *slope = sxx > 0 ? sxy / sxx : 0;
+  *intercept = my - *slope * mx;
+}
+
+double Correlation(const std::vector<double>& x, const std::vector<double>& y) {
+  const size_t n = std::min(x.size(), y.size());
+  if (n < 2) return 0;
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < n; ++i) mx += x[i], my += y[i];
+  mx /= n;
+  my /= n;
+  double sxy = 0, sxx = 0, syy = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sxy += (x[i] - mx) * (y[i] - my);
+    sxx += (x[i] - mx) * (x[i] - mx);
+    syy += (y[i] - my) * (y[i] - my);
+  }
+  return sxx > 0 && syy > 0 ? sxy / std::sqrt(sxx * syy) : 0;
+}
+
+Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool& pool,
+                                         const std::function<void(const std::string&)>& progress) {
+  auto say = [&](const std::string& line) {
+    if (progress) progress(line);
+  };
+  if (o.experts <= 0 || o.top_k <= 0 || o.top_k > o.experts || o.hidden <= 0 || o.intermediate <= 0)
+    return InvalidArgument(fmt::format("bench: shape experts={} top_k={} hidden={} intermediate={} is not valid",
+                                       o.experts, o.top_k, o.hidden, o.intermediate));
+  if (o.decode && (o.decode_ranks <= 0 || o.experts % o.decode_ranks != 0))
+    return InvalidArgument(fmt::format("bench: {} experts do not split into {} ranks of whole experts", o.experts,
+                                       o.decode_ranks));
+  if (o.decode && (o.decode_min_tokens <= 0 || o.decode_max_tokens < o.decode_min_tokens))
+    return InvalidArgument(fmt::format("bench: decode tokens {}..{} is not a range", o.decode_min_tokens,
+                                       o.decode_max_tokens));
+  for (int64_t t : o.tokens) {
+    if (t <= 0 || t > (int64_t{1} << 20)) return InvalidArgument(fmt::format("bench: token count {} out of 1..2^20", t));
+  }
+  EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa(o.isa));
+
+  KernelBenchReport report;
+  report.threads = pool.size();
+  report.isa = IsaName(isa);
+  say("measuring memory read bandwidth and arithmetic peaks");
+  EPMOE_ASSIGN_OR_RETURN(report.limits.read_gbps, MeasureMemoryBandwidth(pool, {}, isa));
+  EPMOE_ASSIGN_OR_RETURN(report.limits.fp32_gflops, MeasurePeak(ArithmeticPath::kFp32Fma, pool, {}, isa));
+  if (isa == Isa::kAvx512) {
+    EPMOE_ASSIGN_OR_RETURN(report.limits.bf16_gflops, MeasurePeak(ArithmeticPath::kBf16Dot, pool, {}, isa));
+    EPMOE_ASSIGN_OR_RETURN(report.limits.int8_gops, MeasurePeak(ArithmeticPath::kInt8Vnni, pool, {}, isa));
+  }
+  auto peak_of = [&](ArithmeticPath path) {
+    switch (path) {
+      case ArithmeticPath::kFp32Fma: return report.limits.fp32_gflops;
+      case ArithmeticPath::kBf16Dot: return report.limits.bf16_gflops;
+      case ArithmeticPath::kInt8Vnni: return report.limits.int8_gops;
+    }
+    return 0.0;
+  };
+
+  say(fmt::format("generating {} experts of {}x{} (fp32 source)", o.experts, o.intermediate, o.hidden));
+  std::vector<ExpertWeights> source(o.experts);
+  for (int e = 0; e < o.experts; ++e) {
+    source[e].gate = SyntheticMatrix(o.seed, {TensorKind::kExpertGate, 0, e, o.intermediate, o.hidden}, &pool);
+    source[e].up = SyntheticMatrix(o.seed, {TensorKind::kExpertUp, 0, e, o.intermediate, o.hidden}, &pool);
+    source[e].down = SyntheticMatrix(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate}, &pool);
+  }
+  std::vector<const ExpertWeights*> pointers;
+  for (const auto& e : source) pointers.push_back(&e);
+
+  const SkewedRouter router(o.experts, o.top_k, o.skew_sigma, o.seed);
+  CacheFlusher flusher(o.flush_bytes);
+  const double operations_per_pick = 2.0 * 3.0 * o.hidden * static_cast<double>(o.intermediate);
+
+  for (WeightFormat format : o.formats) {
+    say(fmt::format("packing {}", WeightFormatName(format)));
+    PackOptions pack{format, IsaName(isa), &pool};
+    EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertStore> store, PackExperts(pointers, pack));
+    const ArithmeticPath path = PathForFormat(format, isa);
+    const double peak = peak_of(path);
+    // The kernel may have given way to a lower instruction set for this shape.
+    const bool lowered = store->kernel_name() != fmt::format("{}/{}", WeightFormatName(format), IsaName(isa));
+    const double effective_peak = lowered ? report.limits.fp32_gflops : peak;
+
+    for (int64_t tokens : o.tokens) {
+      const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 7919 + tokens);
+      const std::vector<int64_t> offsets = OffsetsOf(counts);
+      const Matrix rows = RandomRows(offsets.back(), o.hidden, o.seed + tokens, pool);
+      Matrix out(rows.rows, rows.cols);
+      KernelBenchPoint p;
+      p.format = format;
+      p.kernel = store->kernel_name();
+      p.tokens = tokens;
+      p.picks = offsets.back();
+      for (int e = 0; e < o.experts; ++e) {
+        if (counts[e] == 0) continue;
+        ++p.experts_touched;
+        p.bytes += store->expert_bytes(e);
+        p.max_rows_per_expert = std::max(p.max_rows_per_expert, counts[e]);
+      }
+      std::vector<double> times;
+      double spent = 0;
+      for (int rep = 0; rep < std::max(1, o.repetitions); ++rep) {
+        flusher.Flush(pool);
+        const double us = TimeRun(*store, rows, offsets, &out, pool);
+        times.push_back(us);
+        spent += us * 1e-6;
+        if (spent > o.seconds_per_point) break;
+      }
+      p.repetitions = static_cast<int>(times.size());
+      p.us = Median(times);
+      p.gbps = p.bytes / (p.us * 1e-6) / 1e9;
+      p.bandwidth_fraction = p.gbps / report.limits.read_gbps;
+      p.operations = operations_per_pick * static_cast<double>(p.picks);
+      p.gflops = p.operations / (p.us * 1e-6) / 1e9;
+      const double memory_us = p.bytes / (report.limits.read_gbps * 1e9) * 1e6;
+      const double arithmetic_us = effective_peak > 0 ? p.operations / (effective_peak * 1e9) * 1e6 : 0;
+      p.bound_us = std::max(memory_us, arithmetic_us);
+      p.memory_bound = memory_us >= arithmetic_us;
+      p.roofline_fraction = p.bound_us / p.us;
+      say(fmt::format("{} T={}: {:.1f} us, {:.2f} of the roofline bound", p.kernel, tokens, p.us, p.roofline_fraction));
+      report.points.push_back(p);
+    }
+
+    if (o.decode) {
+      DecodeExperiment d;
+      d.format = format;
+      std::mt19937_64 rng(o.seed * 31 + 5);
+      std::uniform_int_distribution<int> token_count(o.decode_min_tokens, o.decode_max_tokens);
+      const int per_rank = o.experts / o.decode_ranks;
+      for (int step = 0; step < o.decode_steps; ++step) {
+        const int tokens = token_count(rng);
+        const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 104729 + step);
+        for (int rank = 0; rank < o.decode_ranks; ++rank) {
+          // This rank's whole experts keep their picks; the others get none (and are not read).
+          std::vector<int64_t> local(o.experts, 0);
+          DecodeSample s;
+          s.step = step;
+          s.rank = rank;
+          for (int e = rank * per_rank; e < (rank + 1) * per_rank; ++e) {
+            local[e] = counts[e];
+            s.picks += counts[e];
+            if (counts[e] > 0) s.bytes += store->expert_bytes(e);
+          }
+          if (s.picks == 0) continue;
+          const std::vector<int64_t> offsets = OffsetsOf(local);
+          const Matrix rows = RandomRows(s.picks, o.hidden, o.seed + step * 131 + rank, pool);
+          Matrix out(rows.rows, rows.cols);
+          std::vector<double> times;
+          for (int rep = 0; rep < std::max(1, o.decode_repetitions); ++rep) {
+            flusher.Flush(pool);
+            times.push_back(TimeRun(*store, rows, offsets, &out, pool));
+          }
+          s.us = Median(times);
+          d.samples.push_back(s);
+        }
+      }
+      std::vector<double> gb, picks, us;
+      for (const auto& s : d.samples) {
+        gb.push_back(s.bytes / 1e9);
+        picks.push_back(static_cast<double>(s.picks));
+        us.push_back(s.us);
+      }
+      FitLine(gb, us, &d.fixed_us, &d.us_per_gb);
+      d.correlation_bytes = Correlation(gb, us);
+      d.correlation_picks = Correlation(picks, us);
+      say(fmt::format("{} decode experiment: {} points, {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f}, r(picks) {:.3f}",
+                      WeightFormatName(format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
+                      d.correlation_picks));
+      report.decode.push_back(std::move(d));
+    }
+  }
+  return report;
+}
+
+}  // namespace epmoe

@@ -1,0 +1,130 @@
+#include "epmoe/machine_limits.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "epmoe/thread_pool.h"
+#include "kernels/cpu/limits_kernels.h"
+
+namespace epmoe {
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+Isa Lowered(Isa isa) { return std::min(isa, BestSupportedIsa()); }
+
+}  // namespace
+
+namespace kernels {
+uint64_t ReadSumReference(const uint8_t* data, int64_t bytes) {
+  uint64_t total = 0;
+  for (int64_t i = 0; i < bytes; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, data + i, 8);
+    total += word;
+  }
+  return total;
+}
+}  // namespace kernels
+
+const char* ArithmeticPathName(ArithmeticPath path) {
+  switch (path) {
+    case ArithmeticPath::kFp32Fma: return "fp32_fma";
+    case ArithmeticPath::kBf16Dot: return "bf16_dot";
+    case ArithmeticPath::kInt8Vnni: return "int8_vnni";
+  }
+  return "unknown";
+}
+
+ArithmeticPath PathForFormat(WeightFormat format, Isa isa) {
+  if (isa != Isa::kAvx512) return ArithmeticPath::kFp32Fma;
+  switch (format) {
+    case WeightFormat::kFp32: return ArithmeticPath::kFp32Fma;
+    case WeightFormat::kBf16: return ArithmeticPath::kBf16Dot;
+    default: return ArithmeticPath::kInt8Vnni;
+  }
+}
+
+Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options, Isa isa) {
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  if (options.buffer_bytes < (int64_t{64} << 20))
+    return InvalidArgument(fmt::format("bandwidth buffer of {} bytes is under 64 MB: it would be read from cache",
+                                       options.buffer_bytes));
+  const int64_t bytes = options.buffer_bytes / kChunk * kChunk;
+  std::unique_ptr<uint8_t[]> buffer(new (std::nothrow) uint8_t[bytes]);
+  if (buffer == nullptr) return OutOfRange(fmt::format("cannot allocate {} bytes for the bandwidth test", bytes));
+  // Touch every page with non-zero data so the reads hit real memory.
+  pool.ParallelFor(bytes / kChunk, 1, [&](int64_t begin, int64_t end) {
+    std::memset(buffer.get() + begin * kChunk, 1, (end - begin) * kChunk);
+  });
+  const Isa use = Lowered(isa);
+  auto read = [use](const uint8_t* p, int64_t n) {
+    switch (use) {
+      case Isa::kAvx512: return kernels::ReadSumAvx512(p, n);
+      case Isa::kAvx2: return kernels::ReadSumAvx2(p, n);
+      case Isa::kReference: break;
+    }
+    return kernels::ReadSumReference(p, n);
+  };
+  std::atomic<uint64_t> sink{0};
+  std::vector<double> rates;
+  for (int rep = 0; rep < std::max(1, options.repetitions); ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    pool.ParallelFor(bytes / kChunk, 4, [&](int64_t begin, int64_t end) {
+      sink.fetch_add(read(buffer.get() + begin * kChunk, (end - begin) * kChunk), std::memory_order_relaxed);
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    rates.push_back(static_cast<double>(bytes) / seconds / 1e9);
+  }
+  if (sink.load() == 42) rates.push_back(0);  // never true for a buffer of ones; keeps the reads
+  return Median(rates);
+}
+
+Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOptions& options, Isa isa) {
+  const Isa use = Lowered(isa);
+  auto loop = [use, path](int64_t iterations, float* sink) -> int64_t {
+    switch (use) {
+      case Isa::kAvx512: return kernels::ArithmeticLoopAvx512(path, iterations, sink);
+      case Isa::kAvx2: return kernels::ArithmeticLoopAvx2(path, iterations, sink);
+      case Isa::kReference: break;
+    }
+    return 0;
+  };
+  float probe = 0;
+  if (loop(1, &probe) == 0)
+    return FailedPrecondition(fmt::format("instruction set {} has no {} instruction", IsaName(use), ArithmeticPathName(path)));
+  // Calibrate the iterations for the wanted duration on one thread.
+  int64_t iterations = 1 << 16;
+  while (true) {
+    const auto start = std::chrono::steady_clock::now();
+    loop(iterations, &probe);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds > options.seconds_per_repetition / 4 || iterations > (int64_t{1} << 34)) {
+      iterations = static_cast<int64_t>(iterations * options.seconds_per_repetition / std::max(seconds, 1e-6));
+      break;
+    }
+    iterations *= 4;
+  }
+  std::vector<double> rates;
+  std::vector<float> sinks(pool.size(), 0.0f);
+  for (int rep = 0; rep < std::max(1, options.repetitions); ++rep) {
+    std::atomic<int64_t> operations{0};
+    const auto start = std::chrono::steady_clock::now();
+    pool.RunOnAll([&](int thread) { operations.fetch_add(loop(iterations, &sinks[thread])); });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    rates.push_back(static_cast<double>(operations.load()) / seconds / 1e9);
+  }
+  return Median(rates);
+}
+
+}  // namespace epmoe
