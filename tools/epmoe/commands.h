@@ -9,6 +9,7 @@ namespace epmoe::cli {
 
 void AddModelCommand(CLI::App& app, int* exit_code);
 void AddLayerCommand(CLI::App& app, int* exit_code);
+void AddBenchCommand(CLI::App& app, int* exit_code);  // `epmoe bench kernels`
 void AddRunCommand(CLI::App& app, int* exit_code);
 void AddBalanceCommand(CLI::App& app, int* exit_code);
 void AddTraceCommand(CLI::App& app, int* exit_code);

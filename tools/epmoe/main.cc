@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   epmoe::cli::AddModelCommand(app, &exit_code);
   epmoe::cli::AddLayerCommand(app, &exit_code);
+  epmoe::cli::AddBenchCommand(app, &exit_code);
   epmoe::cli::AddRunCommand(app, &exit_code);
   epmoe::cli::AddBalanceCommand(app, &exit_code);
   epmoe::cli::AddTraceCommand(app, &exit_code);
