@@ -1,0 +1,110 @@
+// `epmoe run` end to end: one process (a world of one rank, no mpirun) and two ranks under mpirun,
+// every option side by side with --check, JSON output, and refusals of shapes and flags.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <sys/wait.h>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct CommandRun {
+  int exit_code = -1;
+  std::string out;
+};
+
+std::string Binary() {
+  const char* binary = std::getenv("EPMOE_BINARY");
+  return binary != nullptr ? binary : EPMOE_BINARY_DIR "/epmoe";
+}
+
+// Runs a shell command; stdout only, or stdout and stderr together.
+CommandRun Shell(const std::string& command, bool with_stderr) {
+  CommandRun run;
+  FILE* pipe = popen((command + (with_stderr ? " 2>&1" : " 2>/dev/null")).c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) run.out.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+const char* kSmall = " --hidden 64 --intermediate 32 --tokens 9 --steps 2 --layers 2 --no-progress";
+
+void ExpectEveryOptionChecked(const nlohmann::json& j, int ranks) {
+  EXPECT_EQ(j["ranks"], ranks);
+  EXPECT_TRUE(j["checked"].get<bool>());
+  ASSERT_EQ(j["options"].size(), 5u);
+  for (const auto& o : j["options"]) {
+    SCOPED_TRACE(o["option"].get<std::string>());
+    ASSERT_FALSE(o.contains("refused")) << o.dump();
+    EXPECT_GT(o["step_ms_median"].get<double>(), 0);
+    EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2);
+    EXPECT_GT(o["balancedness_picks"].get<double>(), 0);
+    EXPECT_LE(o["balancedness_picks"].get<double>(), 1.0);
+  }
+}
+
+TEST(EpRunCli, OneProcessWithoutMpirun) {
+  const CommandRun run = Shell(Binary() + " run --option all --check --format json" + kSmall, false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  ExpectEveryOptionChecked(j, 1);
+  // One rank: nothing travels.
+  for (const auto& o : j["options"]) EXPECT_EQ(o["bytes_sent_per_rank_step"].get<double>(), 0);
+}
+
+TEST(EpRunCli, TwoRanksUnderMpirun) {
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 2 ";
+  const CommandRun run =
+      Shell(mpirun + Binary() + " run --option all --check --format json --origin tp --model deepseek-v3" + kSmall, false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  ExpectEveryOptionChecked(j, 2);
+  for (const auto& o : j["options"]) {
+    if (o["option"] == "a2a") {
+      EXPECT_GT(o["bytes_sent_per_rank_step"].get<double>(), 0);
+      EXPECT_GT(o["copies_per_row"].get<double>(), 1.0);
+      EXPECT_LE(o["copies_per_row"].get<double>(), 2.0);
+    }
+  }
+  // Text output names every option.
+  const CommandRun text = Shell(mpirun + Binary() + " run --option all" + std::string(kSmall), true);
+  ASSERT_EQ(text.exit_code, 0) << text.out;
+  for (const char* name : {"sliced", "whole", "hybrid", "a2a", "dwdp", "step ms"})
+    EXPECT_NE(text.out.find(name), std::string::npos) << name;
+}
+
+TEST(EpRunCli, RefusesWithOneLineReasons) {
+  // q8 rows need a hidden size that is a multiple of 32.
+  CommandRun run = Shell(Binary() + " run --option a2a --dispatch-format q8 --hidden 48 --intermediate 32", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("multiple of 32"), std::string::npos) << run.out;
+  // Under --option all an option that cannot run is listed as refused, the others run.
+  run = Shell(Binary() + " run --option all --shared sliced --model deepseek-v3 --format json" + std::string(kSmall), false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  int refused = 0;
+  for (const auto& o : j["options"]) refused += o.contains("refused");
+  EXPECT_EQ(refused, 0);  // a2a and dwdp copy the shared expert whatever --shared says
+  run = Shell(Binary() + " run --option sideways", true);
+  EXPECT_NE(run.exit_code, 0);
+  run = Shell(Binary() + " run --tokens -3", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("must not be negative"), std::string::npos) << run.out;
+  run = Shell(Binary() + " run --frobnicate", true);
+  EXPECT_NE(run.exit_code, 0);
+  run = Shell(Binary() + " run --layers 99", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("--layers 99"), std::string::npos) << run.out;
+}
+
+}  // namespace
