@@ -3,9 +3,10 @@
 // k router weights, the row in the dispatch format. The expert side runs its slots, multiplies each
 // output by its router weight and sends one output per pick back in the combine format; the home
 // rank sums a row's k outputs in pick order j = 0..k-1, as the single-process layer does.
-// Counts are exchanged first so receive buffers are sized exactly; when they would exceed the
-// buffer bound the exchange runs in rounds (every rank sends a fixed share of each destination's
-// rows per round, so both sides know every round's counts without another exchange).
+// Counts are exchanged first (one all-gather of the count matrix) so receive buffers are sized
+// exactly; when they would exceed the buffer bound the exchange runs in rounds (every rank sends a
+// fixed share of each destination's rows per round, so both sides know every round's counts
+// without another exchange).
 #include <algorithm>
 #include <cstring>
 
@@ -117,44 +118,57 @@ class A2aExecutor : public MoeExecutor {
         }
       }
     }
-    std::vector<int64_t> send_count(g), recv_count(g);
-    for (int d = 0; d < g; ++d) send_count[d] = static_cast<int64_t>(send_rows[d].size());
+    // One all-gather gives every rank the whole count matrix (and every rank's rows), so receive
+    // buffers are sized exactly and every rank computes the same number of rounds without a
+    // further exchange.
+    std::vector<int64_t> mine(g + 1), matrix(static_cast<size_t>(g) * (g + 1));
+    for (int d = 0; d < g; ++d) mine[d] = static_cast<int64_t>(send_rows[d].size());
+    mine[g] = n;
     st.pack_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(comm_.ExchangeCounts(send_count, recv_count));
+    EPMOE_RETURN_IF_ERROR(comm_.AllgatherInt64(mine, matrix));
     st.dispatch_us += watch.Lap();
+    auto sent = [&](int from, int to) { return matrix[static_cast<size_t>(from) * (g + 1) + to]; };
+    std::vector<int64_t> send_count(g), recv_count(g);
+    for (int r = 0; r < g; ++r) {
+      send_count[r] = sent(me, r);
+      recv_count[r] = sent(r, me);
+    }
 
-    // Rounds under the buffer bound (the same on every rank: the largest any rank needs).
+    // Rounds under the buffer bound: the fewest that fit the rank needing the most.
     const int64_t picks_per_row = std::min(k, slots);
     const int64_t per_recv_row = record_bytes + picks_per_row * (return_bytes + 2 * h * 4) + h * 4;
     const int64_t per_send_row = record_bytes + picks_per_row * return_bytes;
-    const int64_t fixed = n * k * return_bytes;  // every pick's returned output, kept until the sum
-    int64_t max_count = 1;
-    for (int r = 0; r < g; ++r) max_count = std::max({max_count, send_count[r], recv_count[r]});
-    auto round_bytes = [&](int64_t rounds) {
-      int64_t bytes = fixed;
+    // Bytes rank `rank` holds at once with `rounds` rounds; its returned outputs (one per pick of
+    // its own rows) stay until the sum.
+    auto round_bytes = [&](int rank, int64_t rounds) {
+      int64_t bytes = sent(rank, g) * k * return_bytes;
       for (int r = 0; r < g; ++r) {
-        bytes += (recv_count[r] + rounds - 1) / rounds * per_recv_row;
-        bytes += (send_count[r] + rounds - 1) / rounds * per_send_row;
+        bytes += (sent(r, rank) + rounds - 1) / rounds * per_recv_row;
+        bytes += (sent(rank, r) + rounds - 1) / rounds * per_send_row;
       }
       return bytes;
     };
-    // The fewest rounds that fit (round_bytes does not grow with more rounds).
-    int64_t lo = 1, hi = max_count;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (round_bytes(mid) <= options_.max_buffer_bytes) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
+    int64_t max_count = 1;
+    for (int64_t v = 0; v < g; ++v)
+      for (int r = 0; r < g; ++r) max_count = std::max(max_count, sent(static_cast<int>(v), r));
+    int64_t rounds = 1;
+    for (int rank = 0; rank < g; ++rank) {
+      // The fewest rounds that fit this rank (round_bytes does not grow with more rounds).
+      int64_t lo = 1, hi = max_count;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (round_bytes(rank, mid) <= options_.max_buffer_bytes) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
       }
+      if (round_bytes(rank, lo) > options_.max_buffer_bytes)
+        return OutOfRange(fmt::format("a2a: rank {} needs {} bytes even with one row per peer and round ({} rounds), "
+                                      "over the buffer bound of {} bytes", rank, round_bytes(rank, lo), lo,
+                                      options_.max_buffer_bytes));
+      rounds = std::max(rounds, lo);
     }
-    constexpr int64_t kUnfit = int64_t{1} << 62;
-    const bool fits = round_bytes(lo) <= options_.max_buffer_bytes;
-    EPMOE_ASSIGN_OR_RETURN(const int64_t rounds, comm_.AllreduceMax(fits ? lo : kUnfit));
-    if (rounds == kUnfit)
-      return OutOfRange(fmt::format("a2a: even one row per peer and round needs more than the buffer bound of {} bytes "
-                                    "on some rank (rank {} needs {} bytes in {} rounds)", options_.max_buffer_bytes, me,
-                                    round_bytes(lo), lo));
     st.rounds = static_cast<int>(rounds);
 
     std::vector<uint8_t> returned(n * k * return_bytes);
