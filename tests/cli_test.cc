@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -98,6 +99,46 @@ TEST(Cli, RefusesARunThatWouldNotFitTheMemoryBudget) {
   const CommandResult r = Epmoe("layer --model glm-5.3 --layers 4 --max-memory-gb 1");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("budget"), std::string::npos) << r.out;
+}
+
+}  // namespace
+
+namespace {
+
+// A model with FLAME-MoE-290M's routing shape (64 experts, top-6) at small widths, for replay.
+std::string WriteFlameShapedModel() {
+  const std::string path = ::testing::TempDir() + "/epmoe_flame_shape.json";
+  std::ofstream(path) << R"({"name": "flame-shape", "hidden": 64, "num_experts": 64, "expert_intermediate": 32,
+    "top_k": 6, "num_shared_experts": 0, "shared_intermediate": 0, "num_layers": 9, "num_dense_layers": 1,
+    "dense_intermediate": 64, "scoring": "softmax", "correction_bias": false, "num_expert_groups": 1,
+    "topk_groups": 1, "renormalize": false, "routed_scaling": 1.0})";
+  return path;
+}
+
+const std::string kFlameDecode = EPMOE_SOURCE_DIR "/../shared/data/traces/flame_moe_290m/decode_64seqs_pos1-10";
+
+TEST(Cli, ReplaysARealTraceAndMatchesTheReference) {
+  const std::string model = WriteFlameShapedModel();
+  const CommandResult r = Epmoe("layer --model " + model + " --routing replay --trace " + kFlameDecode +
+                                " --layers 8 --steps 11 --check --format json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["tokens"], 64);  // a FLAME-MoE decode step holds 64 rows
+  EXPECT_EQ(j["layers"].size(), 8u);
+  // Step 11 wrapped around to the trace's first step (10 steps); every layer saw 64 x 6 picks.
+  for (const auto& l : j["layers"])
+    EXPECT_NEAR(l["mean_picks_per_touched_expert"].get<double>() * l["experts_touched"].get<int>(), 384, 1e-6);
+}
+
+TEST(Cli, ReplayRefusesAMismatchedModelOrAMissingTrace) {
+  CommandResult r = Epmoe("layer --routing replay --trace " + kFlameDecode);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("top-6"), std::string::npos) << r.out;
+  r = Epmoe("layer --routing replay");
+  EXPECT_EQ(r.exit_code, 1);
+  r = Epmoe("layer --model " + WriteFlameShapedModel() + " --routing replay --trace /nonexistent/trace.bin");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/trace.bin"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "epmoe/layer.h"
+#include "epmoe/replay.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 #include "output.h"
@@ -25,6 +26,8 @@ struct LayerOptions {
   int steps = 3;
   uint64_t seed = 1;
   std::string routing = "scores";
+  std::string trace;
+  std::string trace_format = "auto";
   std::string weight_format = "fp32";
   std::string isa = "auto";
   int threads = 0;
@@ -62,8 +65,14 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   EPMOE_RETURN_IF_ERROR(ValidateModel(model, "--hidden/--intermediate"));
   EPMOE_ASSIGN_OR_RETURN(WeightFormat format, ParseWeightFormat(o.weight_format));
   EPMOE_ASSIGN_OR_RETURN(RoutingMode routing, ParseRoutingMode(o.routing));
-  if (routing == RoutingMode::kReplay)
-    return InvalidArgument("--routing replay needs a trace; `epmoe layer` takes scores, round_robin or uniform");
+  if ((routing == RoutingMode::kReplay) != !o.trace.empty())
+    return InvalidArgument("--routing replay and --trace FILE go together");
+  std::unique_ptr<PicksReplay> replay;
+  if (routing == RoutingMode::kReplay) {
+    LoadReadOptions read;
+    read.format = o.trace_format;
+    EPMOE_ASSIGN_OR_RETURN(replay, PicksReplay::Open(o.trace, read, model));
+  }
   if (o.layers > model.num_moe_layers())
     return InvalidArgument(
         fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
@@ -96,17 +105,21 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   }
 
   std::vector<LayerReport> per_layer(o.layers);
+  int64_t tokens = o.tokens;
   for (int step = 0; step < o.steps; ++step) {
-    Matrix x = SyntheticRows(o.seed, model, step, 0, o.tokens);
+    if (replay != nullptr) {
+      EPMOE_ASSIGN_OR_RETURN(tokens, replay->NextStep());
+    }
+    Matrix x = SyntheticRows(o.seed, model, step, 0, tokens);
     for (int l = 0; l < o.layers; ++l) {
       LayerStats stats;
       Picks picks;
       const auto t0 = std::chrono::steady_clock::now();
       switch (routing) {
         case RoutingMode::kScores: EPMOE_RETURN_IF_ERROR(layers[l]->Route(x, &picks, &pool)); break;
-        case RoutingMode::kRoundRobin: picks = RoundRobinPicks(model, o.tokens); break;
-        case RoutingMode::kUniform: picks = UniformPicks(model, o.tokens, o.seed * 1000003 + step * 1009 + l); break;
-        case RoutingMode::kReplay: break;
+        case RoutingMode::kRoundRobin: picks = RoundRobinPicks(model, tokens); break;
+        case RoutingMode::kUniform: picks = UniformPicks(model, tokens, o.seed * 1000003 + step * 1009 + l); break;
+        case RoutingMode::kReplay: picks = replay->LayerPicks(l); break;
       }
       stats.route_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       Matrix out;
@@ -158,7 +171,7 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   *report = {{"model", model.name},
              {"hidden", model.hidden},
              {"expert_intermediate", model.expert_intermediate},
-             {"tokens", o.tokens},
+             {"tokens", tokens},
              {"steps", o.steps},
              {"routing", o.routing},
              {"weight_format", WeightFormatName(format)},
@@ -202,8 +215,12 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
   cmd->add_option("--routing", o->routing, "How picks are made")
-      ->check(CLI::IsMember({"scores", "round_robin", "uniform"}))
+      ->check(CLI::IsMember({"scores", "round_robin", "uniform", "replay"}))
       ->capture_default_str();
+  cmd->add_option("--trace", o->trace,
+                  "Routing trace to replay (with --routing replay): step s of the run takes trace step s, "
+                  "layer l takes trace layer l mod the trace's layers; --tokens is then the trace's rows");
+  cmd->add_option("--trace-format", o->trace_format, "Trace format (see `epmoe trace --help`)")->capture_default_str();
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
