@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -130,11 +131,18 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
   bool any_load = false;
   for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
     for (int64_t c : load.at(s, layer)) any_load = any_load || c > 0;
+  // Memoized per (expert, copies): the starts and the search ask for the same series.
+  std::map<std::pair<int, int>, std::vector<float>> memo;
   const eplb_internal::StepValues values = [&](int expert, int copies, std::span<float> out) {
-    for (int64_t s = 0; s < steps; ++s) {
-      const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
-      out[s] = static_cast<float>(per_copy_value(rows / copies));
+    std::vector<float>& known = memo[{expert, copies}];
+    if (known.empty()) {
+      known.resize(steps);
+      for (int64_t s = 0; s < steps; ++s) {
+        const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
+        known[s] = static_cast<float>(per_copy_value(rows / copies));
+      }
     }
+    std::copy(known.begin(), known.end(), out.begin());
   };
   // Start from the candidate with the best objective; the search only lowers it.
   size_t best_start = 0;
