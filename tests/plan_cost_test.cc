@@ -238,6 +238,39 @@ TEST(PlanCostTest, TraceLoadsJoinAndThinSteps) {
   EXPECT_FALSE(TraceLayerLoads(trace, other, 10, 100, 1).ok());
 }
 
+TEST(PlanCostTest, BalancerPlacementEvensSkewedPicks) {
+  // OLMoE shape (64 experts, top-8), 256 rows a step: experts 0-3 are hot (200 picks each), the other
+  // 60 share the remaining 1,248 picks. Trivially, rank 0 holds all four hot experts.
+  const ModelConfig m = Preset("olmoe-1b-7b");
+  ExpertLoad trace(8, 1, 64, 8);
+  for (int64_t s = 0; s < 8; ++s) {
+    trace.rows[s] = 256;
+    for (int e = 0; e < 64; ++e) trace.at(s, 0)[e] = e < 4 ? 200 : (e < 4 + 48 ? 21 : 20);
+  }
+  PlanConfig config;
+  config.batches = {256};
+  config.gpus = {8};
+  config.options = {PlanOption::kTravelingRows};
+  config.samples = 4;
+  const PlanResult trivial = Plan(m, Profile("h100x8"), config, &trace);
+  config.placement = "deepseek";
+  config.redundant = 8;
+  const PlanResult placed = Plan(m, Profile("h100x8"), config, &trace);
+  const OptionCost& before = Find(trivial, PlanOption::kTravelingRows, 8, 256);
+  const OptionCost& after = Find(placed, PlanOption::kTravelingRows, 8, 256);
+  ASSERT_TRUE(after.applicable) << after.not_applicable;
+  // Rank 0: 4 x 200 + 4 x 21 = 884 of 2,048 picks; mean 256: balancedness 0.29.
+  EXPECT_NEAR(before.balancedness, 256.0 / 884.0, 1e-9);
+  EXPECT_GT(after.balancedness, before.balancedness + 0.3);
+  // The 8 redundant copies cost 8 experts / 8 ranks of weights per MoE layer.
+  const int64_t expert = ComputeModelBytes(m, config.formats).expert;
+  EXPECT_EQ(after.memory_bytes - before.memory_bytes, expert * m.num_moe_layers());
+  // A shape the balancer refuses makes the option not applicable, with the reason.
+  config.redundant = 3;  // 67 slots do not split over 8 ranks
+  const PlanResult refused = Plan(m, Profile("h100x8"), config, &trace);
+  EXPECT_FALSE(Find(refused, PlanOption::kTravelingRows, 8, 256).applicable);
+}
+
 // ---- Seed 000: GLM-5.3, NVFP4, 8 x B300 ----
 
 TEST(PlanSeedTest, EvenRouterBalancednessMatchesSeed) {

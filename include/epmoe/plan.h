@@ -19,6 +19,7 @@
 
 #include "epmoe/hardware.h"
 #include "epmoe/load.h"
+#include "epmoe/placement.h"
 #include "epmoe/model.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
@@ -85,6 +86,7 @@ bool SharedIsSliced(PlanOption option, Sharing shared);
 // One layer of one step: picks per logical expert (E values) and the rows that made them.
 struct LayerLoad {
   int64_t rows = 0;
+  int layer = 0;  // the trace's layer (0 for an even router): selects the placement's layer
   std::vector<int64_t> picks;
 };
 // `samples` layer loads of an even router (k distinct uniform experts per row), deterministic in seed.
@@ -111,6 +113,12 @@ struct PlanConfig {
   Sharing dense = Sharing::kSliced;        // the seed's servers kept dense layers sliced
   int samples = 16;                        // layer loads per batch (even router or trace)
   uint64_t seed = 1;
+  // Placement of whole experts (options 2 and 4): "trivial" (rank g holds experts [gE/G, (g+1)E/G))
+  // or an EPLB policy name (deepseek, deepseek-guarded, per-step, cost) fitted on the first
+  // half of the trace's steps (the even router's sampled loads without a trace) with `redundant`
+  // extra copies per layer, and priced on the second half (held out).
+  std::string placement = "trivial";
+  int redundant = 0;
 };
 
 // What one option costs at one EP size and batch. Times per MoE layer are means over the sampled

@@ -2,11 +2,14 @@
 // communication of one MoE layer, summed into a step. See include/epmoe/plan.h for the model.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include <fmt/format.h>
 
+#include "epmoe/eplb_policy.h"
 #include "epmoe/plan.h"
 
 namespace epmoe {
@@ -49,6 +52,7 @@ class RankRates {
 struct KernelParts {
   double fixed = 0, read = 0, arith = 0;
   double bytes = 0;  // routed expert bytes read
+  double picks = 0;  // picks this rank computes
   double total() const { return fixed + read + arith; }
   // A block of weights used by `flops` of arithmetic: bound by the slower of reading and computing.
   void Add(double bytes_read, double flops, WeightFormat format, const RankRates& rates) {
@@ -85,7 +89,31 @@ struct Context {
   const PlanConfig& config;
   ModelBytes bytes;
   double expert_flops_per_pick = 0;  // 2 x weights of one expert
+  const Placement* placement = nullptr;  // whole experts' placement at the EP size priced; null: trivial
 };
+
+// Whole experts under a balancer's placement: an expert's picks are dealt evenly over its copies.
+std::vector<KernelParts> PlacedKernel(const Context& c, const LayerLoad& load, const RankRates& rates) {
+  const Placement& placement = *c.placement;
+  const int layer = load.layer % placement.num_layers();
+  std::vector<KernelParts> per_rank(placement.num_ranks());
+  const auto logcnt = placement.logcnt(layer);
+  for (int e = 0; e < c.model.num_experts; ++e) {
+    const int64_t n = load.picks[e];
+    if (n == 0) continue;
+    const auto copies = placement.copies(layer, e);
+    const int64_t count = logcnt[e];
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t share = n / count + (j < n % count ? 1 : 0);
+      if (share == 0) continue;
+      KernelParts& k = per_rank[placement.rank_of_slot(copies[j])];
+      k.bytes += static_cast<double>(c.bytes.expert);
+      k.picks += static_cast<double>(share);
+      k.Add(static_cast<double>(c.bytes.expert), c.expert_flops_per_pick * share, c.config.formats.experts, rates);
+    }
+  }
+  return per_rank;
+}
 
 // Routed experts' kernel per rank under whole or sliced experts: rank of expert e = e * groups / E,
 // each group of `slices` ranks holds 1/slices of its experts (slices = G: option 1, 1: options 2/4).
@@ -100,6 +128,7 @@ std::vector<KernelParts> RoutedKernel(const Context& c, const LayerLoad& load, i
     KernelParts& k = per_group[static_cast<int64_t>(e) * groups / experts];
     const double bytes = static_cast<double>(c.bytes.expert) / slices;
     k.bytes += bytes;
+    k.picks += static_cast<double>(n);
     k.Add(bytes, c.expert_flops_per_pick * n / slices, c.config.formats.experts, rates);
   }
   std::vector<KernelParts> per_rank(gpus);
@@ -130,6 +159,7 @@ std::vector<KernelParts> TravelingWeightsKernel(const Context& c, const LayerLoa
     for (int g = 0; g < gpus; ++g) {
       if (share[g] == 0) continue;
       per_rank[g].bytes += static_cast<double>(c.bytes.expert);
+      per_rank[g].picks += static_cast<double>(share[g]);
       per_rank[g].Add(static_cast<double>(c.bytes.expert), c.expert_flops_per_pick * share[g],
                       c.config.formats.experts, rates);
     }
@@ -170,6 +200,7 @@ double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows,
 struct SampleCost {
   double kernel = 0, kernel_mean = 0, comm = 0, layer = 0;
   double read = 0, arith = 0, fixed = 0, read_bytes = 0, copies = 0;
+  double balancedness = 1;
 };
 
 SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices, const LayerLoad& load,
@@ -181,7 +212,9 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
     case PlanOption::kSliced: per_rank = RoutedKernel(c, load, gpus, gpus, rates); break;
     case PlanOption::kHybrid: per_rank = RoutedKernel(c, load, gpus, slices, rates); break;
     case PlanOption::kWholeAllRows:
-    case PlanOption::kTravelingRows: per_rank = RoutedKernel(c, load, gpus, 1, rates); break;
+    case PlanOption::kTravelingRows:
+      per_rank = c.placement != nullptr ? PlacedKernel(c, load, rates) : RoutedKernel(c, load, gpus, 1, rates);
+      break;
     case PlanOption::kTravelingWeights: per_rank = TravelingWeightsKernel(c, load, gpus, rates, rng); break;
   }
   double fixed = rates.FixedUs(c.config.formats.experts);
@@ -197,9 +230,14 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   cost.arith = slowest->arith;
   cost.fixed = slowest->fixed;
   cost.read_bytes = slowest->bytes;
-  double sum = 0;
-  for (const auto& k : per_rank) sum += k.total();
+  double sum = 0, picks_sum = 0, picks_max = 0;
+  for (const auto& k : per_rank) {
+    sum += k.total();
+    picks_sum += k.picks;
+    picks_max = std::max(picks_max, k.picks);
+  }
   cost.kernel_mean = sum / gpus;
+  if (option != PlanOption::kSliced && picks_max > 0) cost.balancedness = picks_sum / gpus / picks_max;
 
   // Rows travel quantized only with traveling rows (the a2a path); the all-gather moves 16-bit rows.
   const double out_row = static_cast<double>(
@@ -219,18 +257,14 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
       break;
     case PlanOption::kTravelingRows: {
       if (gpus > 1) {
-        // Share of rows touching each rank, from the share of the picks it holds.
+        // Share of rows touching each rank, from the share of the picks it computes.
         const int experts = c.model.num_experts;
-        std::vector<double> picks_on(gpus, 0.0);
         double all_picks = 0;
-        for (int e = 0; e < experts; ++e) {
-          picks_on[static_cast<int64_t>(e) * gpus / experts] += load.picks[e];
-          all_picks += load.picks[e];
-        }
+        for (const auto& k : per_rank) all_picks += k.picks;
         std::vector<double> covered(gpus, 0.0);
         double covered_sum = 0;
         for (int g = 0; g < gpus; ++g) {
-          const double held = all_picks > 0 ? picks_on[g] / all_picks * experts : 0.0;
+          const double held = all_picks > 0 ? per_rank[g].picks / all_picks * experts : 0.0;
           covered[g] = 1.0 - ProbabilityNoneHeld(experts, held, c.model.top_k);
           covered_sum += covered[g];
         }
@@ -306,7 +340,7 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
     mean.fixed += s.fixed;
     mean.read_bytes += s.read_bytes;
     mean.copies += s.copies;
-    balancedness += option == PlanOption::kSliced ? 1.0 : Balancedness(load, option == PlanOption::kHybrid ? gpus / slices : gpus);
+    balancedness += s.balancedness;
   }
   const double n = static_cast<double>(loads.size());
   out.kernel_us = mean.kernel / n;
@@ -324,6 +358,8 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
   out.step_ms = (c.model.num_moe_layers() * out.layer_us + c.model.num_dense_layers * out.dense_us) / 1000.0;
   const MemoryPerRank memory = ComputeMemoryPerRank(c.model, c.config.formats, option, gpus, c.config.shared, c.config.dense);
   out.memory_bytes = memory.total();
+  if (c.placement != nullptr && (option == PlanOption::kWholeAllRows || option == PlanOption::kTravelingRows))
+    out.memory_bytes += (c.placement->num_slots() - c.model.num_experts) * c.bytes.expert / gpus * c.model.num_moe_layers();
   const double ranks_per_device = c.hw.ranks_share_device ? std::min(gpus, c.hw.gpus_per_node) : 1;
   out.fits = out.memory_bytes <= c.hw.memory_capacity_gb * 1e9 / ranks_per_device;
   // What dominates: the largest share of the slowest rank's layer time.
@@ -392,10 +428,52 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
   result.hardware = hw.name;
   result.phase = config.phase;
   result.load = load_description;
+
+  // A balancer's placement is fitted on the first half of the trace and priced on the second.
+  const bool balanced = config.placement != "trivial";
+  std::optional<Policy> policy;
+  ExpertLoad fit_load, priced_load;
+  if (balanced) {
+    auto parsed = ParsePolicy(config.placement);
+    if (!parsed.ok()) return parsed.status().WithContext("placement");
+    policy = *parsed;
+    if (config.redundant < 0) return InvalidArgument(fmt::format("redundant copies must not be negative, got {}", config.redundant));
+    if (trace != nullptr) {
+      if (trace->num_steps < 2) return InvalidArgument("a balancer's placement needs a trace of at least 2 steps (fit on one half, priced on the other)");
+      fit_load = SliceSteps(*trace, 0, trace->num_steps / 2);
+      priced_load = SliceSteps(*trace, trace->num_steps / 2, trace->num_steps);
+    } else {
+      // The even router: fit on loads of its own, independent of the priced ones.
+      const int64_t rows = config.batches.front();
+      const auto fit = EvenRouterLoads(model, rows, config.samples, config.seed + 1000003);
+      fit_load = ExpertLoad(static_cast<int64_t>(fit.size()), 1, model.num_experts, model.top_k);
+      for (size_t s = 0; s < fit.size(); ++s) {
+        fit_load.rows[s] = rows;
+        std::copy(fit[s].picks.begin(), fit[s].picks.end(), fit_load.at(static_cast<int64_t>(s), 0).begin());
+      }
+    }
+  }
+  const ExpertLoad* priced = balanced && trace != nullptr ? &priced_load : trace;
+  std::map<int, Result<Placement>> placements;  // per EP size, computed once
+  auto placement_for = [&](int gpus) -> const Result<Placement>& {
+    auto it = placements.find(gpus);
+    if (it != placements.end()) return it->second;
+    PolicyOptions options;
+    options.policy = *policy;
+    options.shape.num_ranks = gpus;
+    options.shape.num_nodes = gpus > hw.gpus_per_node && gpus % hw.gpus_per_node == 0 ? gpus / hw.gpus_per_node : 1;
+    options.shape.num_groups = model.num_expert_groups;
+    options.shape.num_redundant = config.redundant;
+    Result<Placement> placement = ValidateBalanceShape(options.shape, model.num_experts).ok()
+                                      ? ComputePlacement(fit_load, options)
+                                      : Result<Placement>(ValidateBalanceShape(options.shape, model.num_experts));
+    return placements.emplace(gpus, std::move(placement)).first->second;
+  };
+
   for (int64_t batch : config.batches) {
     std::vector<LayerLoad> loads;
-    if (trace != nullptr) {
-      EPMOE_ASSIGN_OR_RETURN(loads, TraceLayerLoads(*trace, model, batch, config.samples, config.seed));
+    if (priced != nullptr) {
+      EPMOE_ASSIGN_OR_RETURN(loads, TraceLayerLoads(*priced, model, batch, config.samples, config.seed));
     } else {
       loads = EvenRouterLoads(model, batch, config.samples, config.seed);
     }
@@ -406,6 +484,16 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
         std::string why_not = NotApplicable(model, option, gpus);
         std::vector<int> splits = option == PlanOption::kHybrid ? HybridSplits(model, gpus) : std::vector<int>{1};
         if (why_not.empty() && splits.empty()) why_not = fmt::format("no split of {} ranks into sliced groups fits the model", gpus);
+        c.placement = nullptr;
+        const bool placed = option == PlanOption::kWholeAllRows || option == PlanOption::kTravelingRows;
+        if (why_not.empty() && balanced && placed) {
+          const Result<Placement>& placement = placement_for(gpus);
+          if (placement.ok()) {
+            c.placement = &*placement;
+          } else {
+            why_not = fmt::format("no {} placement: {}", config.placement, placement.status().message());
+          }
+        }
         if (!why_not.empty()) {
           cost.option = option;
           cost.gpus = gpus;

@@ -82,6 +82,7 @@ Result<std::vector<LayerLoad>> TraceLayerLoads(const ExpertLoad& trace, const Mo
     const int layer = static_cast<int>(pair % trace.num_layers);
     LayerLoad load;
     load.rows = rows;
+    load.layer = layer;
     load.picks.assign(m.num_experts, 0);
     for (int64_t s = g.first; s < g.first + g.count; ++s) {
       const auto counts = trace.at(s, layer);

@@ -1,6 +1,6 @@
 // `epmoe plan`: predicted kernel, communication and step time per option and EP size on a hardware
 // profile, from a trace or an even router, with the derived sizes of the model; `epmoe hardware`
-// lists and shows the profiles.
+// lists and shows the profiles; AddPlanCommand also registers `epmoe calibrate`.
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -18,6 +18,10 @@
 #include "output.h"
 
 namespace epmoe::cli {
+
+// `epmoe calibrate` (cmd_calibrate.cc) is registered with the planner's commands.
+void AddCalibrateCommand(CLI::App& app, int* exit_code);
+
 namespace {
 
 using nlohmann::json;
@@ -27,6 +31,7 @@ struct PlanFlags {
   std::string hardware;
   std::string trace;
   std::string trace_format = "auto";
+  std::string trace_filter;
   std::string phase = "decode";
   std::vector<int64_t> batches;
   std::vector<int> gpus = {8};
@@ -39,6 +44,8 @@ struct PlanFlags {
   std::string dense = "sliced";
   int samples = 16;
   uint64_t seed = 1;
+  std::string placement = "trivial";
+  int redundant = 0;
   std::string format = "text";
   std::string plot;
 };
@@ -274,18 +281,25 @@ int RunPlanCommand(const PlanFlags& f) {
   config.dense = *dense;
   config.samples = f.samples;
   config.seed = f.seed;
+  config.placement = f.placement;
+  config.redundant = f.redundant;
 
   ExpertLoad trace_load;
   std::string load_description = fmt::format("even router ({} sampled layer loads per batch)", f.samples);
   if (!f.trace.empty()) {
     LoadReadOptions read;
     read.format = f.trace_format;
+    read.filter = f.trace_filter;
     auto loaded = ReadExpertLoad(f.trace, read);
     if (!loaded.ok()) return ReportError(loaded.status());
     trace_load = std::move(*loaded);
     load_description = fmt::format("trace {} ({} steps x {} layers, up to {} layer loads per batch)", f.trace,
                                    trace_load.num_steps, trace_load.num_layers, f.samples);
   }
+  if (f.placement != "trivial")
+    load_description += fmt::format("; whole experts placed by {} with {} redundant copies per layer, fitted on the first "
+                                    "half of the {} and priced on the rest",
+                                    f.placement, f.redundant, f.trace.empty() ? "sampled loads" : "trace");
   auto result = RunPlan(*model, *hardware, config, f.trace.empty() ? nullptr : &trace_load, load_description);
   if (!result.ok()) return ReportError(result.status());
   const json derived = DerivedJson(*model, config);
@@ -325,6 +339,7 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--hardware", f->hardware, "Hardware profile name (see `epmoe hardware list`) or .json path")->required();
   cmd->add_option("--trace", f->trace, "Routing trace (any format `epmoe trace` reads); default: an even router");
   cmd->add_option("--trace-format", f->trace_format, "Trace format (auto detects)")->capture_default_str();
+  cmd->add_option("--trace-filter", f->trace_filter, "Series of a multi-series count file, e.g. model=olmoe,domain=arxiv,selection=topk");
   cmd->add_option("--phase", f->phase, "decode or prefill")->check(CLI::IsMember({"decode", "prefill"}))->capture_default_str();
   cmd->add_option("--batch", f->batches, "Rows per step over the whole EP group, comma separated (default: decode 8,64,256; prefill 8192)")
       ->delimiter(',')
@@ -353,6 +368,14 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--samples", f->samples, "Layer loads priced per batch")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--seed", f->seed, "Seed of the even router and of batch thinning")->capture_default_str();
+  cmd->add_option("--placement", f->placement,
+                  "Whole experts' placement: trivial, or a balancer policy (deepseek, deepseek-guarded, per-step, cost) "
+                  "fitted on half of the trace")
+      ->check(CLI::IsMember({"trivial", "deepseek", "deepseek-guarded", "per-step", "cost"}))
+      ->capture_default_str();
+  cmd->add_option("--redundant", f->redundant, "Redundant expert copies per layer for --placement")
+      ->check(CLI::Range(0, 1 << 16))
+      ->capture_default_str();
   AddFormatOption(cmd, &f->format, {"text", "md", "csv", "json"});
   cmd->add_option("--plot", f->plot, "Write an SVG: time against batch, copies per row and balancedness against GPUs");
   cmd->callback([f, exit_code] { *exit_code = RunPlanCommand(*f); });
@@ -375,6 +398,7 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
     std::printf("%s\n", HardwareToJson(*profile).c_str());
     *exit_code = 0;
   });
+  AddCalibrateCommand(app, exit_code);
 }
 
 }  // namespace epmoe::cli

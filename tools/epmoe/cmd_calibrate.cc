@@ -1,0 +1,214 @@
+// `epmoe calibrate`: measures this machine into a hardware profile for the planner.
+//   epmoe calibrate --out local.json                      memory bandwidth, peak per arithmetic path
+//                                                         and the expert kernel's fitted line
+//   mpirun -np G epmoe calibrate --links --base local.json --out local.json
+//                                                         MPI latency and bandwidth between ranks
+// The two parts run separately so that idle MPI ranks never compete with the kernel measurements
+// for the cores. Machine measurements come from the kernels module (machine_limits, kernel_bench).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "epmoe/comm.h"
+#include "epmoe/hardware.h"
+#include "epmoe/kernel_bench.h"
+#include "epmoe/machine_limits.h"
+#include "epmoe/thread_pool.h"
+#include "output.h"
+
+namespace epmoe::cli {
+namespace {
+
+struct CalibrateFlags {
+  std::string base = "local";
+  std::string out;
+  std::vector<std::string> formats = {"nvfp4", "bf16", "int8"};
+  int threads = 0;
+  bool links = false;
+  int64_t prefill_tokens = 4096;
+  int64_t max_link_bytes = int64_t{32} << 20;
+};
+
+std::string Today() {
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y-%m-%d", std::gmtime(&now));
+  return text;
+}
+
+Status WriteProfile(const HardwareProfile& profile, const std::string& path) {
+  EPMOE_RETURN_IF_ERROR(ValidateHardware(profile, path.empty() ? "calibrated profile" : path));
+  const std::string text = HardwareToJson(profile) + "\n";
+  if (path.empty()) {
+    std::printf("%s", text.c_str());
+    return Status::Ok();
+  }
+  std::ofstream out(path);
+  out << text;
+  if (!out) return IoError(fmt::format("{}: cannot write the profile", path));
+  std::fprintf(stderr, "epmoe calibrate: wrote %s\n", path.c_str());
+  return Status::Ok();
+}
+
+// Memory bandwidth, peaks and one fitted kernel line per format, on this process's threads.
+Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
+  KernelBenchOptions options;
+  options.formats.clear();
+  for (const auto& name : f.formats) {
+    EPMOE_ASSIGN_OR_RETURN(WeightFormat format, ParseWeightFormat(name));
+    options.formats.push_back(format);
+  }
+  options.tokens = {f.prefill_tokens};
+  ThreadPool pool(f.threads);
+  auto progress = [](const std::string& line) { std::fprintf(stderr, "epmoe calibrate: %s\n", line.c_str()); };
+  EPMOE_ASSIGN_OR_RETURN(KernelBenchReport report, RunKernelBench(options, pool, progress));
+  EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa("auto"));
+  const MachineFigures& m = report.limits;
+  p->memory_bandwidth_gbs = m.read_gbps;
+  // Paths the CPU lacks run on fp32 FMA (the kernels dequantize): price them at that rate.
+  const double fp32 = m.fp32_gflops / 1e3;
+  const double bf16 = m.bf16_gflops > 0 ? m.bf16_gflops / 1e3 : fp32;
+  const double int8 = m.int8_gops > 0 ? m.int8_gops / 1e3 : fp32;
+  auto peak_for = [&](WeightFormat format) {
+    switch (PathForFormat(format, isa)) {
+      case ArithmeticPath::kFp32Fma: return fp32;
+      case ArithmeticPath::kBf16Dot: return bf16;
+      case ArithmeticPath::kInt8Vnni: return int8;
+    }
+    return fp32;
+  };
+  p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
+  p->sources.push_back(fmt::format(
+      "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks fp32 {:.0f}, bf16 {:.0f}, int8 {:.0f} "
+      "G operations/s (machine_limits); fp8 priced at the bf16 rate, 4-bit formats at their kernel's path",
+      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, m.bf16_gflops, m.int8_gops));
+  p->kernel_lines.clear();
+  double read_efficiency = 0, arithmetic_efficiency = 0;
+  int lines = 0, points = 0;
+  for (const auto& d : report.decode) {
+    if (d.us_per_gb <= 0) continue;
+    p->kernel_lines.push_back({d.format, std::max(0.0, d.fixed_us), d.us_per_gb, 0.0,
+                               fmt::format("epmoe calibrate {}: decode experiment, {} points, r(bytes) {:.3f}, r(picks) {:.3f}",
+                                           Today(), d.samples.size(), d.correlation_bytes, d.correlation_picks)});
+    read_efficiency += (1e6 / d.us_per_gb) / m.read_gbps;  // GB/s the line reads at / measured bandwidth
+    ++lines;
+  }
+  for (const auto& point : report.points) {
+    const double peak = peak_for(point.format) * 1e3;
+    if (peak <= 0 || point.gflops <= 0) continue;
+    arithmetic_efficiency += point.gflops / peak;
+    ++points;
+  }
+  if (lines > 0) p->memory_read_efficiency = std::clamp(read_efficiency / lines, 0.05, 1.0);
+  if (points > 0) p->arithmetic_efficiency = std::clamp(arithmetic_efficiency / points, 0.01, 1.0);
+  if (!p->kernel_lines.empty()) p->kernel_fixed_us = p->kernel_lines.front().fixed_us;
+  p->sources.push_back(fmt::format(
+      "read_efficiency {:.2f}: mean of the kernel lines' read rate over the measured bandwidth; arithmetic_efficiency "
+      "{:.2f}: mean kernel G operations/s at {} tokens over the path's peak",
+      p->memory_read_efficiency, p->arithmetic_efficiency, f.prefill_tokens));
+  return Status::Ok();
+}
+
+// Median over repetitions of the slowest rank's time of one all-gather of `bytes` per rank, in us.
+Result<double> TimeAllgather(Communicator& comm, int64_t bytes, int repetitions) {
+  const int g = comm.size();
+  std::vector<uint8_t> send(bytes, 1), recv(bytes * g);
+  const std::vector<int64_t> sizes(g, bytes);
+  const std::vector<int64_t> offsets = PrefixOffsets(sizes);
+  std::vector<double> times;
+  for (int rep = 0; rep < repetitions + 2; ++rep) {
+    EPMOE_RETURN_IF_ERROR(comm.Barrier());
+    const auto start = std::chrono::steady_clock::now();
+    EPMOE_RETURN_IF_ERROR(comm.Allgatherv(send.data(), bytes, recv.data(), sizes, offsets));
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    EPMOE_ASSIGN_OR_RETURN(int64_t slowest, comm.AllreduceMax(ns));
+    if (rep >= 2) times.push_back(slowest / 1e3);  // the first two warm up
+  }
+  return Median(times);
+}
+
+// Latency and per-rank bandwidth of collectives between the ranks of this job: a small all-gather
+// gives the fixed cost, large ones the bandwidth of the bytes each rank sends to its G-1 peers.
+Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator& comm) {
+  const int g = comm.size();
+  EPMOE_ASSIGN_OR_RETURN(double small_us, TimeAllgather(comm, 64, 50));
+  std::vector<double> rates;
+  for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
+    EPMOE_ASSIGN_OR_RETURN(double us, TimeAllgather(comm, bytes, 5));
+    const double moved = static_cast<double>(bytes) * (g - 1);
+    if (us > small_us) rates.push_back(moved / ((us - small_us) * 1e3));  // GB/s
+  }
+  if (rates.empty()) return Internal("calibrate: the large all-gathers were not slower than the small one");
+  const double bandwidth = Median(rates);
+  p->intra_node = {bandwidth, 1.0, small_us};
+  p->inter_node = p->intra_node;
+  p->sources.push_back(fmt::format(
+      "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), {:.2f} GB/s per rank "
+      "(median over 1 MB..{} MB per rank); inter_node = intra_node (one host)",
+      Today(), comm.description(), small_us, bandwidth, f.max_link_bytes >> 20));
+  return Status::Ok();
+}
+
+int RunCalibrate(const CalibrateFlags& f) {
+  auto base = LoadHardware(f.base);
+  if (!base.ok()) return ReportError(base.status());
+  HardwareProfile profile = *base;
+  profile.name = "local";
+  if (!f.links) {
+    profile.description = "This machine, measured by epmoe calibrate; ranks are MPI processes sharing the CPU and its memory";
+    profile.ranks_share_device = true;
+    // Keep only the base's notes on links; the machine figures are replaced.
+    std::vector<std::string> kept;
+    for (const auto& s : profile.sources)
+      if (s.find("--links") != std::string::npos || s.find("intra_node") == 0 || s.find("inter_node") == 0) kept.push_back(s);
+    profile.sources = kept;
+    if (Status s = CalibrateMachine(f, &profile); !s.ok()) return ReportError(s);
+    if (Status s = WriteProfile(profile, f.out); !s.ok()) return ReportError(s);
+    return 0;
+  }
+  auto comm = WorldCommunicator(CommOptions{});
+  if (!comm.ok()) return ReportError(comm.status());
+  if ((*comm)->size() < 2)
+    return ReportError(InvalidArgument("calibrate --links needs at least 2 ranks: run it under mpirun -np 2 (or more)"));
+  std::erase_if(profile.sources, [](const std::string& s) {
+    return s.find("--links") != std::string::npos || s.find("intra_node") == 0 || s.find("inter_node") == 0;
+  });
+  if (Status s = CalibrateLinks(f, &profile, **comm); !s.ok()) return ReportError(s);
+  if ((*comm)->rank() == 0) {
+    if (Status s = WriteProfile(profile, f.out); !s.ok()) return ReportError(s);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddCalibrateCommand(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<CalibrateFlags>();
+  auto* cmd = app.add_subcommand("calibrate", "Measure this machine into a hardware profile for `epmoe plan`");
+  cmd->add_option("--base", f->base, "Profile to start from (name or .json path); fields not measured are kept")
+      ->capture_default_str();
+  cmd->add_option("--out", f->out, "Write the profile here (default: print it)");
+  cmd->add_option("--formats", f->formats, "Weight formats whose kernel line to fit")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
+      ->capture_default_str();
+  cmd->add_option("--threads", f->threads, "Threads (0: all cores)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--prefill-tokens", f->prefill_tokens, "Tokens of the arithmetic-bound point")
+      ->check(CLI::Range(int64_t{64}, int64_t{1} << 16))
+      ->capture_default_str();
+  cmd->add_flag("--links", f->links, "Measure MPI latency and bandwidth between the ranks (run under mpirun)");
+  cmd->add_option("--max-link-bytes", f->max_link_bytes, "Largest all-gather per rank for --links")
+      ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 30))
+      ->capture_default_str();
+  cmd->callback([f, exit_code] { *exit_code = RunCalibrate(*f); });
+}
+
+}  // namespace epmoe::cli
