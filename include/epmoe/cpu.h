@@ -1,7 +1,7 @@
 // CPU feature detection and the choice of instruction set for the expert kernels.
 //
-// Kernels exist for an ordered list of instruction sets, best first: avx512 (F, BW, VL, DQ, VNNI
-// and BF16 together, as on AMD Zen 4 and Intel Sapphire Rapids), avx2 (with FMA and F16C), and
+// Kernels exist for an ordered list of instruction sets, best first: avx512 (F, BW, VL, DQ, VNNI,
+// BF16 and VBMI together, as on AMD Zen 4 and Intel Sapphire Rapids), avx2 (with FMA and F16C), and
 // reference (plain C++, always available). The best one the CPU has is chosen once at run time;
 // the environment variable EPMOE_ISA (e.g. EPMOE_ISA=avx2) or an explicit request can force a lower
 // one, never a higher one. All functions are thread-safe.
@@ -25,7 +25,7 @@ std::vector<Isa> AllIsas();
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512vnni = false, avx512bf16 = false;
+  bool avx512vnni = false, avx512bf16 = false, avx512vbmi = false;
 };
 
 // What this CPU (and OS) supports, detected once.

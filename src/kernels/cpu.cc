@@ -40,6 +40,7 @@ const CpuFeatures& DetectCpuFeatures() {
     f.avx512dq = __builtin_cpu_supports("avx512dq");
     f.avx512vnni = __builtin_cpu_supports("avx512vnni");
     f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    f.avx512vbmi = __builtin_cpu_supports("avx512vbmi");
 #endif
     return f;
   }();
@@ -53,7 +54,7 @@ bool IsaSupported(Isa isa) {
     case Isa::kAvx2: return f.avx2 && f.fma && f.f16c;
     case Isa::kAvx512:
       return f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni &&
-             f.avx512bf16;
+             f.avx512bf16 && f.avx512vbmi;
   }
   return false;
 }

@@ -15,7 +15,7 @@ constexpr int64_t kWeightBlockBytes = 256 * 1024;
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 // Channels per work item in the decode path: small, so that a step touching few experts still has
 // work for every thread.
-constexpr int64_t kDecodeChannels = 64;
+constexpr int64_t kDecodeChannels = 128;
 
 // One unit of parallel work: channels [n_begin, n_end) of one expert, for all of its rows.
 struct WorkItem {

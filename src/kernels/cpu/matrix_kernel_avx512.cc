@@ -1,11 +1,11 @@
-// The AVX-512 matrix kernels (needs F, BW, VL, DQ, VNNI and BF16; see epmoe/cpu.h).
+// The AVX-512 matrix kernels (needs F, BW, VL, DQ, VNNI, BF16 and VBMI; see epmoe/cpu.h).
 //   fp32   fp32 activations, FMA.
 //   bf16   activations rounded to bf16, VDPBF16PS (fp32 accumulation).
 //   int8   activations quantized to int8 per row (scale max|x|/127); weights stored offset binary
 //          (w + 128) so VPDPBUSD takes them as its unsigned operand; the offset is removed with
 //          the row's precomputed -128 * sum(q). Integer accumulation over the whole row.
 //   nvfp4, mxfp4  the same int8 activations, permuted to the kGrouped256 layout; E2M1 codes map
-//          through a 16-entry table to 2 * value + 12 (0..24, unsigned); the offset is removed
+//          through a table (VPERMB) to 2 * value + 12 (0..24, unsigned); the offset is removed
 //          with -12 * (sum of the lane's 16 activations), precomputed per row. Each 32-bit lane
 //          holds one 16-input block, summed in int32 then scaled by its block scale in fp32.
 // Every kernel tiles up to 4 activation rows x 4 (2 for 4-bit) weight rows in registers and walks
@@ -83,6 +83,14 @@ int32_t SumLanes(__m512i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Weight rows of a matrix are contiguous, so the tile after next starts 2 tiles past this one.
+// Each tile prefetches that tile's weights at the pace it consumes its own: `bytes` (a multiple
+// of 64) starting `offset` bytes into it. Short rows split into several
+// streams over 4 KB pages defeat the hardware prefetchers; this keeps enough reads in flight.
+inline void PrefetchNextTile(const uint8_t* next_tile, int64_t offset, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(next_tile + offset + b), _MM_HINT_T0);
+}
+
 int64_t RoundUp(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // ---- fp32 ----
@@ -96,7 +104,9 @@ struct Fp32Tile {
     __m512 acc[R][N];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+    const uint8_t* next_tile = a.weights->row(a.channel) + 2 * N * a.weights->row_bytes;
     for (int64_t c = 0; c < cols; c += 16) {
+      PrefetchNextTile(next_tile, 4 * c * N, 64 * N);
       __m512 wv[N];
       for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_ps(w[j] + c);
       for (int r = 0; r < R; ++r) {
@@ -135,7 +145,9 @@ struct Bf16Tile {
     __m512 acc[R][N];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+    const uint8_t* next_tile = w[0] + 2 * N * a.weights->row_bytes;
     for (int64_t c = 0; c < cols; c += 32) {
+      PrefetchNextTile(next_tile, 2 * c * N, 64 * N);
       __m512i wv[N];
       for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w[j] + 2 * c);
       for (int r = 0; r < R; ++r) {
@@ -189,7 +201,9 @@ struct Int8Tile {
     __m512i acc[R][N];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_si512();
+    const uint8_t* next_tile = w[0] + 2 * N * a.weights->row_bytes;
     for (int64_t c = 0; c < cols; c += 64) {
+      PrefetchNextTile(next_tile, c * N, 64 * N);
       __m512i wv[N];
       for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w[j] + c);
       for (int r = 0; r < R; ++r) {
@@ -263,14 +277,15 @@ template <WeightFormat kFormat>
 struct FourBit {
   template <int R, int N>
   struct Tile {
-    static void Run(const TileArgs& a) {
+    // VPERMB (AVX512_VBMI) looks codes up in a 64-entry table holding the 16 values 4 times, so
+    // neither nibble needs masking: the index's bits 4-5 (the neighbouring nibble) are ignored.
+    __attribute__((target("avx512vbmi"))) static void Run(const TileArgs& a) {
       const PackedMatrix& m = *a.weights;
       const int64_t cols = m.cols;
       const int64_t groups = cols / 256;
       const int64_t scales_per_row = cols / BlockSize(kFormat);
-      // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), in each 128-bit lane for VPSHUFB.
+      // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), repeated in each 16 bytes.
       const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-      const __m512i low_mask = _mm512_set1_epi8(0x0F);
       const uint8_t* w[N];
       const uint8_t* s[N];
       for (int j = 0; j < N; ++j) {
@@ -280,16 +295,20 @@ struct FourBit {
       __m512 acc[R][N];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+      const uint8_t* next_tile = w[0] + 2 * N * m.row_bytes;
+      const uint8_t* next_scales = s[0] + 2 * N * scales_per_row;
       for (int64_t g = 0; g < groups; ++g) {
+        PrefetchNextTile(next_tile, g * 128 * N, 128 * N);
+        if (g % 4 == 0) PrefetchNextTile(next_scales, g * (256 / BlockSize(kFormat)) * N, 64);
         __m512i v[N][4];
         __m512 scale[N];
         for (int j = 0; j < N; ++j) {
           const __m512i p0 = _mm512_loadu_si512(w[j] + g * 128);
           const __m512i p1 = _mm512_loadu_si512(w[j] + g * 128 + 64);
-          v[j][0] = _mm512_shuffle_epi8(table, _mm512_and_si512(p0, low_mask));
-          v[j][1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p0, 4), low_mask));
-          v[j][2] = _mm512_shuffle_epi8(table, _mm512_and_si512(p1, low_mask));
-          v[j][3] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p1, 4), low_mask));
+          v[j][0] = _mm512_permutexvar_epi8(p0, table);
+          v[j][1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p0, 4), table);
+          v[j][2] = _mm512_permutexvar_epi8(p1, table);
+          v[j][3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p1, 4), table);
           scale[j] = LaneScales<kFormat>(s[j], g);
         }
         for (int r = 0; r < R; ++r) {
