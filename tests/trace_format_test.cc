@@ -281,6 +281,15 @@ TEST_F(TraceFormatTest, WriterRefusesStepsThatDoNotMatchTheHeader) {
   EXPECT_TRUE((*count_writer)->Append(count_step).ok());
   EXPECT_TRUE((*count_writer)->Close().ok());
   EXPECT_TRUE(ReadStatus(Path("c.bin")).ok());
+  // A count-only step claiming a huge row count is refused, not multiplied into an overflow
+  // (found by trace_binary_fuzz). Its rows field is at 40 + 4 (one layer id) + 4 (step marker).
+  std::string bytes = ReadBytes(Path("c.bin"));
+  const int64_t huge = int64_t{1} << 62;
+  std::memcpy(bytes.data() + 48, &huge, 8);
+  WriteBytes(Path("huge.bin"), bytes);
+  Status status = ReadStatus(Path("huge.bin"));
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("byte offset 48:"), std::string::npos) << status.message();
 }
 
 // Text formats: every truncation at a line boundary mid-file either still parses a consistent

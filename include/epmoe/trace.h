@@ -84,6 +84,7 @@ struct StepPicks {
 class TraceReader {
  public:
   static constexpr int64_t kMaxInMemoryPicks = int64_t{1} << 26;
+  static constexpr int64_t kMaxRowsPerStep = int64_t{1} << 40;  // bounds row arithmetic
 
   static Result<std::unique_ptr<TraceReader>> Open(const std::string& path, const LoadReadOptions& options);
   virtual ~TraceReader() = default;

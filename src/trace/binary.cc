@@ -14,9 +14,6 @@ namespace {
 
 static_assert(std::endian::native == std::endian::little, "the trace format is little-endian; add byte swapping");
 
-constexpr int64_t kHeaderBytes = 8 + 4 * 6 + 8;
-constexpr int64_t kStepHeaderBytes = 4 + 8;
-constexpr int64_t kTrailerBytes = 4 + 8 + 8;
 constexpr int64_t kStepsOffset = 8 + 4 * 6;
 
 // Streams steps from a binary trace, checking each against the header and the remaining bytes
@@ -97,15 +94,13 @@ class BinaryTraceReader final : public TraceReader {
     EPMOE_RETURN_IF_ERROR(ReadValue(&rows, "rows"));
     const int L = info_.num_layers, E = info_.num_experts, k = info_.top_k;
     const int64_t remaining = size_ - offset_;
-    int64_t step_bytes;
     if (info_.has_picks) {
       const int64_t per_row = static_cast<int64_t>(k) * L * (info_.has_weights ? 8 : 4);
       if (rows < 0 || rows > remaining / per_row)
         return Corrupt(at + 4, fmt::format("{} rows of {} bytes, but only {} bytes remain", rows, per_row, remaining));
-      step_bytes = rows * per_row;
     } else {
-      step_bytes = static_cast<int64_t>(L) * E * 8;
-      if (rows < 0 || step_bytes > remaining)
+      const int64_t step_bytes = static_cast<int64_t>(L) * E * 8;
+      if (rows < 0 || rows > kMaxRowsPerStep || step_bytes > remaining)
         return Corrupt(at + 4, fmt::format("{} rows and {} bytes of counts, but only {} bytes remain", rows,
                                            step_bytes, remaining));
     }
@@ -171,7 +166,6 @@ class BinaryTraceReader final : public TraceReader {
         picks_read_ += sum;
       }
     }
-    (void)step_bytes;
     ++steps_read_;
     return true;
   }
@@ -273,7 +267,8 @@ Status TraceWriter::Append(const StepPicks& step) {
   if (closed_) return FailedPrecondition(fmt::format("{}: append after close", path_));
   const int L = info_.num_layers, E = info_.num_experts, k = info_.top_k;
   const std::string where = fmt::format("{}: step {}", path_, steps_);
-  if (step.rows < 0) return InvalidArgument(fmt::format("{}: {} rows", where, step.rows));
+  if (step.rows < 0 || step.rows > TraceReader::kMaxRowsPerStep)
+    return InvalidArgument(fmt::format("{}: {} rows", where, step.rows));
   if (info_.has_picks) {
     if (static_cast<int>(step.layers.size()) != L)
       return InvalidArgument(fmt::format("{}: {} layers of picks, expected {}", where, step.layers.size(), L));

@@ -147,6 +147,8 @@ Result<ImportedTrace> ImportExpertCountsCsv(std::istream& in, const std::string&
   const int selection_col = column.count("selection") ? column["selection"] : -1;
   const size_t selection_pos =
       std::find(series_cols.begin(), series_cols.end(), selection_col) - series_cols.begin();
+  EPMOE_RETURN_IF_ERROR(CheckPickCapacity(
+      source, static_cast<int64_t>(matched.size()) * trace.info.num_layers * trace.info.num_experts));
   std::vector<int> step_k;
   for (const Series* s : matched) {
     StepPicks step;

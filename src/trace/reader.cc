@@ -80,8 +80,14 @@ Status FinishImport(const std::string& source, ImportedTrace* trace) {
   if (info.has_picks && info.top_k > info.num_experts)
     return InvalidArgument(fmt::format("{}: top-{} exceeds the {} experts", source, info.top_k, info.num_experts));
   info.num_steps = static_cast<int64_t>(trace->steps.size());
+  if (info.num_steps * info.num_layers * info.num_experts > TraceReader::kMaxInMemoryPicks)
+    return OutOfRange(fmt::format("{}: {} steps x {} layers x {} experts of counts exceed the in-memory bound of {}",
+                                  source, info.num_steps, info.num_layers, info.num_experts,
+                                  TraceReader::kMaxInMemoryPicks));
   for (size_t s = 0; s < trace->steps.size(); ++s) {
     StepPicks& step = trace->steps[s];
+    if (step.rows < 0 || step.rows > TraceReader::kMaxRowsPerStep)
+      return InvalidArgument(fmt::format("{}: step {} has {} rows", source, s, step.rows));
     if (info.has_picks) {
       if (static_cast<int>(step.layers.size()) != info.num_layers)
         return InvalidArgument(fmt::format("{}: step {} has {} layers, expected {}", source, s, step.layers.size(),
@@ -228,7 +234,8 @@ Result<ImportedTrace> ImportTrace(const std::string& path, const std::string& fo
       StepPicks step;
       EPMOE_ASSIGN_OR_RETURN(bool more, reader->Next(&step));
       if (!more) break;
-      picks += std::max<int64_t>(step.rows * trace.info.top_k, 1) * trace.info.num_layers;
+      picks += trace.info.has_picks ? step.rows * trace.info.top_k * trace.info.num_layers
+                                    : static_cast<int64_t>(trace.info.num_layers) * trace.info.num_experts;
       if (picks > TraceReader::kMaxInMemoryPicks)
         return OutOfRange(fmt::format("{}: more than {} picks; too large to regroup in memory", path,
                                       TraceReader::kMaxInMemoryPicks));
