@@ -200,6 +200,27 @@ TEST(EplbPolicy, MinMoveKeepsAGoodPlacement) {
   EXPECT_EQ(moved->MovedCopies(*good), 0);
 }
 
+TEST(EplbPolicy, CostSpreadsCopiesOverNodesInGlobalMode) {
+  // 8 experts with equal load, 2 copies each, 4 ranks in 2 nodes, no expert groups (global mode):
+  // the cost policy puts the two copies of each expert in different nodes, so every rank finds a
+  // copy in its own node.
+  ExpertLoad load(4, 1, 8);
+  for (int64_t step = 0; step < 4; ++step)
+    for (int64_t& c : load.at(step, 0)) c = 10;
+  PolicyOptions options;
+  options.policy = Policy::kCost;
+  options.shape = {4, 2, 1, 8};
+  auto placement = ComputePlacement(load, options);
+  ASSERT_TRUE(placement.ok()) << placement.status().ToString();
+  for (int e = 0; e < 8; ++e) {
+    auto copies = placement->copies(0, e);
+    ASSERT_EQ(copies.size(), 2u);
+    EXPECT_NE(placement->node_of_rank(placement->rank_of_slot(copies[0])),
+              placement->node_of_rank(placement->rank_of_slot(copies[1])))
+        << "expert " << e;
+  }
+}
+
 TEST(EplbPolicy, DegenerateInputs) {
   for (Policy policy : AllPolicies()) {
     SCOPED_TRACE(PolicyName(policy));

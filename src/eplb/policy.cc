@@ -126,7 +126,7 @@ std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
 // its cost), started from each candidate and the best result kept.
 std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const BalanceShape& shape, double fixed,
                                  const std::function<double(double)>& per_copy_value,
-                                 std::vector<std::vector<int32_t>> starts, int rounds) {
+                                 std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes) {
   const int64_t steps = std::max<int64_t>(load.num_steps, 1);
   bool any_load = false;
   for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
@@ -154,7 +154,8 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
   }
   std::vector<int32_t> phy2log = std::move(starts[best_start]);
   const bool keep_guard = !eplb_internal::HasDuplicateOnRank(phy2log, shape.num_ranks);
-  eplb_internal::SearchPerStep(values, load.num_experts, steps, fixed, shape, keep_guard, rounds, &phy2log);
+  eplb_internal::SearchPerStep(values, load.num_experts, steps, fixed, shape, keep_guard, rounds, spread_over_nodes,
+                               &phy2log);
   return phy2log;
 }
 
@@ -226,7 +227,7 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> plain, DeepseekLayer(weight, shape, false));
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> guarded, DeepseekLayer(weight, shape, true));
         phy2log[layer] = SearchLayer(load, layer, shape, 0.0, [](double rows) { return rows; },
-                                     {std::move(plain), std::move(guarded)}, options.search_rounds);
+                                     {std::move(plain), std::move(guarded)}, options.search_rounds, false);
         break;
       }
       case Policy::kCost: {
@@ -249,7 +250,7 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> guarded, DeepseekLayer(weight, shape, true));
         phy2log[layer] = SearchLayer(load, layer, shape, cost.fixed_seconds,
                                      [&](double rows) { return ExpertCopySeconds(cost, rows); },
-                                     {std::move(timed), std::move(guarded)}, options.search_rounds);
+                                     {std::move(timed), std::move(guarded)}, options.search_rounds, true);
         break;
       }
       case Policy::kMinMove: {

@@ -121,6 +121,71 @@ class StepLoads {
   std::vector<float> top_max_;  // top_[s].value[0], contiguous
 };
 
+// Node-awareness in global mode: a replicated expert with two copies in one node while another
+// node has none moves one copy there (a swap with a copy on that node) when the per-step objective
+// does not rise and the number of (expert, node) pairs covered grows, so more ranks find a copy in
+// their own node (the dispatch table's second preference).
+void SpreadOverNodes(const BalanceShape& shape, bool keep_guard, StepLoads* loads, std::vector<int32_t>* phy2log_ptr) {
+  std::vector<int32_t>& phy2log = *phy2log_ptr;
+  const int num_slots = static_cast<int>(phy2log.size());
+  const int spr = loads->slots_per_rank();
+  const int ranks_per_node = shape.num_ranks / shape.num_nodes;
+  constexpr int kPartnerRanks = 4;
+  auto node_of = [&](int slot) { return slot / spr / ranks_per_node; };
+  auto copies_in_node = [&](int expert, int node, int except) {
+    int n = 0;
+    for (int s = node * ranks_per_node * spr; s < (node + 1) * ranks_per_node * spr; ++s)
+      n += s != except && phy2log[s] == expert;
+    return n;
+  };
+  auto holds = [&](int rank, int expert, int except) {
+    for (int s = rank * spr; s < (rank + 1) * spr; ++s)
+      if (s != except && phy2log[s] == expert) return true;
+    return false;
+  };
+  std::vector<float> rest;
+  for (int a = 0; a < num_slots; ++a) {
+    const int x = phy2log[a];
+    const int node_a = node_of(a);
+    if (copies_in_node(x, node_a, a) == 0) continue;  // the only copy of x in its node
+    // Partner ranks: the least loaded ranks (mean over steps) in nodes without a copy of x.
+    std::vector<std::pair<double, int>> partners;
+    for (int rank = 0; rank < shape.num_ranks; ++rank) {
+      const int node = rank / ranks_per_node;
+      if (node == node_a || copies_in_node(x, node, -1) > 0) continue;
+      double sum = 0;
+      const float* load = loads->Load(rank);
+      for (int64_t s = 0; s < loads->steps(); ++s) sum += load[s];
+      partners.push_back({sum, rank});
+    }
+    std::sort(partners.begin(), partners.end());
+    if (static_cast<int>(partners.size()) > kPartnerRanks) partners.resize(kPartnerRanks);
+    const int rank_a = a / spr;
+    double best_delta = 0;
+    int best_b = -1;
+    for (const auto& [unused, rank_b] : partners) {
+      const float* other = loads->RestExcluding(rank_a, rank_b, &rest);
+      for (int b = rank_b * spr; b < (rank_b + 1) * spr; ++b) {
+        const int y = phy2log[b];
+        if (y == x) continue;
+        // y must stay in b's node (another copy there) or already be in a's node: coverage grows by one.
+        if (copies_in_node(y, node_of(b), b) == 0 && copies_in_node(y, node_a, -1) == 0) continue;
+        if (keep_guard && (holds(rank_b, x, b) || holds(rank_a, y, a))) continue;
+        const double delta = loads->SwapDelta(rank_a, x, rank_b, y, other);
+        if (delta <= best_delta) best_delta = delta, best_b = b;
+      }
+    }
+    if (best_b < 0) continue;
+    const int rank_b = best_b / spr;
+    loads->AddSlot(rank_a, phy2log[a], -1);
+    loads->AddSlot(rank_b, phy2log[best_b], -1);
+    std::swap(phy2log[a], phy2log[best_b]);
+    loads->AddSlot(rank_a, phy2log[a], 1);
+    loads->AddSlot(rank_b, phy2log[best_b], 1);
+    loads->RefreshTop();
+  }
+}
+
 }  // namespace
 
 double PerStepObjective(const StepValues& values, int num_experts, int64_t num_steps, double fixed,
@@ -129,7 +194,8 @@ double PerStepObjective(const StepValues& values, int num_experts, int64_t num_s
 }
 
 double SearchPerStep(const StepValues& values, int num_experts, int64_t num_steps, double fixed,
-                     const BalanceShape& shape, bool keep_guard, int rounds, std::vector<int32_t>* phy2log_ptr) {
+                     const BalanceShape& shape, bool keep_guard, int rounds, bool spread_over_nodes,
+                     std::vector<int32_t>* phy2log_ptr) {
   std::vector<int32_t>& phy2log = *phy2log_ptr;
   const int num_ranks = shape.num_ranks;
   StepLoads loads(values, num_experts, num_steps, fixed, phy2log, num_ranks);
@@ -190,6 +256,7 @@ double SearchPerStep(const StepValues& values, int num_experts, int64_t num_step
     loads.AddSlot(rank_b, phy2log[best_b], 1);
     loads.RefreshTop();
   }
+  if (spread_over_nodes && shape.num_nodes > 1 && region == num_ranks) SpreadOverNodes(shape, keep_guard, &loads, &phy2log);
   return loads.Objective();
 }
 

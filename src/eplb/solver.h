@@ -53,9 +53,12 @@ namespace epmoe::eplb_internal {
 using StepValues = std::function<void(int expert, int copies, std::span<float> out)>;
 
 // Swaps copies between ranks of a region to lower sum over steps of (fixed + the busiest rank's
-// summed values); keeps the guard when `keep_guard`. At most `rounds` swaps. Returns the objective.
+// summed values); keeps the guard when `keep_guard`. At most `rounds` swaps. With
+// `spread_over_nodes` (global mode, several nodes), then spreads replicated experts' copies over
+// nodes by swaps that do not raise the objective. Returns the objective.
 double SearchPerStep(const StepValues& values, int num_experts, int64_t num_steps, double fixed,
-                     const BalanceShape& shape, bool keep_guard, int rounds, std::vector<int32_t>* phy2log);
+                     const BalanceShape& shape, bool keep_guard, int rounds, bool spread_over_nodes,
+                     std::vector<int32_t>* phy2log);
 // The objective of SearchPerStep for a placement.
 double PerStepObjective(const StepValues& values, int num_experts, int64_t num_steps, double fixed,
                         std::span<const int32_t> phy2log, int num_ranks);
