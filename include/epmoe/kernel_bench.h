@@ -38,6 +38,7 @@ struct KernelBenchOptions {
   int decode_ranks = 8;
   int decode_repetitions = 3;
   int64_t flush_bytes = int64_t{128} << 20;  // read before each timed run so weights come from DRAM
+  int64_t bandwidth_buffer_bytes = int64_t{512} << 20;  // for MeasureMemoryBandwidth
 };
 
 struct MachineFigures {

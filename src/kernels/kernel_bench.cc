@@ -155,7 +155,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   report.threads = pool.size();
   report.isa = IsaName(isa);
   say("measuring memory read bandwidth and arithmetic peaks");
-  EPMOE_ASSIGN_OR_RETURN(report.limits.read_gbps, MeasureMemoryBandwidth(pool, {}, isa));
+  EPMOE_ASSIGN_OR_RETURN(report.limits.read_gbps, MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 7}, isa));
   EPMOE_ASSIGN_OR_RETURN(report.limits.fp32_gflops, MeasurePeak(ArithmeticPath::kFp32Fma, pool, {}, isa));
   if (isa == Isa::kAvx512) {
     EPMOE_ASSIGN_OR_RETURN(report.limits.bf16_gflops, MeasurePeak(ArithmeticPath::kBf16Dot, pool, {}, isa));

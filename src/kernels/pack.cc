@@ -16,16 +16,6 @@ void Grouped256Position(int64_t c, int64_t* byte, bool* high) {
   *high = (vector % 2) == 1;
 }
 
-uint8_t CodeAt(const QuantizedMatrix& q, int64_t r, int64_t c) {
-  const int64_t index = r * q.cols + c;
-  if (q.format == WeightFormat::kNvfp4) {
-    const uint8_t byte = q.nvfp4[index / 16].packed[(index % 16) / 2];
-    return (index % 2) ? byte >> 4 : byte & 0xF;
-  }
-  const uint8_t byte = q.mxfp4[index / 32].packed[(index % 32) / 2];
-  return (index % 2) ? byte >> 4 : byte & 0xF;
-}
-
 uint8_t PackedCode(const PackedMatrix& w, int64_t n, int64_t c) {
   int64_t byte = c / 2;
   bool high = (c % 2) == 1;
@@ -69,15 +59,32 @@ PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout) {
     case WeightFormat::kNvfp4:
     case WeightFormat::kMxfp4: {
       const int block = BlockSize(q.format);
+      const int64_t blocks_per_row = q.cols / block;
       w.row_bytes = q.cols / 2;
       w.values.assign(count / 2, 0);
+      // The blocks' packed bytes, concatenated, are the natural layout already.
+      std::vector<uint8_t> natural(w.row_bytes);
+      std::vector<int64_t> byte_of(layout == PackLayout::kGrouped256 ? q.cols : 0);
+      std::vector<uint8_t> high_of(byte_of.size());
+      for (int64_t c = 0; c < static_cast<int64_t>(byte_of.size()); ++c) {
+        bool high = false;
+        Grouped256Position(c, &byte_of[c], &high);
+        high_of[c] = high;
+      }
       for (int64_t r = 0; r < q.rows; ++r) {
+        for (int64_t b = 0; b < blocks_per_row; ++b) {
+          const uint8_t* packed = q.format == WeightFormat::kNvfp4 ? q.nvfp4[r * blocks_per_row + b].packed
+                                                                   : q.mxfp4[r * blocks_per_row + b].packed;
+          std::memcpy(natural.data() + b * block / 2, packed, block / 2);
+        }
         uint8_t* row = w.values.data() + r * w.row_bytes;
+        if (layout == PackLayout::kNatural) {
+          std::memcpy(row, natural.data(), w.row_bytes);
+          continue;
+        }
         for (int64_t c = 0; c < q.cols; ++c) {
-          int64_t byte = c / 2;
-          bool high = (c % 2) == 1;
-          if (layout == PackLayout::kGrouped256) Grouped256Position(c, &byte, &high);
-          row[byte] |= high ? CodeAt(q, r, c) << 4 : CodeAt(q, r, c);
+          const uint8_t code = (c % 2) ? natural[c / 2] >> 4 : natural[c / 2] & 0xF;
+          row[byte_of[c]] |= high_of[c] ? code << 4 : code;
         }
       }
       w.scales.resize(count / block);

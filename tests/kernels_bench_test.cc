@@ -1,0 +1,88 @@
+// The benchmark's arithmetic (fit, correlations, roofline figures) and the machine-limit
+// microbenchmarks' contracts. Timings themselves are not asserted (benchmarks, not timed tests).
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "epmoe/kernel_bench.h"
+#include "epmoe/machine_limits.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+namespace {
+
+TEST(Fit, RecoversALineAndItsCorrelation) {
+  const std::vector<double> x = {0.01, 0.02, 0.05, 0.1, 0.2};
+  std::vector<double> y;
+  for (double v : x) y.push_back(28 + 150 * v);
+  double a = 0, b = 0;
+  FitLine(x, y, &a, &b);
+  EXPECT_NEAR(a, 28, 1e-9);
+  EXPECT_NEAR(b, 150, 1e-9);
+  EXPECT_NEAR(Correlation(x, y), 1.0, 1e-12);
+  EXPECT_NEAR(Correlation(x, {5, 4, 3, 2, 1}), -0.9, 0.1);
+  EXPECT_EQ(Correlation({1, 1, 1}, {1, 2, 3}), 0);  // no spread
+  EXPECT_EQ(Correlation({1}, {2}), 0);
+}
+
+TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
+  ThreadPool pool(1);
+  auto fp32 = MeasurePeak(ArithmeticPath::kFp32Fma, pool, {0.01, 1}, BestSupportedIsa());
+  if (BestSupportedIsa() == Isa::kReference) {
+    EXPECT_FALSE(fp32.ok());
+  } else {
+    ASSERT_TRUE(fp32.ok());
+    EXPECT_GT(*fp32, 0.1);
+  }
+  EXPECT_FALSE(MeasurePeak(ArithmeticPath::kInt8Vnni, pool, {0.01, 1}, Isa::kAvx2).ok());
+  EXPECT_FALSE(MeasureMemoryBandwidth(pool, {int64_t{8} << 20, 1}).ok());
+  auto bw = MeasureMemoryBandwidth(pool, {int64_t{64} << 20, 1});
+  ASSERT_TRUE(bw.ok());
+  EXPECT_GT(*bw, 0.1);
+  EXPECT_EQ(PathForFormat(WeightFormat::kNvfp4, Isa::kAvx512), ArithmeticPath::kInt8Vnni);
+  EXPECT_EQ(PathForFormat(WeightFormat::kBf16, Isa::kAvx2), ArithmeticPath::kFp32Fma);
+}
+
+TEST(KernelBench, SmallRunReportsConsistentFigures) {
+  ThreadPool pool(2);
+  KernelBenchOptions o;
+  o.formats = {WeightFormat::kInt8, WeightFormat::kNvfp4};
+  o.tokens = {1, 4, 32};
+  o.hidden = 256;
+  o.intermediate = 256;
+  o.experts = 16;
+  o.top_k = 2;
+  o.repetitions = 2;
+  o.decode_steps = 4;
+  o.decode_ranks = 4;
+  o.decode_min_tokens = 2;
+  o.decode_max_tokens = 4;
+  o.decode_repetitions = 1;
+  o.flush_bytes = int64_t{1} << 20;
+  o.bandwidth_buffer_bytes = int64_t{64} << 20;
+  auto report = RunKernelBench(o, pool);
+  ASSERT_TRUE(report.ok()) << report.status().message();
+  ASSERT_EQ(report->points.size(), 6u);
+  for (const auto& p : report->points) {
+    EXPECT_EQ(p.picks, p.tokens * 2);
+    EXPECT_EQ(p.bytes, p.experts_touched * ExpertByteCount(p.format, 256, 256));
+    EXPECT_LE(p.experts_touched, std::min<int64_t>(16, p.picks));
+    EXPECT_GT(p.us, 0);
+    EXPECT_DOUBLE_EQ(p.operations, 2.0 * 3 * 256 * 256 * p.picks);
+    EXPECT_NEAR(p.roofline_fraction, p.bound_us / p.us, 1e-12);
+    EXPECT_NEAR(p.bandwidth_fraction, p.gbps / report->limits.read_gbps, 1e-12);
+  }
+  ASSERT_EQ(report->decode.size(), 2u);
+  for (const auto& d : report->decode) {
+    EXPECT_FALSE(d.samples.empty());
+    for (const auto& s : d.samples) {
+      EXPECT_GT(s.picks, 0);
+      EXPECT_EQ(s.bytes % ExpertByteCount(d.format, 256, 256), 0);
+    }
+  }
+  o.experts = 10;  // does not split into 4 ranks of whole experts
+  EXPECT_FALSE(RunKernelBench(o, pool).ok());
+}
+
+}  // namespace
+}  // namespace epmoe
