@@ -2,6 +2,7 @@
 // per-step and cost policies. A swap of two copies changes only two ranks, so each candidate is
 // scored in O(steps) from the per-step top three ranks.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "solver.h"
