@@ -1,10 +1,10 @@
 // Option 5, traveling weights (DWDP). Rank g owns experts [g*E/G, (g+1)*E/G) of every layer, kept
 // in fp32 in a one-sided window. Rows never move: before a layer runs, every rank reads the experts
 // it lacks from their owners into one half of a double buffer; while layer l computes, the reads of
-// the next layer fill the other half. Where the transport allows concurrent threads the reads run on
-// a helper thread (true overlap); otherwise they are started (MPI_Rget) before the layer computes
-// and completed when the next layer needs them. The fetched experts are packed into the kernel's
-// format on arrival; owned ones were packed once. Each pick is computed exactly as the
+// the next layer fill the other half. Where the transport allows concurrent threads the reads, and
+// packing the arrived experts into the kernel's format, run on a helper thread (overlapped with the
+// layer's compute); otherwise the reads are started (MPI_Rget) before the layer computes and
+// completed, then packed, when the next layer needs them. Owned experts were packed once. Each pick is computed exactly as the
 // single-process layer computes it, so results are bit-exact with MoeLayer.
 #include <algorithm>
 #include <future>
@@ -14,6 +14,7 @@
 #include "ep/executor_internal.h"
 #include "epmoe/layer.h"
 #include "epmoe/thread_pool.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe::ep_internal {
 namespace {
@@ -115,11 +116,7 @@ class DwdpExecutor : public MoeExecutor {
     Buffer& other = buffers_[1 - current];
     if (other.layer >= 0) EPMOE_RETURN_IF_ERROR(Complete(other));
     EPMOE_RETURN_IF_ERROR(StartFetch((layer + 1) % options_.num_layers, other));
-    std::unique_ptr<ExpertStore> fetched;
-    if (!buffers_[current].experts.empty()) {
-      EPMOE_ASSIGN_OR_RETURN(fetched, Pack(buffers_[current].experts, options_.pack));
-    }
-    st.pack_us += watch.Lap();
+    const ExpertStore* fetched = buffers_[current].store.get();
 
     // Rows stay: data-parallel rows are this rank's; tensor-parallel rows are split as if they were.
     const bool tensor_parallel = options_.origin == RowOrigin::kTensorParallel;
@@ -163,6 +160,7 @@ class DwdpExecutor : public MoeExecutor {
     st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), mine, &my_out, pool_);
     st.shared_us += watch.Lap();
     buffers_[current].layer = -1;  // used: the next layers' reads may reuse this half
+    buffers_[current].store.reset();
 
     if (tensor_parallel) {
       *out = Matrix(rows.rows, h);
@@ -177,19 +175,23 @@ class DwdpExecutor : public MoeExecutor {
     } else {
       *out = std::move(my_out);
     }
-    st.peak_buffer_bytes = 2 * static_cast<int64_t>(lacking) * expert_floats_ * 4;
+    // Both halves: the fp32 experts as read and their packed copies.
+    st.peak_buffer_bytes = 2 * static_cast<int64_t>(lacking) *
+                           (expert_floats_ * 4 + ExpertByteCount(options_.pack.format, model_.hidden, model_.expert_intermediate));
     st.rounds = 1;
     if (stats != nullptr) *stats = st;
     return Status::Ok();
   }
 
  private:
-  // One half of the double buffer: the lacking experts of `layer`, complete or being read.
+  // One half of the double buffer: the lacking experts of `layer`, complete or being read, and
+  // once complete, packed.
   struct Buffer {
     int layer = -1;
     bool pending = false;
-    std::future<Status> fetch;  // threaded reads
+    std::future<Status> fetch;  // threaded reads and packing
     std::vector<ExpertWeights> experts;
+    std::unique_ptr<ExpertStore> store;  // null until complete (or when nothing is lacking)
   };
 
   int OwnerBegin(int rank) const {
@@ -216,7 +218,9 @@ class DwdpExecutor : public MoeExecutor {
           EPMOE_RETURN_IF_ERROR(window_->Get(owner, at + 2 * hi * 4, hi * 4, w.down.data.data()));
         }
       }
-      return threaded_ ? window_->Flush() : Status::Ok();
+      if (!threaded_) return Status::Ok();
+      EPMOE_RETURN_IF_ERROR(window_->Flush());
+      return PackArrived(b);
     };
     if (threaded_) {
       b.fetch = std::async(std::launch::async, issue);
@@ -225,12 +229,19 @@ class DwdpExecutor : public MoeExecutor {
     return issue();
   }
 
-  // Waits for b's reads.
+  // Waits for b's reads (and packing).
   Status Complete(Buffer& b) {
     if (!b.pending) return Status::Ok();
     b.pending = false;
     if (threaded_) return b.fetch.get();
-    return window_->Flush();
+    EPMOE_RETURN_IF_ERROR(window_->Flush());
+    return PackArrived(b);
+  }
+
+  Status PackArrived(Buffer& b) {
+    if (b.experts.empty()) return Status::Ok();
+    EPMOE_ASSIGN_OR_RETURN(b.store, Pack(b.experts, options_.pack));
+    return Status::Ok();
   }
 
   Communicator& comm_;

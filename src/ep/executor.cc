@@ -135,7 +135,9 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   }
   if (o.option == EpOption::kDwdp) {
     const int64_t lacking = model.num_experts - model.num_experts / g;
-    const int64_t buffer = 2 * lacking * ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate);
+    // Each half holds the lacking experts in fp32 as read, and packed in the kernel's format.
+    const int64_t buffer = 2 * lacking * (ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate) +
+                                          ExpertByteCount(o.pack.format, model.hidden, model.expert_intermediate));
     if (buffer > o.max_buffer_bytes)
       return OutOfRange(fmt::format("dwdp: the double buffer for the {} experts a rank lacks needs {} bytes, over the "
                                     "bound of {} bytes (raise the buffer bound or use more ranks)", lacking, buffer,
