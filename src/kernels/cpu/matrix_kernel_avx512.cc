@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "kernels/kernel.h"
 
@@ -36,6 +37,9 @@ struct TileArgs {
   int64_t act_stride;       // bytes between activation rows
   float* out;               // result of (first row, first channel)
   int64_t out_stride;       // floats between output rows
+  // 4-bit prefill only: the tile's weights already expanded (see FourBit::Unpack).
+  const uint8_t* unpacked_values = nullptr;
+  const float* unpacked_scales = nullptr;
 };
 
 using TileFn = void (*)(const TileArgs&);
@@ -337,11 +341,79 @@ struct FourBit {
       }
     }
   };
+
+  // Prefill: expands `channels` weight rows starting at `channel` once into L1-sized buffers, as
+  // unsigned values (4 vectors of 64 per group of 256 inputs) and fp32 lane scales (16 per group),
+  // so that every row tile reuses them without unpacking again.
+  __attribute__((target("avx512vbmi"))) static void Unpack(const PackedMatrix& m, int64_t channel, int channels,
+                                                           uint8_t* values, float* scales) {
+    const int64_t groups = m.cols / 256;
+    const int64_t scales_per_row = m.cols / BlockSize(kFormat);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    for (int j = 0; j < channels; ++j) {
+      const uint8_t* w = m.row(channel + j);
+      const uint8_t* s = m.scales.data() + (channel + j) * scales_per_row;
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* target = values + (j * groups + g) * 256;
+        const __m512i p0 = _mm512_loadu_si512(w + g * 128);
+        const __m512i p1 = _mm512_loadu_si512(w + g * 128 + 64);
+        _mm512_storeu_si512(target, _mm512_permutexvar_epi8(p0, table));
+        _mm512_storeu_si512(target + 64, _mm512_permutexvar_epi8(_mm512_srli_epi16(p0, 4), table));
+        _mm512_storeu_si512(target + 128, _mm512_permutexvar_epi8(p1, table));
+        _mm512_storeu_si512(target + 192, _mm512_permutexvar_epi8(_mm512_srli_epi16(p1, 4), table));
+        _mm512_storeu_ps(scales + (j * groups + g) * 16, LaneScales<kFormat>(s, g));
+      }
+    }
+  }
+
+  // Prefill tile over expanded weights: 4 VPDPBUSD, a conversion and an FMA per row, channel and
+  // group of 256 inputs; nothing else per row.
+  template <int R, int N>
+  struct UnpackedTile {
+    static void Run(const TileArgs& a) {
+      const PackedMatrix& m = *a.weights;
+      const int64_t cols = m.cols;
+      const int64_t groups = cols / 256;
+      __m512 acc[R][N];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = a.acts + r * a.act_stride;
+          const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
+          const __m512i x0 = _mm512_loadu_si512(x + g * 256);
+          const __m512i x1 = _mm512_loadu_si512(x + g * 256 + 64);
+          const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
+          const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
+          for (int j = 0; j < N; ++j) {
+            const uint8_t* v = a.unpacked_values + (j * groups + g) * 256;
+            __m512i t = _mm512_dpbusd_epi32(correction, _mm512_loadu_si512(v), x0);
+            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(v + 64), x1);
+            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(v + 128), x2);
+            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(v + 192), x3);
+            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_loadu_ps(a.unpacked_scales + (j * groups + g) * 16),
+                                        acc[r][j]);
+          }
+        }
+      }
+      const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
+      for (int r = 0; r < R; ++r) {
+        float act_scale;
+        std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(cols), 4);
+        for (int j = 0; j < N; ++j)
+          a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
+      }
+    }
+  };
 };
 
 template <WeightFormat kFormat>
 class FourBitKernel final : public MatrixKernel {
  public:
+  // Up to this many rows the weights are unpacked in registers as they stream by; more rows
+  // amortize expanding them once per channel tile.
+  static constexpr int64_t kStreamRows = 4;
+
   Isa isa() const override { return Isa::kAvx512; }
   WeightFormat format() const override { return kFormat; }
   PackLayout layout() const override { return PackLayout::kGrouped256; }
@@ -368,8 +440,27 @@ class FourBitKernel final : public MatrixKernel {
   }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride) const override {
-    RunTiles<FourBit<kFormat>::template Tile, 4, 2>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out,
-                                                    out_stride);
+    const int64_t stride = ActivationBytes(w.cols);
+    if (rows <= kStreamRows) {
+      // Decode: unpack in registers while streaming the weights once.
+      RunTiles<FourBit<kFormat>::template Tile, 4, 2>(w, n_begin, n_end, acts, stride, rows, out, out_stride);
+      return;
+    }
+    // Prefill: expand kChannels weight rows once, then run every row tile over them.
+    constexpr int kChannels = 4, kRows = 4;
+    std::vector<uint8_t> values(kChannels * w.cols);
+    std::vector<float> scales(kChannels * (w.cols / 16));
+    for (int64_t n = n_begin; n < n_end; n += kChannels) {
+      const int channels = static_cast<int>(std::min<int64_t>(kChannels, n_end - n));
+      FourBit<kFormat>::Unpack(w, n, channels, values.data(), scales.data());
+      for (int64_t r = 0; r < rows; r += kRows) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - r));
+        TileArgs args{&w, n, acts + r * stride, stride, out + r * out_stride + (n - n_begin), out_stride,
+                      values.data(), scales.data()};
+        TileTable<FourBit<kFormat>::template UnpackedTile, kRows, kChannels>::kTable[(tile_rows - 1) * kChannels +
+                                                                                     (channels - 1)](args);
+      }
+    }
   }
 };
 
