@@ -140,6 +140,24 @@ TEST_F(TraceFormatTest, CountOnlyBinaryRoundTrip) {
   EXPECT_FALSE(back->info.has_picks);
   EXPECT_EQ(back->info.layer_ids, (std::vector<int>{0, 7, 15}));
   ExpectSamePicks(*original, *back, false);
+  // The tulu series has no top1 series; its rows follow from the k the other olmoe series give.
+  EXPECT_EQ(back->info.top_k, 8);
+  for (const StepPicks& step : back->steps) EXPECT_GT(step.rows, 200000);
+  // Count exports keep counts, rows, k and the original layer ids.
+  for (const char* format : {"counts-csv", "sglang-json"}) {
+    auto from_binary = TraceReader::Open(Path("olmoe.bin"), {});
+    ASSERT_TRUE(from_binary.ok());
+    const std::string exported = Path(std::string("olmoe.") + format);
+    ASSERT_TRUE(WriteTrace(from_binary->get(), exported, format).ok()) << format;
+    auto again = ReadAll(exported);
+    ASSERT_TRUE(again.ok()) << format << ": " << again.status().ToString();
+    EXPECT_EQ(again->info.top_k, 8) << format;
+    ExpectSamePicks(*original, *again, false);
+  }
+  // A filter only applies to count files with series.
+  LoadReadOptions filtered;
+  filtered.filter = "model=olmoe";
+  EXPECT_FALSE(ReadAll(Path("olmoe.bin"), filtered).ok());
   // Per-row exports of a count-only trace are refused.
   auto again = TraceReader::Open(Path("olmoe.bin"), {});
   ASSERT_TRUE(again.ok());

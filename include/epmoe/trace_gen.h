@@ -58,6 +58,8 @@ class TraceGenerator {
   std::vector<double> log_popularity_;    // [layer][expert]
   std::vector<int32_t> request_experts_;  // [slot][layer][k], correlated requests
   std::vector<uint8_t> request_active_;   // [slot]
+  std::vector<double> score_;             // SampleRow's scratch: perturbed log popularity per expert
+  std::vector<int32_t> candidates_;       // SampleRow's scratch: experts not kept
 };
 
 // Writes a generated trace in the binary format.

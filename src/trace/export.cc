@@ -62,7 +62,11 @@ Status WriteTrace(TraceReader* reader, const std::string& path, const std::strin
       for (int l = 0; l < L; ++l)
         counts.push_back(std::vector<int64_t>(step.counts.begin() + static_cast<size_t>(l) * E,
                                               step.counts.begin() + static_cast<size_t>(l + 1) * E));
-      nlohmann::json record{{"step", s}, {"rows", step.rows}, {"top_k", k}, {"logical_count", std::move(counts)}};
+      nlohmann::json record{{"step", s},
+                            {"rows", step.rows},
+                            {"top_k", k},
+                            {"layer_ids", info.layer_ids},
+                            {"logical_count", std::move(counts)}};
       text += record.dump() + "\n";
     } else if (format == "counts-csv") {
       for (int l = 0; l < L; ++l)

@@ -107,8 +107,8 @@ void TraceGenerator::SampleRow(int layer, uint64_t* rng, const int32_t* keep, in
                                float* weights) {
   const int E = options_.num_experts, k = options_.top_k;
   const double* log_p = &log_popularity_[static_cast<size_t>(layer) * E];
-  thread_local std::vector<double> score;
-  thread_local std::vector<int32_t> candidates;
+  std::vector<double>& score = score_;
+  std::vector<int32_t>& candidates = candidates_;
   score.resize(E);
   candidates.clear();
   for (int e = 0; e < E; ++e) score[e] = log_p[e] + NextGumbel(rng);

@@ -182,10 +182,17 @@ Result<ImportedTrace> ImportExpertCountsCsv(std::istream& in, const std::string&
     trace.steps.push_back(std::move(step));
     trace.info.description += (trace.info.description.empty() ? "" : "; ") + series_name(*s);
   }
-  const bool same_k = std::all_of(step_k.begin(), step_k.end(), [&](int k) { return k == step_k[0]; });
-  trace.info.top_k = same_k ? step_k[0] : 0;
-  if (!same_k)
-    for (StepPicks& step : trace.steps) step.rows = 0;
+  // One model routes with one k: when the steps that tell k agree, the others' rows follow from it.
+  std::set<int> known_k;
+  for (int k : step_k)
+    if (k > 0) known_k.insert(k);
+  trace.info.top_k = known_k.size() == 1 ? *known_k.begin() : 0;
+  for (size_t s = 0; s < trace.steps.size(); ++s) {
+    StepPicks& step = trace.steps[s];
+    const int64_t sum = matched[s]->layer_sums.begin()->second;
+    if (trace.info.top_k == 0) step.rows = 0;
+    else if (step_k[s] == 0) step.rows = sum % trace.info.top_k == 0 ? sum / trace.info.top_k : 0;
+  }
   trace.info.num_steps = static_cast<int64_t>(trace.steps.size());
   EPMOE_RETURN_IF_ERROR(FinishImport(source, &trace));
   return trace;
@@ -315,7 +322,7 @@ Status AddCountMatrix(const nlohmann::json& matrix, const std::string& where, in
 
 // A record: {"logical_count": 2-D or 3-D array, optional "rows", "top_k"}; or a bare array.
 Status AddRecord(const nlohmann::json& record, const std::string& where, int* layers, int* experts, int* top_k,
-                 ImportedTrace* trace) {
+                 std::vector<int>* layer_ids, ImportedTrace* trace) {
   const nlohmann::json* counts = &record;
   int64_t rows = 0;
   if (record.is_object()) {
@@ -325,6 +332,19 @@ Status AddRecord(const nlohmann::json& record, const std::string& where, int* la
     if (auto r = record.find("rows"); r != record.end()) {
       if (!r->is_number_unsigned()) return InvalidArgument(fmt::format("{}: \"rows\" is not a count", where));
       rows = r->get<int64_t>();
+    }
+    if (auto ids = record.find("layer_ids"); ids != record.end()) {
+      std::vector<int> values;
+      if (!ids->is_array()) return InvalidArgument(fmt::format("{}: \"layer_ids\" is not an array", where));
+      for (const auto& id : *ids) {
+        if (!id.is_number_unsigned() || id.get<int64_t>() > (1 << 20) ||
+            (!values.empty() && id.get<int>() <= values.back()))
+          return InvalidArgument(fmt::format("{}: \"layer_ids\" are not ascending layer ids", where));
+        values.push_back(id.get<int>());
+      }
+      if (!layer_ids->empty() && *layer_ids != values)
+        return InvalidArgument(fmt::format("{}: \"layer_ids\" differ from an earlier record's", where));
+      *layer_ids = values;
     }
     if (auto k = record.find("top_k"); k != record.end()) {
       if (!k->is_number_unsigned() || k->get<int64_t>() > 1024)
@@ -354,6 +374,7 @@ Result<ImportedTrace> ImportSglangJson(std::istream& in, const std::string& sour
   ImportedTrace trace;
   trace.info.format = "sglang-json";
   int layers = 0, experts = 0, top_k = -1;
+  std::vector<int> layer_ids;  // optional "layer_ids" (epmoe's export); else 0..L-1
   // One JSON value per line (JSONL), or one JSON value over the whole file.
   std::stringstream whole;
   whole << in.rdbuf();
@@ -364,9 +385,9 @@ Result<ImportedTrace> ImportSglangJson(std::istream& in, const std::string& sour
     if (document.is_array() && !document.empty() && document[0].is_object()) {
       for (size_t i = 0; i < document.size(); ++i)
         EPMOE_RETURN_IF_ERROR(AddRecord(document[i], fmt::format("{} record {}", source, i), &layers, &experts,
-                                        &top_k, &trace));
+                                        &top_k, &layer_ids, &trace));
     } else {
-      EPMOE_RETURN_IF_ERROR(AddRecord(document, source, &layers, &experts, &top_k, &trace));
+      EPMOE_RETURN_IF_ERROR(AddRecord(document, source, &layers, &experts, &top_k, &layer_ids, &trace));
     }
   } else {
     std::istringstream lines_in(text);
@@ -379,7 +400,7 @@ Result<ImportedTrace> ImportSglangJson(std::istream& in, const std::string& sour
       nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
       if (record.is_discarded()) return lines.Error("not valid JSON (expected one record per line)");
       EPMOE_RETURN_IF_ERROR(AddRecord(record, fmt::format("{}:{}", source, lines.line_number()), &layers, &experts,
-                                      &top_k, &trace));
+                                      &top_k, &layer_ids, &trace));
     }
   }
   if (trace.steps.empty()) return InvalidArgument(fmt::format("{}: no records", source));
@@ -389,7 +410,10 @@ Result<ImportedTrace> ImportSglangJson(std::istream& in, const std::string& sour
     return InvalidArgument(fmt::format("{}: {} experts per layer, but {} were asked for", source, experts,
                                        options.num_experts));
   trace.info.top_k = std::max(top_k, 0);
-  for (int l = 0; l < layers; ++l) trace.info.layer_ids.push_back(l);
+  if (!layer_ids.empty() && static_cast<int>(layer_ids.size()) != layers)
+    return InvalidArgument(fmt::format("{}: {} layer ids for {} layers", source, layer_ids.size(), layers));
+  trace.info.layer_ids = layer_ids;
+  for (int l = static_cast<int>(layer_ids.size()); l < layers; ++l) trace.info.layer_ids.push_back(l);
   trace.info.num_steps = static_cast<int64_t>(trace.steps.size());
   EPMOE_RETURN_IF_ERROR(FinishImport(source, &trace));
   return trace;

@@ -265,6 +265,9 @@ Result<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string& path, 
   if (options.phase != "auto" && options.phase != "decode" && options.phase != "prefill")
     return InvalidArgument(fmt::format("phase '{}': expected auto, decode or prefill", options.phase));
   if (options.batch < 0) return InvalidArgument(fmt::format("batch {} is negative", options.batch));
+  if (!options.filter.empty() && format != "expert-counts-csv")
+    return InvalidArgument(fmt::format("filter '{}' applies to expert-counts-csv files; {} is {}", options.filter, path,
+                                       format));
   if (options.phase == "auto" && options.batch != 0)
     return InvalidArgument(fmt::format("batch {} needs phase decode or prefill", options.batch));
   if (format == "epmoe" && options.phase == "auto") {
