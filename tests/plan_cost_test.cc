@@ -58,6 +58,7 @@ HardwareProfile UnitProfile() {
   p.memory_read_efficiency = 1;
   p.peak_tflops = {1e-6, 1e-6, 1e-6, 1e-6, 1e-6};  // 1e6 flop/s = 1 flop/us
   p.arithmetic_efficiency = 1;
+  p.gemm_efficiency = 1;
   p.kernel_fixed_us = 5;
   p.intra_node = {1e-3, 1, 10};  // 1 B/us, 10 us per collective
   p.inter_node = {1e-3, 1, 10};

@@ -65,7 +65,7 @@ TEST(PlanHardwareTest, DataSheetFigures) {
 
 TEST(PlanHardwareTest, MissingFieldsAreNamed) {
   for (const char* top : {"name", "sources", "gpus_per_node", "ranks_share_device", "memory", "peak_tflops",
-                          "arithmetic_efficiency", "kernel_fixed_us", "intra_node", "inter_node"}) {
+                          "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us", "intra_node", "inter_node"}) {
     json j = B300();
     j.erase(top);
     ExpectRefused(j, {"missing field", top});

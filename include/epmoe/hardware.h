@@ -14,6 +14,8 @@
 //                                         bandwidth an expert kernel reaches when reading weights
 //   peak_tflops: {fp32, bf16, int8, fp8, fp4}   dense data-sheet peaks per arithmetic path
 //   arithmetic_efficiency                 share of the peak a grouped expert kernel reaches
+//   gemm_efficiency                       share of the peak a plain GEMM reaches (shared expert,
+//                                         dense FFN layers: every row, one matrix, no routing)
 //   kernel_fixed_us                       fixed cost of one layer's expert kernel (launch, tail)
 //   intra_node, inter_node: {bandwidth_gbs, efficiency, latency_us}
 //                                         per rank and direction; latency_us = fixed cost of one
@@ -69,6 +71,7 @@ struct HardwareProfile {
   double memory_read_efficiency = 0;
   PeakTflops peak_tflops;
   double arithmetic_efficiency = 0;
+  double gemm_efficiency = 0;
   double kernel_fixed_us = 0;
   LinkSpec intra_node;
   LinkSpec inter_node;

@@ -30,8 +30,10 @@ class RankRates {
     if (auto line = hw_.LineFor(format)) return line->us_per_gb * 1e-9 * share_;
     return share_ / (hw_.memory_bandwidth_gbs * 1e3 * hw_.memory_read_efficiency);
   }
-  double UsPerFlop(WeightFormat format) const {
-    return share_ / (hw_.PeakTflopsFor(format) * 1e6 * hw_.arithmetic_efficiency);
+  // Grouped expert kernels (routed experts) reach arithmetic_efficiency of the peak; plain GEMMs
+  // (shared expert, dense layers) gemm_efficiency.
+  double UsPerFlop(WeightFormat format, bool gemm = false) const {
+    return share_ / (hw_.PeakTflopsFor(format) * 1e6 * (gemm ? hw_.gemm_efficiency : hw_.arithmetic_efficiency));
   }
   double FixedUs(WeightFormat format) const {
     if (auto line = hw_.LineFor(format)) return line->fixed_us;
@@ -55,9 +57,9 @@ struct KernelParts {
   double picks = 0;  // picks this rank computes
   double total() const { return fixed + read + arith; }
   // A block of weights used by `flops` of arithmetic: bound by the slower of reading and computing.
-  void Add(double bytes_read, double flops, WeightFormat format, const RankRates& rates) {
+  void Add(double bytes_read, double flops, WeightFormat format, const RankRates& rates, bool gemm = false) {
     const double read_us = bytes_read * rates.UsPerByte(format);
-    const double arith_us = flops * rates.UsPerFlop(format);
+    const double arith_us = flops * rates.UsPerFlop(format, gemm);
     if (read_us >= arith_us) {
       read += read_us;
     } else {
@@ -176,7 +178,7 @@ void AddSharedExpert(const Context& c, PlanOption option, int gpus, int64_t rows
   const bool sliced = SharedIsSliced(option, c.config.shared);
   const double bytes = sliced ? static_cast<double>(c.bytes.shared_layer) / gpus : c.bytes.shared_layer;
   const double flops = flops_all_rows / gpus;  // sliced: 1/G of it for every row; copied: all of it for 1/G of rows
-  for (auto& k : *per_rank) k.Add(bytes, flops, c.config.formats.shared, rates);
+  for (auto& k : *per_rank) k.Add(bytes, flops, c.config.formats.shared, rates, /*gemm=*/true);
 }
 
 // One dense FFN layer: sliced (all-gather + reduce-scatter of 16-bit rows) or copied (no exchange).
@@ -188,7 +190,7 @@ double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows,
   k.fixed = c.hw.kernel_fixed_us;
   const double flops = 2.0 * WeightsPerDenseLayer(c.model) * rows / gpus;
   k.Add(sliced ? static_cast<double>(c.bytes.dense_layer) / gpus : c.bytes.dense_layer, flops, c.config.formats.dense,
-        rates);
+        rates, /*gemm=*/true);
   double comm = 0;
   if (sliced && gpus > 1) {
     const double bytes = rows_per_rank * (gpus - 1) * RowBytes(c.model, RowFormat::kBf16);

@@ -120,6 +120,7 @@ Status ValidateHardware(const HardwareProfile& p, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.fp8", p.peak_tflops.fp8));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.fp4", p.peak_tflops.fp4));
   EPMOE_RETURN_IF_ERROR(Fraction(source, "arithmetic_efficiency", p.arithmetic_efficiency));
+  EPMOE_RETURN_IF_ERROR(Fraction(source, "gemm_efficiency", p.gemm_efficiency));
   EPMOE_RETURN_IF_ERROR(NonNegative(source, "kernel_fixed_us", p.kernel_fixed_us));
   EPMOE_RETURN_IF_ERROR(ValidateLink(source, "intra_node", p.intra_node));
   EPMOE_RETURN_IF_ERROR(ValidateLink(source, "inter_node", p.inter_node));
@@ -146,7 +147,7 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   if (!j.is_object()) return InvalidArgument(fmt::format("{}: expected a JSON object", source));
   EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j, source, "",
                                        {"name", "description", "sources", "gpus_per_node", "ranks_share_device",
-                                        "memory", "peak_tflops", "arithmetic_efficiency", "kernel_fixed_us",
+                                        "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us",
                                         "intra_node", "inter_node", "kernel_lines"}));
   HardwareProfile p;
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "name", &p.name));
@@ -179,6 +180,7 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp4", &p.peak_tflops.fp4));
   EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["peak_tflops"], source, "peak_tflops.", {"fp32", "bf16", "int8", "fp8", "fp4"}));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "arithmetic_efficiency", &p.arithmetic_efficiency));
+  EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "gemm_efficiency", &p.gemm_efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "kernel_fixed_us", &p.kernel_fixed_us));
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "intra_node", &p.intra_node));
   EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["intra_node"], source, "intra_node.", {"bandwidth_gbs", "efficiency", "latency_us"}));
@@ -227,6 +229,7 @@ std::string HardwareToJson(const HardwareProfile& p) {
             {"peak_tflops", {{"fp32", p.peak_tflops.fp32}, {"bf16", p.peak_tflops.bf16}, {"int8", p.peak_tflops.int8},
                              {"fp8", p.peak_tflops.fp8}, {"fp4", p.peak_tflops.fp4}}},
             {"arithmetic_efficiency", p.arithmetic_efficiency},
+            {"gemm_efficiency", p.gemm_efficiency},
             {"kernel_fixed_us", p.kernel_fixed_us},
             {"intra_node", link(p.intra_node)},
             {"inter_node", link(p.inter_node)}};
