@@ -80,8 +80,11 @@ TEST(TraceImport, FlameSingleLayerFile) {
 }
 
 TEST(TraceImport, FlameDecodeFolderIsTenStepsOf64) {
-  auto load = ReadExpertLoad(kDecode, {});
+  TraceInfo info;
+  auto load = ReadExpertLoad(kDecode, {}, &info);
   ASSERT_TRUE(load.ok()) << load.status().ToString();
+  EXPECT_EQ(info.layer_ids, (std::vector<int>{2, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_EQ(info.num_steps, 10);
   EXPECT_EQ(load->num_steps, 10);
   EXPECT_EQ(load->num_layers, 8);
   EXPECT_EQ(load->num_experts, 64);

@@ -56,6 +56,10 @@ struct LoadReadOptions {
 //     C = 0: one chunk per sequence.
 Result<ExpertLoad> ReadExpertLoad(const std::string& path, const LoadReadOptions& options);
 
+struct TraceInfo;
+// The same, and *info says what the source held (format, original layer ids, series description).
+Result<ExpertLoad> ReadExpertLoad(const std::string& path, const LoadReadOptions& options, TraceInfo* info);
+
 // What a trace holds. A plain value.
 struct TraceInfo {
   std::string format;            // the source format name (see above)

@@ -286,6 +286,11 @@ Result<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string& path, 
 }
 
 Result<ExpertLoad> ReadExpertLoad(const std::string& path, const LoadReadOptions& options) {
+  TraceInfo info;
+  return ReadExpertLoad(path, options, &info);
+}
+
+Result<ExpertLoad> ReadExpertLoad(const std::string& path, const LoadReadOptions& options, TraceInfo* info_out) {
   EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<TraceReader> reader, TraceReader::Open(path, options));
   const TraceInfo& info = reader->info();
   ExpertLoad load(0, info.num_layers, info.num_experts, info.top_k);
@@ -304,6 +309,8 @@ Result<ExpertLoad> ReadExpertLoad(const std::string& path, const LoadReadOptions
     ++load.num_steps;
   }
   EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, path));
+  *info_out = info;
+  info_out->num_steps = load.num_steps;
   return load;
 }
 
