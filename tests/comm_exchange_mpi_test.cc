@@ -2,8 +2,10 @@
 // known contributions. Runs under mpirun with 1, 2, 4 and 8 ranks.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "epmoe/comm.h"
 
@@ -180,6 +182,31 @@ TEST(Comm, SplitFormsGroups) {
   for (int a = 0; a < (*sub)->size(); ++a)
     for (int b = 0; b < (*sub)->size(); ++b)
       EXPECT_EQ((*sub)->node_of(a) == (*sub)->node_of(b), members[a] / 2 == members[b] / 2);
+}
+
+TEST(Comm, LatePeerTurnsIntoUnavailableNotAHang) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  // A communicator with a 0.5 s limit; rank 0 joins its barrier 2 s late.
+  CommOptions options;
+  options.timeout_seconds = 0.5;
+  auto impatient = WorldCommunicator(options);
+  ASSERT_TRUE(impatient.ok());
+  auto group = (*impatient)->Split(0, world->rank());
+  ASSERT_TRUE(group.ok());
+  const auto start = std::chrono::steady_clock::now();
+  if (world->rank() == 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    // The others entered long ago: the barrier completes.
+    EXPECT_TRUE((*group)->Barrier().ok());
+  } else {
+    const Status status = (*group)->Barrier();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+    EXPECT_NE(status.message().find("rank " + std::to_string(world->rank())), std::string::npos) << status.message();
+    EXPECT_LT(waited, 1.9);
+  }
+  ASSERT_TRUE(world->Barrier().ok());
 }
 
 }  // namespace
