@@ -7,7 +7,8 @@
 //   hybrid  groups of m ranks (--tp-in-ep m) share a set of experts, each sliced m ways;
 //   a2a     traveling rows: a row goes once to every rank holding one of its picks, with those
 //           picks and their router weights; outputs are weighted on the expert side and come back
-//           one per pick; the home rank sums a row's k outputs in pick order j = 0..k-1;
+//           one per pick (the home rank sums a row's k outputs in pick order j = 0..k-1), or
+//           summed per rank (combine_partial_sums: one row back per rank a row visited);
 //   dwdp    traveling weights: rows stay, every rank reads the experts it lacks from their owners
 //           with one-sided reads, one layer ahead, into a double buffer.
 // Rows start data-parallel (rank r holds rows [RowBegin(T,G,r), RowBegin(T,G,r+1)) of the batch)
@@ -66,6 +67,10 @@ struct ExecutorOptions {
   RowOrigin origin = RowOrigin::kDataParallel;
   RowFormat dispatch_format = RowFormat::kBf16;  // how rows travel (a2a, and the all-gathers of 1-3)
   RowFormat combine_format = RowFormat::kBf16;   // how a2a outputs come back: fp32 or bf16
+  // a2a: the expert side sums the weighted outputs of a row's picks it ran and returns one row per
+  // (row, rank) instead of one per pick: fewer bytes back (copies instead of k per row), but the
+  // sum order differs from the single process (equal to fp32 rounding, not bit-exact).
+  bool combine_partial_sums = false;
   SharedMode shared = SharedMode::kDefault;
   // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
   // double buffer). A step that would exceed it runs in rounds; one that cannot fit even one row

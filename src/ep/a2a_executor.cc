@@ -2,7 +2,8 @@
 // table of the placement chooses the copy), as a record: k local slot ids (-1: not for this rank),
 // k router weights, the row in the dispatch format. The expert side runs its slots, multiplies each
 // output by its router weight and sends one output per pick back in the combine format; the home
-// rank sums a row's k outputs in pick order j = 0..k-1, as the single-process layer does.
+// rank sums a row's k outputs in pick order j = 0..k-1, as the single-process layer does. With
+// partial sums the expert side adds up a row's picks it ran and sends one row back per rank.
 // Counts are exchanged first (one all-gather of the count matrix) so receive buffers are sized
 // exactly; when they would exceed the buffer bound the exchange runs in rounds (every rank sends a
 // fixed share of each destination's rows per round, so both sides know every round's counts
@@ -44,8 +45,9 @@ class A2aExecutor : public MoeExecutor {
 
   EpOption option() const override { return EpOption::kA2a; }
   std::string description() const override {
-    return fmt::format("a2a: {} rows out, {} outputs back, shared expert copied", RowFormatName(options_.dispatch_format),
-                       RowFormatName(options_.combine_format));
+    return fmt::format("a2a: {} rows out, {} outputs back ({}), shared expert copied",
+                       RowFormatName(options_.dispatch_format), RowFormatName(options_.combine_format),
+                       options_.combine_partial_sums ? "one per row and rank" : "one per pick");
   }
   int64_t resident_weight_bytes() const override {
     int64_t bytes = 0;
@@ -136,12 +138,14 @@ class A2aExecutor : public MoeExecutor {
 
     // Rounds under the buffer bound: the fewest that fit the rank needing the most.
     const int64_t picks_per_row = std::min(k, slots);
-    const int64_t per_recv_row = record_bytes + picks_per_row * (return_bytes + 2 * h * 4) + h * 4;
-    const int64_t per_send_row = record_bytes + picks_per_row * return_bytes;
+    const bool partial = options_.combine_partial_sums;
+    const int64_t returns_per_row = partial ? 1 : picks_per_row;
+    const int64_t per_recv_row = record_bytes + picks_per_row * 2 * h * 4 + returns_per_row * return_bytes + h * 4;
+    const int64_t per_send_row = record_bytes + returns_per_row * return_bytes;
     // Bytes rank `rank` holds at once with `rounds` rounds; its returned outputs (one per pick of
     // its own rows) stay until the sum.
     auto round_bytes = [&](int rank, int64_t rounds) {
-      int64_t bytes = sent(rank, g) * k * return_bytes;
+      int64_t bytes = sent(rank, g) * (partial ? h * 4 : k * return_bytes);
       for (int r = 0; r < g; ++r) {
         bytes += (sent(r, rank) + rounds - 1) / rounds * per_recv_row;
         bytes += (sent(rank, r) + rounds - 1) / rounds * per_send_row;
@@ -171,7 +175,11 @@ class A2aExecutor : public MoeExecutor {
     }
     st.rounds = static_cast<int>(rounds);
 
-    std::vector<uint8_t> returned(n * k * return_bytes);
+    // Per-pick mode keeps every pick's returned output until the ordered sum; partial-sum mode adds
+    // each returned row into the output as it arrives.
+    std::vector<uint8_t> returned(partial ? 0 : n * k * return_bytes);
+    *out = Matrix(n, h);
+    std::vector<float> value(h);
     std::vector<uint8_t> send, recv, back_send, back_recv;
     Matrix recv_rows, work_in, work_out;
     std::vector<float> weighted(h);
@@ -248,14 +256,15 @@ class A2aExecutor : public MoeExecutor {
       st.picks += items;
       st.experts_us += watch.Lap();
 
-      // Weighted outputs back, one per pick, in (received row, pick) order per source.
+      // Weighted outputs back in (received row, pick) order per source: one per pick, or (partial
+      // sums) one per received row, its picks here summed in pick order.
       std::vector<int64_t> back_send_bytes(g), back_recv_bytes(g);
       int64_t q = 0;
       for (int s = 0; s < g; ++s) {
         int64_t count = 0;
         for (int64_t i = 0; i < recv_n[s]; ++i, ++q)
           for (int j = 0; j < k; ++j) count += item_slot[q * k + j] >= 0;
-        back_send_bytes[s] = count * return_bytes;
+        back_send_bytes[s] = (partial ? recv_n[s] : count) * return_bytes;
       }
       for (int d = 0; d < g; ++d) {
         int64_t count = 0;
@@ -263,7 +272,7 @@ class A2aExecutor : public MoeExecutor {
           const int64_t r = send_rows[d][send_first[d] + i];
           for (int j = 0; j < k; ++j) count += pick_rank[r * k + j] == d;
         }
-        back_recv_bytes[d] = count * return_bytes;
+        back_recv_bytes[d] = (partial ? send_n[d] : count) * return_bytes;
       }
       const auto back_send_offsets = PrefixOffsets(back_send_bytes);
       const auto back_recv_offsets = PrefixOffsets(back_recv_bytes);
@@ -271,20 +280,30 @@ class A2aExecutor : public MoeExecutor {
       back_recv.resize(back_recv_offsets[g]);
       int64_t out_at = 0;
       for (int64_t i = 0; i < received; ++i) {
+        if (partial) std::fill(weighted.begin(), weighted.end(), 0.0f);
         for (int j = 0; j < k; ++j) {
           const int64_t pos = position[i * k + j];
           if (pos < 0) continue;
           const float w = item_weight[i * k + j];
           const float* src = work_out.row(pos);
+          if (partial) {
+            for (int64_t c = 0; c < h; ++c) weighted[c] += w * src[c];
+            continue;
+          }
           for (int64_t c = 0; c < h; ++c) weighted[c] = w * src[c];
+          EncodeRow(options_.combine_format, weighted.data(), h, back_send.data() + out_at);
+          out_at += return_bytes;
+        }
+        if (partial) {
           EncodeRow(options_.combine_format, weighted.data(), h, back_send.data() + out_at);
           out_at += return_bytes;
         }
       }
       st.peak_buffer_bytes = std::max<int64_t>(
-          st.peak_buffer_bytes, static_cast<int64_t>(returned.size() + send.size() + recv.size() + back_send.size() +
-                                                     back_recv.size()) +
-                                    static_cast<int64_t>(recv_rows.data.size() + work_in.data.size() + work_out.data.size()) * 4);
+          st.peak_buffer_bytes,
+          static_cast<int64_t>(returned.size() + send.size() + recv.size() + back_send.size() + back_recv.size()) +
+              static_cast<int64_t>((partial ? out->data.size() : 0) + recv_rows.data.size() + work_in.data.size() +
+                                   work_out.data.size()) * 4);
       st.pack_us += watch.Lap();
       EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(back_send.data(), back_send_bytes,
                                             std::span<const int64_t>(back_send_offsets.data(), g), back_recv.data(),
@@ -293,11 +312,18 @@ class A2aExecutor : public MoeExecutor {
       st.bytes_sent += back_send_offsets[g] - back_send_bytes[me];
       st.bytes_received += back_recv_offsets[g] - back_recv_bytes[me];
 
-      // Each pick's output to its place: returned[r*k + j].
+      // Each pick's output to its place, returned[r*k + j]; or each partial sum into its row.
       for (int d = 0; d < g; ++d) {
         const uint8_t* src = back_recv.data() + back_recv_offsets[d];
         for (int64_t i = 0; i < send_n[d]; ++i) {
           const int64_t r = send_rows[d][send_first[d] + i];
+          if (partial) {
+            DecodeRow(options_.combine_format, src, h, value.data());
+            float* y = out->row(r);
+            for (int64_t c = 0; c < h; ++c) y[c] += value[c];
+            src += return_bytes;
+            continue;
+          }
           for (int j = 0; j < k; ++j) {
             if (pick_rank[r * k + j] != d) continue;
             std::memcpy(returned.data() + (r * k + j) * return_bytes, src, return_bytes);
@@ -309,9 +335,7 @@ class A2aExecutor : public MoeExecutor {
     }
 
     // Sum each row's k outputs in pick order, exactly as CombinePermutedRows.
-    *out = Matrix(n, h);
-    std::vector<float> value(h);
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < n && !partial; ++r) {
       float* y = out->row(r);
       for (int j = 0; j < k; ++j) {
         DecodeRow(options_.combine_format, returned.data() + (r * k + j) * return_bytes, h, value.data());

@@ -38,6 +38,7 @@ struct RunOptions {
   int tp_in_ep = 0;
   std::string dispatch_format = "bf16";
   std::string combine_format = "bf16";
+  bool partial_sums = false;
   std::string weight_format = "fp32";
   std::string isa = "auto";
   std::string shared = "default";
@@ -310,6 +311,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   EPMOE_ASSIGN_OR_RETURN(base.origin, ParseRowOrigin(o.origin));
   EPMOE_ASSIGN_OR_RETURN(base.dispatch_format, ParseRowFormat(o.dispatch_format));
   EPMOE_ASSIGN_OR_RETURN(base.combine_format, ParseRowFormat(o.combine_format));
+  base.combine_partial_sums = o.partial_sums;
   EPMOE_ASSIGN_OR_RETURN(base.pack.format, ParseWeightFormat(o.weight_format));
   base.pack.isa = o.isa;
   base.shared = o.shared == "sliced" ? SharedMode::kSliced : o.shared == "copied" ? SharedMode::kCopied : SharedMode::kDefault;
@@ -471,6 +473,9 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"fp32", "bf16", "q8", "q4"}))->capture_default_str();
   cmd->add_option("--combine-format", o->combine_format, "How a2a outputs come back")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  cmd->add_flag("--partial-sums", o->partial_sums,
+                "a2a: sum a row's picks on each expert rank and send one row back per rank (fewer bytes; not "
+                "bit-exact with the single process)");
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))->capture_default_str();
   cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels")->capture_default_str();
