@@ -99,6 +99,26 @@ TEST(PlanCliTest, BadInputIsRefusedWithOneLine) {
   }
 }
 
+TEST(PlanCliTest, MeasuredRunIsCompared) {
+  // A minimal `epmoe run --format json` result: 8 ranks, 64 tokens, 2 layers, two options.
+  const std::string path = ::testing::TempDir() + "plan_cli_run.json";
+  {
+    std::ofstream out(path);
+    out << R"({"ranks": 8, "tokens": 64, "layers": 2, "options": [)"
+        << R"({"option": "sliced", "step_ms_median": 0.4}, {"option": "a2a", "step_ms_median": 0.5}]})";
+  }
+  const CommandRun run = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured " + path);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out)["calibration_check"];
+  ASSERT_EQ(j["options"].size(), 2u);
+  EXPECT_DOUBLE_EQ(j["options"][0]["measured_us_per_layer"].get<double>(), 200.0);  // 0.4 ms / 2 layers
+  EXPECT_EQ(j["measured_order"][0], "sliced");
+  // A run at another rank count is refused, naming what to pass.
+  const CommandRun other = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 16 --batch 64 --samples 2 --measured " + path);
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.out.find("--gpus 8 --batch 64"), std::string::npos) << other.out;
+}
+
 TEST(PlanCliTest, HardwareListAndShow) {
   const CommandRun list = Epmoe("hardware list");
   ASSERT_EQ(list.exit_code, 0);

@@ -1,6 +1,8 @@
 // `epmoe plan`: predicted kernel, communication and step time per option and EP size on a hardware
 // profile, from a trace or an even router, with the derived sizes of the model; `epmoe hardware`
 // lists and shows the profiles; AddPlanCommand also registers `epmoe calibrate`.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -48,7 +50,83 @@ struct PlanFlags {
   int redundant = 0;
   std::string format = "text";
   std::string plot;
+  std::string measured;
 };
+
+// `epmoe run --format json` output against the plan: measured and predicted time per MoE layer for
+// each option both have, and whether the two orders agree.
+Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out) {
+  std::ifstream in(path);
+  if (!in) return NotFound(fmt::format("{}: cannot open the run's JSON", path));
+  json run;
+  try {
+    run = json::parse(in);
+  } catch (const json::exception& e) {
+    return InvalidArgument(fmt::format("{}: not valid JSON: {}", path, e.what()));
+  }
+  for (const char* field : {"ranks", "tokens", "layers", "options"})
+    if (!run.contains(field)) return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
+  const int ranks = run["ranks"].get<int>();
+  const int64_t tokens = run["tokens"].get<int64_t>();
+  const int layers = run["layers"].get<int>();
+  if (layers < 1) return InvalidArgument(fmt::format("{}: field 'layers' must be positive", path));
+  // The run's option names and the planner's.
+  const std::pair<const char*, PlanOption> names[] = {{"sliced", PlanOption::kSliced},
+                                                      {"whole", PlanOption::kWholeAllRows},
+                                                      {"hybrid", PlanOption::kHybrid},
+                                                      {"a2a", PlanOption::kTravelingRows},
+                                                      {"dwdp", PlanOption::kTravelingWeights}};
+  json rows = json::array();
+  for (const auto& measured : run["options"]) {
+    const std::string name = measured.value("option", "");
+    const auto it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return name == n.first; });
+    if (it == std::end(names) || !measured.contains("step_ms_median")) continue;
+    for (const auto& c : plan.costs) {
+      if (c.option != it->second || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
+      const double measured_us = measured["step_ms_median"].get<double>() * 1000.0 / layers;
+      rows.push_back({{"option", PlanOptionName(c.option)}, {"run_option", name}, {"measured_us_per_layer", measured_us},
+                      {"predicted_us_per_layer", c.layer_us}, {"predicted_over_measured", c.layer_us / measured_us}});
+    }
+  }
+  if (rows.empty())
+    return InvalidArgument(fmt::format("{}: no option of the run ({} ranks, {} tokens) is in the plan: give --gpus {} --batch {}",
+                                       path, ranks, tokens, ranks, tokens));
+  auto order = [&](const char* key) {
+    std::vector<std::pair<double, std::string>> v;
+    for (const auto& r : rows) v.emplace_back(r[key].get<double>(), r["option"].get<std::string>());
+    std::sort(v.begin(), v.end());
+    std::vector<std::string> names_in_order;
+    for (const auto& [t, n] : v) names_in_order.push_back(n);
+    return names_in_order;
+  };
+  int within = 0;
+  for (const auto& r : rows)
+    if (std::abs(r["predicted_over_measured"].get<double>() - 1.0) <= 0.25) ++within;
+  *out = {{"run", path}, {"ranks", ranks}, {"tokens", tokens}, {"layers", layers}, {"options", rows},
+          {"measured_order", order("measured_us_per_layer")}, {"predicted_order", order("predicted_us_per_layer")},
+          {"within_25_percent", within}};
+  (*out)["same_order"] = (*out)["measured_order"] == (*out)["predicted_order"];
+  return Status::Ok();
+}
+
+void PrintComparison(const json& cmp) {
+  std::printf("\ncalibration check against %s (%d ranks, %lld tokens, %d layers): time per MoE layer\n",
+              cmp["run"].get<std::string>().c_str(), cmp["ranks"].get<int>(), static_cast<long long>(cmp["tokens"].get<int64_t>()),
+              cmp["layers"].get<int>());
+  std::printf("  %-8s %14s %14s %10s\n", "option", "measured us", "predicted us", "pred/meas");
+  for (const auto& r : cmp["options"])
+    std::printf("  %-8s %14.1f %14.1f %10.2f\n", r["option"].get<std::string>().c_str(),
+                r["measured_us_per_layer"].get<double>(), r["predicted_us_per_layer"].get<double>(),
+                r["predicted_over_measured"].get<double>());
+  auto join = [](const json& names) {
+    std::string text;
+    for (const auto& n : names) text += (text.empty() ? "" : " < ") + n.get<std::string>();
+    return text;
+  };
+  std::printf("  measured order:  %s\n  predicted order: %s\n  same order: %s; within 25%%: %d of %zu\n",
+              join(cmp["measured_order"]).c_str(), join(cmp["predicted_order"]).c_str(),
+              cmp["same_order"].get<bool>() ? "yes" : "no", cmp["within_25_percent"].get<int>(), cmp["options"].size());
+}
 
 Result<Sharing> ParseSharing(const std::string& name) {
   if (name == "auto") return Sharing::kAuto;
@@ -303,6 +381,10 @@ int RunPlanCommand(const PlanFlags& f) {
   auto result = RunPlan(*model, *hardware, config, f.trace.empty() ? nullptr : &trace_load, load_description);
   if (!result.ok()) return ReportError(result.status());
   const json derived = DerivedJson(*model, config);
+  json comparison;
+  if (!f.measured.empty()) {
+    if (Status s = CompareWithRun(*result, f.measured, &comparison); !s.ok()) return ReportError(s);
+  }
 
   if (!f.plot.empty()) {
     std::ofstream out(f.plot);
@@ -313,6 +395,7 @@ int RunPlanCommand(const PlanFlags& f) {
     json j = {{"model", result->model}, {"hardware", result->hardware},
               {"phase", result->phase == PlanPhase::kDecode ? "decode" : "prefill"}, {"load", result->load},
               {"derived", derived}};
+    if (!comparison.is_null()) j["calibration_check"] = comparison;
     j["costs"] = json::array();
     for (const auto& c : result->costs) j["costs"].push_back(CostJson(c));
     j["winners"] = json::array();
@@ -327,6 +410,7 @@ int RunPlanCommand(const PlanFlags& f) {
   } else {
     PrintText(*result, *model, derived);
   }
+  if (!comparison.is_null() && f.format != "json" && f.format != "csv") PrintComparison(comparison);
   return 0;
 }
 
@@ -377,6 +461,8 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0, 1 << 16))
       ->capture_default_str();
   AddFormatOption(cmd, &f->format, {"text", "md", "csv", "json"});
+  cmd->add_option("--measured", f->measured,
+                  "Compare with `epmoe run --option all --format json` output (same model shape, ranks, tokens)");
   cmd->add_option("--plot", f->plot, "Write an SVG: time against batch, copies per row and balancedness against GPUs");
   cmd->callback([f, exit_code] { *exit_code = RunPlanCommand(*f); });
 
