@@ -202,6 +202,12 @@ TEST(PlanCostTest, NotApplicableOptionsSayWhy) {
   config.gpus = {8};
   config.batches = {0};
   EXPECT_FALSE(RunPlan(m, Profile("b300x8"), config, nullptr, "").ok());
+  // Work is bounded: 16 M rows x 8 picks x 4,096 samples is refused, not run for hours.
+  config.batches = {16'000'000};
+  config.samples = 4096;
+  auto too_much = RunPlan(m, Profile("b300x8"), config, nullptr, "");
+  ASSERT_FALSE(too_much.ok());
+  EXPECT_NE(too_much.status().message().find("--samples"), std::string::npos);
 }
 
 TEST(PlanCostTest, TraceLoadsJoinAndThinSteps) {

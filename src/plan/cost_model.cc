@@ -423,6 +423,17 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
     if (b < 1 || b > kMaxBatch) return InvalidArgument(fmt::format("batch {} is out of range 1..{}", b, kMaxBatch));
   for (int g : config.gpus)
     if (g < 1 || g > kMaxGpus) return InvalidArgument(fmt::format("EP size {} is out of range 1..{}", g, kMaxGpus));
+  // Bounded work: the even router draws batch x k picks per sample, and every option walks
+  // experts x ranks per sample.
+  constexpr double kMaxWork = double{1 << 28};
+  for (int64_t b : config.batches)
+    if (trace == nullptr && static_cast<double>(b) * model.top_k * config.samples > kMaxWork)
+      return InvalidArgument(fmt::format("batch {} x top-{} x {} samples is more picks than the planner draws ({:.0f}); "
+                                         "lower --samples", b, model.top_k, config.samples, kMaxWork));
+  for (int g : config.gpus)
+    if (static_cast<double>(g) * model.num_experts * config.samples > kMaxWork)
+      return InvalidArgument(fmt::format("{} ranks x {} experts x {} samples is more work than the planner does ({:.0f}); "
+                                         "lower --samples", g, model.num_experts, config.samples, kMaxWork));
 
   Context c{model, hw, config, ComputeModelBytes(model, config.formats), 2.0 * WeightsPerExpert(model)};
   PlanResult result;
