@@ -366,8 +366,9 @@ struct FourBit {
     }
   }
 
-  // Prefill tile over expanded weights: 4 VPDPBUSD, a conversion and an FMA per row, channel and
-  // group of 256 inputs; nothing else per row.
+  // Prefill tile over expanded weights: per group, the N channels' values and scales are loaded
+  // into registers once for all R rows; per row, channel and group of 256 inputs there are 4
+  // VPDPBUSD, a conversion and an FMA.
   template <int R, int N>
   struct UnpackedTile {
     static void Run(const TileArgs& a) {
@@ -378,6 +379,13 @@ struct FourBit {
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
+        __m512i v[N][4];
+        __m512 scale[N];
+        for (int j = 0; j < N; ++j) {
+          const uint8_t* values = a.unpacked_values + (j * groups + g) * 256;
+          for (int i = 0; i < 4; ++i) v[j][i] = _mm512_loadu_si512(values + 64 * i);
+          scale[j] = _mm512_loadu_ps(a.unpacked_scales + (j * groups + g) * 16);
+        }
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = a.acts + r * a.act_stride;
           const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
@@ -386,13 +394,11 @@ struct FourBit {
           const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
           const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
           for (int j = 0; j < N; ++j) {
-            const uint8_t* v = a.unpacked_values + (j * groups + g) * 256;
-            __m512i t = _mm512_dpbusd_epi32(correction, _mm512_loadu_si512(v), x0);
-            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(v + 64), x1);
-            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(v + 128), x2);
-            t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(v + 192), x3);
-            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_loadu_ps(a.unpacked_scales + (j * groups + g) * 16),
-                                        acc[r][j]);
+            __m512i t = _mm512_dpbusd_epi32(correction, v[j][0], x0);
+            t = _mm512_dpbusd_epi32(t, v[j][1], x1);
+            t = _mm512_dpbusd_epi32(t, v[j][2], x2);
+            t = _mm512_dpbusd_epi32(t, v[j][3], x3);
+            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[j], acc[r][j]);
           }
         }
       }
@@ -446,8 +452,8 @@ class FourBitKernel final : public MatrixKernel {
       RunTiles<FourBit<kFormat>::template Tile, 4, 2>(w, n_begin, n_end, acts, stride, rows, out, out_stride);
       return;
     }
-    // Prefill: expand kChannels weight rows once, then run every row tile over them.
-    constexpr int kChannels = 4, kRows = 4;
+    // Prefill: expand kChannels weight rows once (L1), then run every row tile over them.
+    constexpr int kChannels = 2, kRows = 4;
     std::vector<uint8_t> values(kChannels * w.cols);
     std::vector<float> scales(kChannels * (w.cols / 16));
     for (int64_t n = n_begin; n < n_end; n += kChannels) {

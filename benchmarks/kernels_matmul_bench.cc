@@ -1,0 +1,92 @@
+// Single-matrix kernel benchmark: one thread streams a weight matrix larger than the last-level
+// cache through MatrixKernel::MatMul for 1..64 activation rows, next to a plain read of the same
+// bytes. Google Benchmark reports CPU time of the benchmark thread, so the figures hold up on a
+// machine shared with other processes (unlike wall time); compare weights GB/s with BM_Read.
+//   build-kernels/benchmarks/kernels_matmul_bench --benchmark_filter='int8|Read'
+#include <benchmark/benchmark.h>
+
+#include <map>
+#include <memory>
+#include <random>
+
+#include "epmoe/cpu.h"
+#include "kernels/cpu/limits_kernels.h"
+#include "kernels/kernel.h"
+
+namespace epmoe::kernels {
+namespace {
+
+constexpr int64_t kCols = 2048;                      // qwen3-30b-a3b hidden size
+constexpr int64_t kMatrixBytes = int64_t{96} << 20;  // three times the L3 of the reference CPU
+
+struct Fixture {
+  std::unique_ptr<MatrixKernel> kernel;
+  PackedMatrix weights;
+};
+
+const Fixture& FixtureFor(WeightFormat format) {
+  static std::map<WeightFormat, Fixture> cache;
+  auto it = cache.find(format);
+  if (it != cache.end()) return it->second;
+  Fixture f;
+  f.kernel = ChooseKernel(format, BestSupportedIsa(), kCols, kCols);
+  const int64_t rows = kMatrixBytes / std::max<int64_t>(1, ByteCount(format, 1, kCols));
+  Matrix m(rows, kCols);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-0.02f, 0.02f);
+  for (float& v : m.data) v = dist(rng);
+  f.weights = PackMatrix(*Quantize(format, m), f.kernel->layout());
+  return cache.emplace(format, std::move(f)).first->second;
+}
+
+void BM_MatMul(benchmark::State& state) {
+  const auto format = static_cast<WeightFormat>(state.range(0));
+  const int64_t rows = state.range(1);
+  const Fixture& f = FixtureFor(format);
+  const int64_t stride = f.kernel->ActivationBytes(kCols);
+  std::vector<uint8_t> acts(rows * stride);
+  std::vector<float> x(kCols);
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (float& v : x) v = dist(rng);
+    f.kernel->QuantizeActivations(x.data(), kCols, acts.data() + r * stride);
+  }
+  const int64_t channels = f.weights.rows;
+  std::vector<float> out(rows * channels);
+  for (auto _ : state) {
+    // Blocks of 128 channels, as the decode path's work items.
+    for (int64_t n = 0; n < channels; n += 128)
+      f.kernel->MatMul(f.weights, n, std::min(channels, n + 128), acts.data(), rows, out.data() + n, channels);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(state.iterations() * f.weights.bytes());
+  state.counters["GOP/s"] = benchmark::Counter(2.0 * rows * channels * kCols * state.iterations(),
+                                               benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.SetLabel(std::string(WeightFormatName(format)) + "/" + IsaName(f.kernel->isa()));
+}
+
+void BM_Read(benchmark::State& state) {
+  std::vector<uint8_t> buffer(kMatrixBytes, 1);
+  for (auto _ : state) {
+    uint64_t sum = 0;
+    switch (BestSupportedIsa()) {
+      case Isa::kAvx512: sum = ReadSumAvx512(buffer.data(), kMatrixBytes); break;
+      case Isa::kAvx2: sum = ReadSumAvx2(buffer.data(), kMatrixBytes); break;
+      case Isa::kReference: sum = ReadSumReference(buffer.data(), kMatrixBytes); break;
+    }
+    benchmark::DoNotOptimize(sum);
+  }
+  state.SetBytesProcessed(state.iterations() * kMatrixBytes);
+}
+
+void MatMulArguments(benchmark::internal::Benchmark* b) {
+  for (WeightFormat f : AllWeightFormats())
+    for (int rows : {1, 2, 4, 16, 64}) b->Args({static_cast<int64_t>(f), rows});
+}
+
+BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MatMul)->Apply(MatMulArguments)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace epmoe::kernels
