@@ -1,0 +1,175 @@
+// Rebalancer: live rebalancing of a running expert-parallel job. At step boundaries it decides
+// (RebalanceTrigger) whether to place the experts anew, has rank 0 compute the new placement from
+// the recorder's window summed over all ranks, agrees on it (BroadcastPlacement: validated on every
+// rank), and installs it in chunks of layers, one chunk per step boundary, moving only the copies
+// that change (PlanMoves, MoveExperts or AsyncExpertMove). The running executor is reached through
+// RebalanceTarget, so the protocol is independent of the way rows meet their experts.
+//
+// Generation safety: a step uses the placement snapshot it took at its start; the Rebalancer only
+// calls Install between steps, on every rank at the same step boundary, and only once every rank
+// has staged all copies of the chunk (agreed collectively). A rank that fails or stalls turns into
+// an error naming the rank and the layers; nothing of that chunk is installed anywhere (a rank that
+// timed out cannot tell what the others did: the caller must then abort the job, Communicator::Abort).
+// Not thread-safe: one Rebalancer per rank, driven by the thread that runs the steps.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epmoe/comm.h"
+#include "epmoe/eplb_policy.h"
+#include "epmoe/load.h"
+#include "epmoe/metrics.h"
+#include "epmoe/placement.h"
+#include "epmoe/rebalance_trigger.h"
+#include "epmoe/recorder.h"
+#include "epmoe/status.h"
+#include "epmoe/weight_mover.h"
+
+namespace epmoe {
+
+// What a running executor exposes to the Rebalancer (this rank's slots of every MoE layer).
+// Called only between steps, from the thread that runs them.
+class RebalanceTarget {
+ public:
+  virtual ~RebalanceTarget() = default;
+  // Bytes of one stored expert copy, scales included (the same in every layer).
+  virtual int64_t expert_bytes() const = 0;
+  // The stored content of this rank's `slot` of `layer` in the live placement (expert_bytes long).
+  // Must stay valid and unchanged until the next Install.
+  virtual std::span<const std::byte> slot_bytes(int layer, int slot) const = 0;
+  // New content for this rank's `slot` of `layer`, kept aside: not used by steps until Install.
+  virtual Status Stage(int layer, int slot, std::span<const std::byte> bytes) = 0;
+  // Makes `next` the live placement: layers [layer_begin, layer_end) switch their dispatch tables
+  // and the staged slots' weights together (the other layers of `next` equal the live ones).
+  virtual Status Install(int layer_begin, int layer_end, PlacementPtr next) = 0;
+  // Forgets every staged slot (a refused or failed rebalance).
+  virtual void DropStaged() = 0;
+};
+
+struct RebalancerOptions {
+  TriggerOptions trigger;
+  // policy.shape must match the live placement (ranks, nodes, redundant = P - E); policy.current is
+  // set by the Rebalancer (min-move places from the live placement).
+  PolicyOptions policy;
+  int layers_per_chunk = 0;                  // layers installed per step boundary; 0: all at once
+  bool async = false;                        // copies travel in the background between steps
+  int64_t max_buffer_bytes = int64_t{1} << 28;  // send + receive buffers of one exchange round
+  // Payback trigger: the movement is priced at this many bytes per second and the saving per step
+  // with policy.cost (the slowest rank's predicted expert time, per layer, averaged over the window).
+  double move_bytes_per_second = 10e9;
+  // Async: a chunk whose copies are not ready on every rank this long after it started fails,
+  // naming the ranks that were not ready.
+  double ready_timeout_seconds = 600;
+};
+Status ValidateRebalancerOptions(const RebalancerOptions& options);
+
+// One finished rebalance (the same on every rank except stall_seconds_this_rank).
+struct RebalanceReport {
+  int64_t decided_at_step = 0;      // step boundary at which it was decided
+  int64_t installed_at_step = 0;    // step boundary at which its last chunk switched
+  int chunks = 0;
+  int rounds = 0;                   // exchange rounds over all chunks (bounded buffers)
+  int64_t remote_copies = 0;        // copies that crossed between ranks, all ranks
+  int64_t local_copies = 0;         // copies filled from the same rank's old slots, all ranks
+  int64_t inter_node_copies = 0;
+  int64_t bytes_moved = 0;          // over the network, all ranks
+  std::vector<int64_t> bytes_sent_by_rank, bytes_received_by_rank;
+  std::vector<int64_t> bytes_sent_by_node, bytes_received_by_node;
+  // Window balancedness (picks summed over ranks, mean/max per rank averaged over layers) under the
+  // old and the new placement.
+  double balancedness_before = 1, balancedness_after = 1;
+  double compute_seconds = 0;            // rank 0's placement computation
+  double stall_seconds_max = 0;          // longest time any rank spent inside the boundaries of it
+  double stall_seconds_this_rank = 0;
+  std::string policy;
+};
+
+// What one step boundary did.
+struct BoundaryOutcome {
+  bool checked = false;          // the trigger looked at this boundary
+  bool started = false;          // a rebalance was decided here
+  int layers_installed = 0;      // layers that switched at this boundary
+  bool finished = false;         // the last chunk of a rebalance switched here (see last_report)
+  double window_balancedness = 1;  // when checked: the window's balancedness under the live placement
+  double seconds = 0;            // time this rank spent in the boundary
+};
+
+class Rebalancer {
+ public:
+  // `initial` is the placement the target runs now. The communicator and target must outlive the
+  // Rebalancer. Collective only in the sense that every rank creates one with the same options.
+  static Result<std::unique_ptr<Rebalancer>> Create(Communicator& comm, RebalanceTarget& target,
+                                                    PlacementPtr initial, const RebalancerOptions& options);
+  ~Rebalancer();
+
+  // Call on every rank after each step, with the number of steps completed so far and the rank's
+  // recorder (its window covers that rank's picks). Collective.
+  Result<BoundaryOutcome> AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder);
+
+  // Proposes a placement to install from the next boundary on, instead of one the policy computes
+  // (an operator's file, tests). Only rank 0's `proposal` is read; a null one, a corrupt one or one
+  // whose shape differs from the live placement is refused on every rank and nothing changes.
+  // Collective; refused while a rebalance is in progress.
+  Status Propose(const PlacementPtr& proposal);
+
+  PlacementPtr placement() const { return live_; }  // the live placement (mixed while chunks switch)
+  bool in_progress() const;
+  const std::vector<RebalanceReport>& reports() const { return reports_; }
+  int64_t bytes_moved_total() const;
+
+ private:
+  struct Pending;
+  Rebalancer(Communicator& comm, RebalanceTarget& target, PlacementPtr initial, const RebalancerOptions& options);
+  Status Begin(PlacementPtr next, int64_t step, double before, double after, double compute_seconds);
+  Result<int> Advance(int64_t step);           // layers installed at this boundary
+  Result<int> AdvanceSync(int64_t step);
+  Result<int> AdvanceAsync(int64_t step);
+  Status StartChunkTransfer();
+  Status InstallChunk();
+  Status FinishReport(int64_t step);
+  Status Fail(Status status);
+
+  Communicator& comm_;
+  RebalanceTarget& target_;
+  PlacementPtr live_;
+  RebalancerOptions options_;
+  RebalanceTrigger trigger_;
+  std::unique_ptr<Pending> pending_;
+  std::vector<RebalanceReport> reports_;
+};
+
+// Window balancedness of `placement` on `load` summed over its steps: per layer mean/max of the
+// per-rank picks (copies split evenly), averaged over layers. Pure.
+double WindowBalancedness(const Placement& placement, const ExpertLoad& load);
+
+// Prometheus metrics of a rebalancing run (metrics.h): balancedness current and windowed,
+// rebalances total, bytes moved total, step time quantiles (over the last 1000 steps) and
+// seconds per stage. One writer (rank 0); not thread-safe.
+class RebalanceMetrics {
+ public:
+  static Result<RebalanceMetrics> Create(const std::string& path);
+  // One finished step: its wall time and per-stage seconds ({"dispatch", 0.001}, ...).
+  void RecordStep(double seconds, const std::vector<std::pair<std::string, double>>& stages);
+  void RecordBalance(double current, double windowed);
+  void RecordRebalance(const RebalanceReport& report);
+  Status Write();
+  const MetricsFile& file() const { return file_; }
+
+ private:
+  explicit RebalanceMetrics(const std::string& path) : file_(path) {}
+  MetricsFile file_;
+  std::vector<double> step_seconds_;  // ring of the last 1000 steps
+  int64_t steps_ = 0;
+  int64_t rebalances_ = 0;
+  int64_t bytes_moved_ = 0;
+  double stall_seconds_ = 0;
+  std::vector<std::pair<std::string, double>> stage_totals_;
+};
+
+}  // namespace epmoe
