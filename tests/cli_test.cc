@@ -1,34 +1,17 @@
 // The epmoe program as a user meets it: help, refusals of bad flags, JSON output, a checked run.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "run_command.h"
+
 namespace {
 
-struct CommandResult {
-  int exit_code;
-  std::string out;  // stdout and stderr together
-};
-
-CommandResult Epmoe(const std::string& args) {
-  const char* binary = std::getenv("EPMOE_BINARY");
-  const std::string command = std::string(binary ? binary : EPMOE_BINARY_DIR "/epmoe") + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string out;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using epmoe::testing::CommandResult;
+using epmoe::testing::Epmoe;
 
 TEST(Cli, EveryCommandHasHelp) {
   for (const char* cmd : {"--help", "model --help", "model show --help", "layer --help"}) {
@@ -115,7 +98,7 @@ std::string WriteFlameShapedModel() {
   return path;
 }
 
-const std::string kFlameDecode = EPMOE_SOURCE_DIR "/../shared/data/traces/flame_moe_290m/decode_64seqs_pos1-10";
+const std::string kFlameDecode = epmoe::testing::TracesDir() + "/flame_moe_290m/decode_64seqs_pos1-10";
 
 TEST(Cli, ReplaysARealTraceAndMatchesTheReference) {
   const std::string model = WriteFlameShapedModel();

@@ -2,37 +2,21 @@
 // every option side by side with --check, JSON output, and refusals of shapes and flags.
 #include <gtest/gtest.h>
 
-#include <array>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
-#include <sys/wait.h>
-
 #include <nlohmann/json.hpp>
+#include <string>
+
+#include "run_command.h"
 
 namespace {
 
-struct CommandRun {
-  int exit_code = -1;
-  std::string out;
-};
+using CommandRun = epmoe::testing::CommandResult;
+using epmoe::testing::RunCommand;
 
 std::string Binary() {
-  const char* binary = std::getenv("EPMOE_BINARY");
-  return binary != nullptr ? binary : EPMOE_BINARY_DIR "/epmoe";
+  return epmoe::testing::EpmoeBinary();
 }
-
-// Runs a shell command; stdout only, or stdout and stderr together.
 CommandRun Shell(const std::string& command, bool with_stderr) {
-  CommandRun run;
-  FILE* pipe = popen((command + (with_stderr ? " 2>&1" : " 2>/dev/null")).c_str(), "r");
-  if (pipe == nullptr) return run;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) run.out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+  return RunCommand(command, with_stderr);
 }
 
 const char* kSmall = " --hidden 64 --intermediate 32 --tokens 9 --steps 2 --layers 2 --no-progress";
@@ -64,8 +48,8 @@ TEST(EpRunCli, TwoRanksUnderMpirun) {
   const std::string mpirun =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
       "mpirun --oversubscribe --bind-to none -np 2 ";
-  const CommandRun run =
-      Shell(mpirun + Binary() + " run --option all --check --format json --origin tp --model deepseek-v3" + kSmall, false);
+  const CommandRun run = Shell(
+      mpirun + Binary() + " run --option all --check --format json --origin tp --model deepseek-v3" + kSmall, false);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out);
   ExpectEveryOptionChecked(j, 2);
@@ -89,7 +73,8 @@ TEST(EpRunCli, RefusesWithOneLineReasons) {
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.out.find("multiple of 32"), std::string::npos) << run.out;
   // Under --option all an option that cannot run is listed as refused, the others run.
-  run = Shell(Binary() + " run --option all --shared sliced --model deepseek-v3 --format json" + std::string(kSmall), false);
+  run = Shell(Binary() + " run --option all --shared sliced --model deepseek-v3 --format json" + std::string(kSmall),
+              false);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out);
   int refused = 0;

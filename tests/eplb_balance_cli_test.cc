@@ -1,60 +1,41 @@
 // `epmoe balance` as a user meets it: help, one-line refusals, held-out scoring on a real trace,
 // writing a placement and starting min-move from it.
-#include <sys/wait.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
 #include "epmoe/placement.h"
+#include "run_command.h"
 
 namespace {
 
-struct CommandResult {
-  int exit_code;
-  std::string out;  // stdout and stderr together
-};
-
-CommandResult Epmoe(const std::string& args) {
-  const char* binary = std::getenv("EPMOE_BINARY");
-  const std::string command = std::string(binary ? binary : EPMOE_BINARY_DIR "/epmoe") + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string out;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using epmoe::testing::CommandResult;
+using epmoe::testing::Epmoe;
 
 std::string Traces() {
-  const std::string beside = std::string(EPMOE_SOURCE_DIR) + "/../shared/data/traces";
-  return std::ifstream(beside + "/README.md").good() ? beside : "/work/shared/data/traces";
+  return epmoe::testing::TracesDir();
 }
 
-std::string Decode() { return Traces() + "/flame_moe_290m/decode_64seqs_pos1-10"; }
+std::string Decode() {
+  return Traces() + "/flame_moe_290m/decode_64seqs_pos1-10";
+}
 
 TEST(EplbBalanceCli, HelpAndOneLineRefusals) {
   const CommandResult help = Epmoe("balance --help");
   EXPECT_EQ(help.exit_code, 0) << help.out;
   EXPECT_NE(help.out.find("--redundant"), std::string::npos);
   const std::string trace = " --trace " + Decode();
-  for (const std::string& args :
-       std::vector<std::string>{"balance --bogus", "balance" + trace + " --ranks 0 --redundant 8", "balance" + trace + " --ranks 8",
-        "balance" + trace + " --ranks 8 --redundant 8 --policy magic",
-        "balance" + trace + " --ranks 8 --redundant 8 --train 1.5",
-        "balance" + trace + " --ranks 3 --redundant 0",
-        "balance" + trace + " --ranks 8 --redundant 8 --out /tmp/x.json",
-        "balance --trace /nonexistent/trace --ranks 8 --redundant 8",
-        "balance" + trace + " --ranks 8 --redundant 8 --model deepseek-v3"}) {
+  for (const std::string& args : std::vector<std::string>{
+           "balance --bogus", "balance" + trace + " --ranks 0 --redundant 8", "balance" + trace + " --ranks 8",
+           "balance" + trace + " --ranks 8 --redundant 8 --policy magic",
+           "balance" + trace + " --ranks 8 --redundant 8 --train 1.5", "balance" + trace + " --ranks 3 --redundant 0",
+           "balance" + trace + " --ranks 8 --redundant 8 --out /tmp/x.json",
+           "balance --trace /nonexistent/trace --ranks 8 --redundant 8",
+           "balance" + trace + " --ranks 8 --redundant 8 --model deepseek-v3"}) {
     const CommandResult r = Epmoe(args);
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << args << ": " << r.out;
@@ -84,8 +65,9 @@ TEST(EplbBalanceCli, ScoresEveryPolicyHeldOutAndWritesAPlacement) {
   EXPECT_TRUE(j["results"][2].contains("solve_seconds"));
 
   const std::string out = std::string(EPMOE_BINARY_DIR) + "/eplb_balance_cli_test_placement.json";
-  const CommandResult fit = Epmoe("balance --trace " + Decode() +
-                                  " --ranks 8 --redundant 8 --policy deepseek-guarded --train 1 --format json --out " + out);
+  const CommandResult fit =
+      Epmoe("balance --trace " + Decode() +
+            " --ranks 8 --redundant 8 --policy deepseek-guarded --train 1 --format json --out " + out);
   ASSERT_EQ(fit.exit_code, 0) << fit.out;
   const auto f = nlohmann::json::parse(fit.out);
   EXPECT_EQ(f["held_out_steps"], 0);
@@ -95,8 +77,9 @@ TEST(EplbBalanceCli, ScoresEveryPolicyHeldOutAndWritesAPlacement) {
   EXPECT_EQ(placement->num_slots(), 72);
   EXPECT_EQ(placement->num_layers(), 8);
   // min-move from the placement just fitted on the same steps has nothing to move.
-  const CommandResult keep = Epmoe("balance --trace " + Decode() +
-                                   " --ranks 8 --redundant 8 --policy min-move --train 1 --format json --current " + out);
+  const CommandResult keep =
+      Epmoe("balance --trace " + Decode() +
+            " --ranks 8 --redundant 8 --policy min-move --train 1 --format json --current " + out);
   ASSERT_EQ(keep.exit_code, 0) << keep.out;
   EXPECT_EQ(nlohmann::json::parse(keep.out)["results"][1]["moved_copies"], 0);
   std::remove(out.c_str());
