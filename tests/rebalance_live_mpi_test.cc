@@ -360,6 +360,30 @@ TEST(LiveRebalance, AsyncChunkedInRoundsMatchesNoRebalance) {
   }
 }
 
+TEST(LiveRebalance, ThresholdTriggerRebalancesOnlyBelowTheThreshold) {
+  const int ranks = World().size();
+  if (ranks < 2) GTEST_SKIP() << "one rank is always balanced";
+  auto options = TestOptions(TestShape(ranks), ranks);
+  options.trigger.mode = TriggerMode::kThreshold;
+  options.trigger.threshold = 0.01;  // never that unbalanced
+  EXPECT_EQ(RunAndCheck(World(), options, 20).reports.size(), 0u);
+  options.trigger.threshold = 1.0;  // anything short of perfect
+  const RunResult run = RunAndCheck(World(), options, 20);
+  ASSERT_GE(run.reports.size(), 1u);
+  for (const auto& r : run.reports) EXPECT_LT(r.balancedness_before, 1.0);
+}
+
+TEST(LiveRebalance, PaybackTriggerWeighsTheSavingAgainstTheMove) {
+  const int ranks = World().size();
+  if (ranks < 2) GTEST_SKIP() << "one rank has nothing to save";
+  auto options = TestOptions(TestShape(ranks), ranks);
+  options.trigger.mode = TriggerMode::kPayback;
+  options.move_bytes_per_second = 1e-3;  // a move never pays back
+  EXPECT_EQ(RunAndCheck(World(), options, 20).reports.size(), 0u);
+  options.move_bytes_per_second = 1e15;  // any saving pays back
+  EXPECT_GE(RunAndCheck(World(), options, 20).reports.size(), 1u);
+}
+
 // Drives a Propose()d placement to its install with a recorder that has seen a few steps.
 struct ProposeFixture {
   explicit ProposeFixture(Communicator& comm, bool async = false)

@@ -143,6 +143,83 @@ TEST(WeightMover, RefusesABoundThatCannotHoldOneCopy) {
   EXPECT_FALSE(stats.ok());
 }
 
+// A sink that fails on one rank: that rank reports it, and still takes part in every round, so the
+// other ranks finish and the communicator stays usable.
+TEST(WeightMover, ALocalFailureKeepsTheExchangesMatched) {
+  Communicator& comm = World();
+  const int ranks = comm.size();
+  if (ranks < 2) GTEST_SKIP() << "needs two ranks";
+  const Placement from = RandomPlacement(2, 4 * ranks, ranks, ranks, 1, 21);
+  const Placement to = RandomPlacement(2, 4 * ranks, ranks, ranks, 1, 22);
+  auto plan = PlanMoves(from, to, 0, 2, 64);
+  ASSERT_TRUE(plan.ok());
+  const int failing = ranks - 1;
+  const std::vector<std::byte> content(64, std::byte{7});
+  int delivered = 0;
+  auto stats = MoveExperts(
+      comm, *plan, 64, 4 * 64, [&](int, int) { return std::span<const std::byte>(content); },
+      [&](const SlotMove&, std::span<const std::byte>) {
+        if (comm.rank() == failing) return Internal("sink refused");
+        ++delivered;
+        return Status::Ok();
+      });
+  if (comm.rank() == failing) {
+    ASSERT_FALSE(stats.ok());
+    EXPECT_NE(stats.status().message().find("sink refused"), std::string::npos);
+  } else {
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  }
+  ASSERT_TRUE(comm.Barrier().ok());
+}
+
+// The background form moves the same bytes, one round per StartNextRound, with steps' own
+// exchanges (here all-reduces) running between rounds.
+TEST(AsyncWeightMover, MovesEveryChangedCopyBetweenOtherExchanges) {
+  Communicator& comm = World();
+  const int ranks = comm.size();
+  const int me = comm.rank();
+  const Placement from = RandomPlacement(3, 6 * ranks, 2 * ranks, ranks, 1, 31);
+  const Placement to = RandomPlacement(3, 6 * ranks, 2 * ranks, ranks, 1, 32);
+  constexpr int64_t kBytes = 100;
+  std::map<std::pair<int, int>, std::vector<std::byte>> live, staged;
+  for (int l = 0; l < 3; ++l)
+    for (int s = me * from.slots_per_rank(); s < (me + 1) * from.slots_per_rank(); ++s)
+      live[{l, s}] = ExpertContent(l, from.phy2log(l)[s], kBytes);
+  auto plan = PlanMoves(from, to, 0, 3, kBytes);
+  ASSERT_TRUE(plan.ok());
+  auto move = AsyncExpertMove::Start(
+      comm, *plan, kBytes, 2 * kBytes,
+      [&](int layer, int slot) -> std::span<const std::byte> { return live.at({layer, slot}); },
+      [&](const SlotMove& m, std::span<const std::byte> bytes) {
+        staged[{m.layer, m.slot}].assign(bytes.begin(), bytes.end());
+        return Status::Ok();
+      });
+  ASSERT_TRUE(move.ok()) << move.status().ToString();
+  int boundaries = 0;
+  while (!(*move)->finished()) {
+    ++boundaries;
+    float step_value = 1.0f;  // a step's own exchange while the round travels
+    ASSERT_TRUE(comm.Allreduce(&step_value, 1).ok());
+    EXPECT_EQ(step_value, static_cast<float>(ranks));
+    auto ready = (*move)->Poll();
+    ASSERT_TRUE(ready.ok()) << ready.status().ToString();
+    auto all = comm.AllreduceMax(*ready ? 0 : 1);
+    ASSERT_TRUE(all.ok());
+    if (*all == 0) {
+      ASSERT_TRUE((*move)->StartNextRound().ok());
+    }
+    ASSERT_LT(boundaries, 100000);
+  }
+  for (auto& [key, bytes] : staged) live[key] = bytes;
+  for (const auto& [key, bytes] : live)
+    EXPECT_EQ(bytes, ExpertContent(key.first, to.phy2log(key.first)[key.second], kBytes))
+        << "rank " << me << " layer " << key.first << " slot " << key.second;
+  if (ranks > 1) {
+    EXPECT_GT((*move)->stats().rounds, 1);
+  }
+  EXPECT_LE((*move)->stats().peak_buffer_bytes, 2 * kBytes);
+}
+
 TEST(PlacementBroadcast, EveryRankGetsTheRootsPlacement) {
   Communicator& comm = World();
   const int ranks = comm.size();

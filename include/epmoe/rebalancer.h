@@ -26,31 +26,13 @@
 #include "epmoe/load.h"
 #include "epmoe/metrics.h"
 #include "epmoe/placement.h"
+#include "epmoe/rebalance_target.h"
 #include "epmoe/rebalance_trigger.h"
 #include "epmoe/recorder.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_mover.h"
 
 namespace epmoe {
-
-// What a running executor exposes to the Rebalancer (this rank's slots of every MoE layer).
-// Called only between steps, from the thread that runs them.
-class RebalanceTarget {
- public:
-  virtual ~RebalanceTarget() = default;
-  // Bytes of one stored expert copy, scales included (the same in every layer).
-  virtual int64_t expert_bytes() const = 0;
-  // The stored content of this rank's `slot` of `layer` in the live placement (expert_bytes long).
-  // Must stay valid and unchanged until the next Install.
-  virtual std::span<const std::byte> slot_bytes(int layer, int slot) const = 0;
-  // New content for this rank's `slot` of `layer`, kept aside: not used by steps until Install.
-  virtual Status Stage(int layer, int slot, std::span<const std::byte> bytes) = 0;
-  // Makes `next` the live placement: layers [layer_begin, layer_end) switch their dispatch tables
-  // and the staged slots' weights together (the other layers of `next` equal the live ones).
-  virtual Status Install(int layer_begin, int layer_end, PlacementPtr next) = 0;
-  // Forgets every staged slot (a refused or failed rebalance).
-  virtual void DropStaged() = 0;
-};
 
 struct RebalancerOptions {
   TriggerOptions trigger;
@@ -103,7 +85,8 @@ struct BoundaryOutcome {
 class Rebalancer {
  public:
   // `initial` is the placement the target runs now. The communicator and target must outlive the
-  // Rebalancer. Collective only in the sense that every rank creates one with the same options.
+  // Rebalancer. Collective (every rank, same options): refuses, on every rank, targets whose
+  // expert_bytes() differ between ranks.
   static Result<std::unique_ptr<Rebalancer>> Create(Communicator& comm, RebalanceTarget& target,
                                                     PlacementPtr initial, const RebalancerOptions& options);
   ~Rebalancer();

@@ -117,8 +117,13 @@ Result<std::unique_ptr<Rebalancer>> Rebalancer::Create(Communicator& comm, Rebal
         "rebalancer: the policy's shape ({} ranks, {} nodes, {} redundant) differs from the placement's ({})",
         shape.num_ranks, shape.num_nodes, shape.num_redundant, ShapeText(*initial)));
   EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, initial->num_experts()));
-  if (target.expert_bytes() <= 0)
-    return InvalidArgument(fmt::format("rebalancer: the target stores {} bytes per expert", target.expert_bytes()));
+  // Every rank must store copies of the same size, or the moves would not match.
+  const int64_t bytes = target.expert_bytes();
+  EPMOE_ASSIGN_OR_RETURN(const int64_t largest, comm.AllreduceMax(bytes));
+  EPMOE_ASSIGN_OR_RETURN(const int64_t minus_smallest, comm.AllreduceMax(-bytes));
+  if (largest != -minus_smallest || bytes <= 0)
+    return InvalidArgument(fmt::format("rebalancer: ranks store between {} and {} bytes per expert copy (rank {}: {})",
+                                       -minus_smallest, largest, comm.rank(), bytes));
   return std::unique_ptr<Rebalancer>(new Rebalancer(comm, target, std::move(initial), options));
 }
 
