@@ -8,6 +8,7 @@
 #include "epmoe/hardware.h"
 #include "epmoe/model.h"
 #include "epmoe/plan.h"
+#include "epmoe/trace.h"
 
 namespace epmoe {
 namespace {
@@ -276,6 +277,43 @@ TEST(PlanCostTest, BalancerPlacementEvensSkewedPicks) {
   config.redundant = 3;  // 67 slots do not split over 8 ranks
   const PlanResult refused = Plan(m, Profile("h100x8"), config, &trace);
   EXPECT_FALSE(Find(refused, PlanOption::kTravelingRows, 8, 256).applicable);
+}
+
+TEST(PlanCostTest, CopiesPerRowFromPerRowPicks) {
+  // 4 experts, top-2, one step of 2 rows: row 0 picks {0, 1}, row 1 picks {0, 2}.
+  const std::string path = ::testing::TempDir() + "plan_copies.trace";
+  TraceInfo info;
+  info.num_layers = 1;
+  info.num_experts = 4;
+  info.top_k = 2;
+  info.has_picks = true;
+  info.layer_ids = {0};
+  {
+    auto writer = TraceWriter::Create(path, info);
+    ASSERT_TRUE(writer.ok()) << writer.status().message();
+    StepPicks step;
+    step.rows = 2;
+    Picks picks;
+    picks.rows = 2;
+    picks.k = 2;
+    picks.experts = {0, 1, 0, 2};
+    step.layers = {picks};
+    CountStepPicks(1, 4, &step);
+    ASSERT_TRUE((*writer)->Append(step).ok());
+    ASSERT_TRUE((*writer)->Close().ok());
+  }
+  auto reader = TraceReader::Open(path, LoadReadOptions{});
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  // G = 1: nothing leaves. G = 2 (experts {0,1} | {2,3}; row 0 home 0, row 1 home 1): row 0 stays,
+  // row 1 goes to rank 0: 0.5. G = 4 (one expert each; homes 0 and 2): one copy each: 1.0.
+  auto copies = TraceCopiesPerRow(**reader, {1, 2, 4}, 1000);
+  ASSERT_TRUE(copies.ok()) << copies.status().message();
+  EXPECT_DOUBLE_EQ((*copies)[0], 0.0);
+  EXPECT_DOUBLE_EQ((*copies)[1], 0.5);
+  EXPECT_DOUBLE_EQ((*copies)[2], 1.0);
+  auto again = TraceReader::Open(path, LoadReadOptions{});
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(TraceCopiesPerRow(**again, {8}, 1000).ok());  // more ranks than experts
 }
 
 // ---- Seed 000: GLM-5.3, NVFP4, 8 x B300 ----

@@ -97,6 +97,12 @@ std::vector<LayerLoad> EvenRouterLoads(const ModelConfig& model, int64_t rows, i
 // experts differ from the model's, or whose rows per step are unknown and top_k is 0.
 Result<std::vector<LayerLoad>> TraceLayerLoads(const ExpertLoad& trace, const ModelConfig& model, int64_t rows,
                                                int max_samples, uint64_t seed);
+class TraceReader;
+// Copies of a row sent to other ranks under option 4, measured from a trace's per-row picks: for
+// each G, the mean over rows (of every layer, up to max_rows rows in all) of the ranks holding one
+// of the row's experts (trivial placement), less the row's own rank (row r of a step of T rows
+// starts on rank r*G/T). Refuses count-only traces and G outside 1..E.
+Result<std::vector<double>> TraceCopiesPerRow(TraceReader& reader, const std::vector<int>& gpus, int64_t max_rows);
 // Balancedness of one layer load on G ranks holding E/G consecutive experts each:
 // mean picks per rank / max picks per rank (1.0 when there are no picks).
 double Balancedness(const LayerLoad& load, int gpus);
@@ -170,7 +176,9 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hard
                            const ExpertLoad* trace, const std::string& load_description);
 
 // An SVG (written here, no plotting library) with three charts: step time against batch per option
-// (at the largest EP size), copies per row against GPUs, balancedness against GPUs.
-std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model);
+// (at the largest EP size), copies per row against GPUs, balancedness against GPUs. `trace_copies`
+// (optional): (G, copies per row) measured from a trace's per-row picks, drawn as its own line.
+std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model,
+                        const std::vector<std::pair<int, double>>& trace_copies = {});
 
 }  // namespace epmoe

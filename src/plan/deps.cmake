@@ -1,1 +1,1 @@
-set(EPMOE_DEPS core eplb)
+set(EPMOE_DEPS core eplb trace)

@@ -146,7 +146,8 @@ const char* OptionColor(PlanOption option) {
 
 }  // namespace
 
-std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model) {
+std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model,
+                        const std::vector<std::pair<int, double>>& trace_copies) {
   int largest_gpus = 0;
   for (const auto& c : result.costs) largest_gpus = std::max(largest_gpus, c.gpus);
 
@@ -176,6 +177,11 @@ std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model) {
     for (auto [g, unused] : copies_series.begin()->second.points)
       even.points.emplace_back(g, CopiesSentPerRow(model, static_cast<int>(g)));
   copies.series.push_back(even);
+  if (!trace_copies.empty()) {
+    Series traced{"trace, per-row picks", "#000000", {}};
+    for (auto [g, c] : trace_copies) traced.points.emplace_back(g, c);
+    copies.series.push_back(traced);
+  }
   static const char* const kShades[] = {"#08306b", "#2171b5", "#6baed6", "#41ab5d", "#fd8d3c", "#e31a1c"};
   int shade = 0;
   for (const auto& [batch, by_gpus] : balance_by_batch) {

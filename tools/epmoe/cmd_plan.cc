@@ -212,10 +212,14 @@ void PrintDerived(const ModelConfig& m, const json& d, bool markdown) {
     std::string memory;
     for (auto it = g["memory_per_rank_bytes"].begin(); it != g["memory_per_rank_bytes"].end(); ++it)
       memory += fmt::format("{}{} {}", memory.empty() ? "" : ", ", it.key(), HumanBytes(it.value().get<int64_t>()));
-    std::printf("%s%d GPUs: ranks per row %.2f, copies sent per row %.2f (all-gather %d), DWDP fetch %s per rank per "
-                "layer; weights per rank: %s\n",
+    const std::string traced = g.contains("copies_sent_per_row_trace_picks")
+                                   ? fmt::format(", {:.2f} in the trace's per-row picks",
+                                                 g["copies_sent_per_row_trace_picks"].get<double>())
+                                   : "";
+    std::printf("%s%d GPUs: ranks per row %.2f, copies sent per row %.2f (even router%s; all-gather %d), DWDP fetch %s "
+                "per rank per layer; weights per rank: %s\n",
                 bullet, g["gpus"].get<int>(), g["expected_ranks_per_row"].get<double>(),
-                g["copies_sent_per_row_rows"].get<double>(), g["copies_sent_per_row_all_gather"].get<int>(),
+                g["copies_sent_per_row_rows"].get<double>(), traced.c_str(), g["copies_sent_per_row_all_gather"].get<int>(),
                 HumanBytes(g["dwdp_bytes_per_rank_per_layer"]).c_str(), memory.c_str());
   }
 }
@@ -378,9 +382,31 @@ int RunPlanCommand(const PlanFlags& f) {
     load_description += fmt::format("; whole experts placed by {} with {} redundant copies per layer, fitted on the first "
                                     "half of the {} and priced on the rest",
                                     f.placement, f.redundant, f.trace.empty() ? "sampled loads" : "trace");
+  // Copies per row from the trace's own per-row picks, when it has them.
+  std::vector<std::pair<int, double>> trace_copies;
+  if (!f.trace.empty()) {
+    LoadReadOptions read;
+    read.format = f.trace_format;
+    read.filter = f.trace_filter;
+    auto reader = TraceReader::Open(f.trace, read);
+    if (!reader.ok()) return ReportError(reader.status());
+    if ((*reader)->has_picks()) {
+      std::vector<int> gpus;
+      for (int g : config.gpus)
+        if (g <= (*reader)->num_experts()) gpus.push_back(g);
+      if (!gpus.empty()) {
+        auto copies = TraceCopiesPerRow(**reader, gpus, int64_t{1} << 20);
+        if (!copies.ok()) return ReportError(copies.status());
+        for (size_t i = 0; i < gpus.size(); ++i) trace_copies.emplace_back(gpus[i], (*copies)[i]);
+      }
+    }
+  }
   auto result = RunPlan(*model, *hardware, config, f.trace.empty() ? nullptr : &trace_load, load_description);
   if (!result.ok()) return ReportError(result.status());
-  const json derived = DerivedJson(*model, config);
+  json derived = DerivedJson(*model, config);
+  for (auto& entry : derived["per_gpus"])
+    for (auto [g, c] : trace_copies)
+      if (entry["gpus"].get<int>() == g) entry["copies_sent_per_row_trace_picks"] = c;
   json comparison;
   if (!f.measured.empty()) {
     if (Status s = CompareWithRun(*result, f.measured, &comparison); !s.ok()) return ReportError(s);
@@ -388,7 +414,7 @@ int RunPlanCommand(const PlanFlags& f) {
 
   if (!f.plot.empty()) {
     std::ofstream out(f.plot);
-    out << PlanPlotSvg(*result, *model);
+    out << PlanPlotSvg(*result, *model, trace_copies);
     if (!out) return ReportError(IoError(fmt::format("{}: cannot write the plot", f.plot)));
   }
   if (f.format == "json") {
