@@ -79,7 +79,8 @@ struct HardwareProfile {
 
   // The measured line for experts stored in `format`, if the profile has one.
   std::optional<KernelLine> LineFor(WeightFormat format) const;
-  // Peak of the arithmetic path that experts stored in `format` use (4-bit formats: fp4; int8: int8).
+  // Peak of the arithmetic path that weights stored in `format` use: 4-bit formats fp4; 1-byte
+  // weights the faster of int8 and fp8 (GPU checkpoints store 8-bit layers in FP8).
   double PeakTflopsFor(WeightFormat format) const;
 };
 

@@ -292,7 +292,7 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   return cost;
 }
 
-// Why `option` at `gpus` cannot run, or "" when it can; *slices gets the hybrid's best split candidates.
+// Why `option` at `gpus` cannot run, or "" when it can (the hybrid's splits are checked by HybridSplits).
 std::string NotApplicable(const ModelConfig& m, PlanOption option, int gpus) {
   switch (option) {
     case PlanOption::kSliced:

@@ -99,7 +99,8 @@ double HardwareProfile::PeakTflopsFor(WeightFormat format) const {
   switch (format) {
     case WeightFormat::kFp32: return peak_tflops.fp32;
     case WeightFormat::kBf16: return peak_tflops.bf16;
-    case WeightFormat::kInt8: return peak_tflops.int8;
+    // The planner's 1-byte format stands for any 8-bit weights: GPU checkpoints use FP8, CPUs int8.
+    case WeightFormat::kInt8: return std::max(peak_tflops.int8, peak_tflops.fp8);
     case WeightFormat::kNvfp4:
     case WeightFormat::kMxfp4: return peak_tflops.fp4;
   }
