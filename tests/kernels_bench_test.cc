@@ -70,7 +70,9 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
     EXPECT_GT(p.us, 0);
     EXPECT_DOUBLE_EQ(p.operations, 2.0 * 3 * 256 * 256 * p.picks);
     EXPECT_NEAR(p.roofline_fraction, p.bound_us / p.us, 1e-12);
-    EXPECT_NEAR(p.bandwidth_fraction, p.gbps / report->limits.read_gbps, 1e-12);
+    EXPECT_NEAR(p.bandwidth_fraction, p.gbps / p.read_gbps_used, 1e-12);
+    EXPECT_GT(p.peak_used, 0);
+    EXPECT_NEAR(p.bound_us, std::max(p.bytes / (p.read_gbps_used * 1e3), p.operations / (p.peak_used * 1e3)), 1e-6 * p.bound_us);
   }
   ASSERT_EQ(report->decode.size(), 2u);
   for (const auto& d : report->decode) {

@@ -41,6 +41,7 @@ struct KernelBenchOptions {
   int64_t bandwidth_buffer_bytes = int64_t{512} << 20;  // for MeasureMemoryBandwidth
 };
 
+// Medians of the limits measured at the start and again before each format.
 struct MachineFigures {
   double read_gbps = 0;
   double fp32_gflops = 0;  // G operations/s, a multiply-add counts 2
@@ -58,10 +59,12 @@ struct KernelBenchPoint {
   double us = 0;               // median time of the layer's routed experts
   int64_t bytes = 0;           // expert weight bytes read (touched experts, scales included)
   double gbps = 0;
-  double bandwidth_fraction = 0;
+  double read_gbps_used = 0;   // bandwidth measured next to this format's points
+  double peak_used = 0;        // peak of the kernel's arithmetic path, measured likewise
+  double bandwidth_fraction = 0;  // gbps / read_gbps_used
   double operations = 0;       // 2 * picks * 3 * hidden * intermediate
   double gflops = 0;
-  double bound_us = 0;         // max(bytes / bandwidth, operations / peak)
+  double bound_us = 0;         // max(bytes / read_gbps_used, operations / peak_used)
   bool memory_bound = false;   // which term of the bound is larger
   double roofline_fraction = 0;  // bound_us / us
   int repetitions = 0;

@@ -155,20 +155,19 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   report.threads = pool.size();
   report.isa = IsaName(isa);
   say("measuring memory read bandwidth and arithmetic peaks");
-  EPMOE_ASSIGN_OR_RETURN(report.limits.read_gbps, MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 7}, isa));
-  EPMOE_ASSIGN_OR_RETURN(report.limits.fp32_gflops, MeasurePeak(ArithmeticPath::kFp32Fma, pool, {}, isa));
-  if (isa == Isa::kAvx512) {
-    EPMOE_ASSIGN_OR_RETURN(report.limits.bf16_gflops, MeasurePeak(ArithmeticPath::kBf16Dot, pool, {}, isa));
-    EPMOE_ASSIGN_OR_RETURN(report.limits.int8_gops, MeasurePeak(ArithmeticPath::kInt8Vnni, pool, {}, isa));
-  }
-  auto peak_of = [&](ArithmeticPath path) {
-    switch (path) {
-      case ArithmeticPath::kFp32Fma: return report.limits.fp32_gflops;
-      case ArithmeticPath::kBf16Dot: return report.limits.bf16_gflops;
-      case ArithmeticPath::kInt8Vnni: return report.limits.int8_gops;
-    }
-    return 0.0;
+  // The limits are the machine's (its best instruction set), whichever kernel runs; a path the
+  // machine lacks has peak 0 and drops out of the bound.
+  const Isa machine = BestSupportedIsa();
+  auto peak_or_zero = [&](ArithmeticPath path, const PeakOptions& options) {
+    Result<double> peak = MeasurePeak(path, pool, options, machine);
+    return peak.ok() ? *peak : 0.0;
   };
+  EPMOE_ASSIGN_OR_RETURN(report.limits.read_gbps, MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 7}, machine));
+  report.limits.fp32_gflops = peak_or_zero(ArithmeticPath::kFp32Fma, {});
+  report.limits.bf16_gflops = peak_or_zero(ArithmeticPath::kBf16Dot, {});
+  report.limits.int8_gops = peak_or_zero(ArithmeticPath::kInt8Vnni, {});
+  std::vector<double> bandwidths = {report.limits.read_gbps};
+  std::vector<double> peaks[3] = {{report.limits.fp32_gflops}, {report.limits.bf16_gflops}, {report.limits.int8_gops}};
 
   say(fmt::format("generating {} experts of {}x{} (fp32 source)", o.experts, o.intermediate, o.hidden));
   std::vector<ExpertWeights> source(o.experts);
@@ -188,11 +187,17 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     say(fmt::format("packing {}", WeightFormatName(format)));
     PackOptions pack{format, IsaName(isa), &pool};
     EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertStore> store, PackExperts(pointers, pack));
-    const ArithmeticPath path = PathForFormat(format, isa);
-    const double peak = peak_of(path);
-    // The kernel may have given way to a lower instruction set for this shape.
-    const bool lowered = store->kernel_name() != fmt::format("{}/{}", WeightFormatName(format), IsaName(isa));
-    const double effective_peak = lowered ? report.limits.fp32_gflops : peak;
+    // The kernel may have given way to a lower instruction set for this shape: its arithmetic
+    // path is the one of the instruction set that runs (kernel_name is "<format>/<isa>").
+    const std::string kernel = store->kernel_name();
+    const Result<Isa> kernel_isa = ParseIsa(kernel.substr(kernel.find('/') + 1));
+    const ArithmeticPath path = PathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
+    // Limits drift when other processes share the machine: measure them again next to this
+    // format's points and use these; the report's limits are the medians of all measurements.
+    EPMOE_ASSIGN_OR_RETURN(const double bandwidth, MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 5}, machine));
+    const double effective_peak = peak_or_zero(path, {0.05, 3});
+    bandwidths.push_back(bandwidth);
+    peaks[static_cast<int>(path)].push_back(effective_peak);
 
     for (int64_t tokens : o.tokens) {
       const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 7919 + tokens);
@@ -222,10 +227,12 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       p.repetitions = static_cast<int>(times.size());
       p.us = Median(times);
       p.gbps = p.bytes / (p.us * 1e-6) / 1e9;
-      p.bandwidth_fraction = p.gbps / report.limits.read_gbps;
+      p.read_gbps_used = bandwidth;
+      p.peak_used = effective_peak;
+      p.bandwidth_fraction = p.gbps / bandwidth;
       p.operations = operations_per_pick * static_cast<double>(p.picks);
       p.gflops = p.operations / (p.us * 1e-6) / 1e9;
-      const double memory_us = p.bytes / (report.limits.read_gbps * 1e9) * 1e6;
+      const double memory_us = p.bytes / (bandwidth * 1e9) * 1e6;
       const double arithmetic_us = effective_peak > 0 ? p.operations / (effective_peak * 1e9) * 1e6 : 0;
       p.bound_us = std::max(memory_us, arithmetic_us);
       p.memory_bound = memory_us >= arithmetic_us;
@@ -282,6 +289,10 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       report.decode.push_back(std::move(d));
     }
   }
+  report.limits.read_gbps = Median(bandwidths);
+  report.limits.fp32_gflops = Median(peaks[static_cast<int>(ArithmeticPath::kFp32Fma)]);
+  report.limits.bf16_gflops = Median(peaks[static_cast<int>(ArithmeticPath::kBf16Dot)]);
+  report.limits.int8_gops = Median(peaks[static_cast<int>(ArithmeticPath::kInt8Vnni)]);
   return report;
 }
 

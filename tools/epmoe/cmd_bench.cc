@@ -46,6 +46,8 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                       {"us", p.us},
                       {"bytes", p.bytes},
                       {"gbps", p.gbps},
+                      {"read_gbps_used", p.read_gbps_used},
+                      {"peak_used", p.peak_used},
                       {"bandwidth_fraction", p.bandwidth_fraction},
                       {"operations", p.operations},
                       {"gflops", p.gflops},
