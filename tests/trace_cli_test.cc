@@ -1,37 +1,20 @@
 // `epmoe trace` as a user meets it: help, one-line refusals, convert round trips through files,
 // gen + stats in JSON, show.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "run_command.h"
+
 namespace {
 
-struct CommandResult {
-  int exit_code;
-  std::string out;  // stdout and stderr together
-};
+using epmoe::testing::CommandResult;
+using epmoe::testing::Epmoe;
 
-CommandResult Epmoe(const std::string& args) {
-  const char* binary = std::getenv("EPMOE_BINARY");
-  const std::string command = std::string(binary ? binary : EPMOE_BINARY_DIR "/epmoe") + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string out;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-const std::string kTraces = std::string(EPMOE_SOURCE_DIR) + "/../shared/data/traces";
+const std::string kTraces = epmoe::testing::TracesDir();
 const std::string kDecode = kTraces + "/flame_moe_290m/decode_64seqs_pos1-10";
 
 std::string TempDir() {
@@ -41,8 +24,8 @@ std::string TempDir() {
 }
 
 TEST(TraceCli, EverySubcommandHasHelp) {
-  for (const char* cmd : {"trace --help", "trace convert --help", "trace gen --help", "trace stats --help",
-                          "trace show --help"}) {
+  for (const char* cmd :
+       {"trace --help", "trace convert --help", "trace gen --help", "trace stats --help", "trace show --help"}) {
     const CommandResult r = Epmoe(cmd);
     EXPECT_EQ(r.exit_code, 0) << cmd << ": " << r.out;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << cmd;
@@ -53,12 +36,11 @@ TEST(TraceCli, RefusesBadInputWithOneLine) {
   const std::string missing = TempDir() + "/no_such.bin";
   for (const std::string& cmd :
        {std::string("trace stats --bogus"), "trace stats " + kDecode + " --ranks 0",
-        "trace stats " + kDecode + " --ranks 65", "trace stats " + kDecode + " --from nosuch",
-        "trace stats " + missing, "trace gen " + TempDir() + "/x.bin --dist pareto",
-        "trace gen " + TempDir() + "/x.bin --experts 4 --top-k 8", "trace gen " + TempDir() + "/x.bin --correlation 2",
-        "trace convert " + kDecode, "trace convert " + kDecode + " " + TempDir() + "/x.bin --to xml",
-        "trace show " + kDecode + " --step 10", "trace show " + kDecode + " --layer 8",
-        "trace stats " + kDecode + " --batch 8"}) {
+        "trace stats " + kDecode + " --ranks 65", "trace stats " + kDecode + " --from nosuch", "trace stats " + missing,
+        "trace gen " + TempDir() + "/x.bin --dist pareto", "trace gen " + TempDir() + "/x.bin --experts 4 --top-k 8",
+        "trace gen " + TempDir() + "/x.bin --correlation 2", "trace convert " + kDecode,
+        "trace convert " + kDecode + " " + TempDir() + "/x.bin --to xml", "trace show " + kDecode + " --step 10",
+        "trace show " + kDecode + " --layer 8", "trace stats " + kDecode + " --batch 8"}) {
     const CommandResult r = Epmoe(cmd);
     EXPECT_NE(r.exit_code, 0) << cmd;
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << cmd << ": " << r.out;
@@ -86,7 +68,8 @@ TEST(TraceCli, ConvertRoundTripKeepsTheStats) {
 
 TEST(TraceCli, GenStatsAndShow) {
   const std::string file = TempDir() + "/zipf.bin";
-  const CommandResult gen = Epmoe("trace gen " + file + " --dist zipf --zipf-s 1.2 --layers 2 --experts 32 "
+  const CommandResult gen = Epmoe("trace gen " + file +
+                                  " --dist zipf --zipf-s 1.2 --layers 2 --experts 32 "
                                   "--top-k 4 --steps 5 --batch 16 --seed 3");
   ASSERT_EQ(gen.exit_code, 0) << gen.out;
   const CommandResult stats = Epmoe("trace stats " + file + " --ranks 4 --format json");
@@ -104,7 +87,8 @@ TEST(TraceCli, GenStatsAndShow) {
   ASSERT_EQ(show.exit_code, 0) << show.out;
   EXPECT_NE(show.out.find("row 0: 34:0.0998 28:0.0523 21:0.0417 47:0.0384 3:0.0326 12:0.0296"), std::string::npos)
       << show.out;
-  const CommandResult counts = Epmoe("trace stats " + kTraces + "/olmoe_paper_expert_counts/expert_counts.csv "
+  const CommandResult counts = Epmoe("trace stats " + kTraces +
+                                     "/olmoe_paper_expert_counts/expert_counts.csv "
                                      "--filter model=olmoe,domain=arxiv,selection=topk --format json");
   ASSERT_EQ(counts.exit_code, 0) << counts.out;
   auto c = nlohmann::json::parse(counts.out);
