@@ -1,8 +1,8 @@
 // The benchmark's arithmetic (fit, correlations, roofline figures) and the machine-limit
 // microbenchmarks' contracts. Timings themselves are not asserted (benchmarks, not timed tests).
-#include <cmath>
-
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "epmoe/kernel_bench.h"
 #include "epmoe/machine_limits.h"
@@ -72,7 +72,8 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
     EXPECT_NEAR(p.roofline_fraction, p.bound_us / p.us, 1e-12);
     EXPECT_NEAR(p.bandwidth_fraction, p.gbps / p.read_gbps_used, 1e-12);
     EXPECT_GT(p.peak_used, 0);
-    EXPECT_NEAR(p.bound_us, std::max(p.bytes / (p.read_gbps_used * 1e3), p.operations / (p.peak_used * 1e3)), 1e-6 * p.bound_us);
+    EXPECT_NEAR(p.bound_us, std::max(p.bytes / (p.read_gbps_used * 1e3), p.operations / (p.peak_used * 1e3)),
+                1e-6 * p.bound_us);
   }
   ASSERT_EQ(report->decode.size(), 2u);
   for (const auto& d : report->decode) {

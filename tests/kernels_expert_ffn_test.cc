@@ -7,13 +7,13 @@
 //    rounding and summation order), much tighter, so a kernel bug cannot hide in quantization noise.
 // Rows per expert 0, 1, 2, 3, 7 (decode path), 64 and 1000 (prefill path), uneven, with experts
 // that get no rows; input sizes that are not multiples of the vector or group width.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "epmoe/cpu.h"
 #include "epmoe/expert_ffn.h"
@@ -29,8 +29,8 @@ double FormatTolerance(WeightFormat format) {
     case WeightFormat::kFp32: return 1e-4;
     case WeightFormat::kBf16: return 1.5e-2;
     case WeightFormat::kInt8: return 5e-2;
-    case WeightFormat::kNvfp4: return 3e-1;   // E2M1 has 3 bits of magnitude: errors up to 1/6 of a block's max
-    case WeightFormat::kMxfp4: return 3.5e-1; // and power-of-two scales leave up to 2x headroom unused
+    case WeightFormat::kNvfp4: return 3e-1;    // E2M1 has 3 bits of magnitude: errors up to 1/6 of a block's max
+    case WeightFormat::kMxfp4: return 3.5e-1;  // and power-of-two scales leave up to 2x headroom unused
   }
   return 0;
 }
@@ -81,7 +81,8 @@ Matrix ReferenceOutputs(const std::vector<ExpertWeights>& experts, const Matrix&
                         const std::vector<int64_t>& offsets) {
   Matrix out(rows.rows, rows.cols);
   for (size_t e = 0; e < experts.size(); ++e) {
-    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) ReferenceExpertFfn(experts[e], rows.row_span(r), out.row_span(r));
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      ReferenceExpertFfn(experts[e], rows.row_span(r), out.row_span(r));
   }
   return out;
 }

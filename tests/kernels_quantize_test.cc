@@ -1,9 +1,9 @@
 // Weight formats: the scalar encodings, block round trips, exact byte counts, and the kernels'
 // packed layouts holding the same values.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "epmoe/quantize.h"
 #include "kernels/kernel.h"
@@ -18,9 +18,9 @@ TEST(Encodings, E2m1RoundTripsEveryCode) {
   }
   EXPECT_EQ(DecodeE2m1(7), 6.0f);
   EXPECT_EQ(DecodeE2m1(0xD), -3.0f);
-  EXPECT_EQ(EncodeE2m1(100.0f), 7);      // clamps to 6
-  EXPECT_EQ(EncodeE2m1(2.4f), 4);        // nearest is 2
-  EXPECT_EQ(EncodeE2m1(-2.6f), 8 | 5);   // nearest is -3
+  EXPECT_EQ(EncodeE2m1(100.0f), 7);     // clamps to 6
+  EXPECT_EQ(EncodeE2m1(2.4f), 4);       // nearest is 2
+  EXPECT_EQ(EncodeE2m1(-2.6f), 8 | 5);  // nearest is -3
 }
 
 TEST(Encodings, E4m3MatchesTheFnVariant) {
@@ -78,8 +78,10 @@ TEST_P(FormatTest, ExactBytesAndBoundedError) {
     err += (back.data[i] - m.data[i]) * (back.data[i] - m.data[i]);
     ref += m.data[i] * m.data[i];
   }
-  const double bound = format == WeightFormat::kFp32 ? 0 : format == WeightFormat::kBf16 ? 4e-3
-                       : format == WeightFormat::kInt8 ? 2e-2 : 0.15;
+  const double bound = format == WeightFormat::kFp32   ? 0
+                       : format == WeightFormat::kBf16 ? 4e-3
+                       : format == WeightFormat::kInt8 ? 2e-2
+                                                       : 0.15;
   EXPECT_LE(std::sqrt(err / ref), bound);
   for (auto layout : {kernels::PackLayout::kNatural, kernels::PackLayout::kGrouped256}) {
     const kernels::PackedMatrix packed = kernels::PackMatrix(*q, layout);

@@ -22,12 +22,12 @@ class ThreadPool;
 struct KernelBenchOptions {
   std::vector<WeightFormat> formats = AllWeightFormats();
   std::vector<int64_t> tokens = {1, 8, 16, 64, 256, 1024, 8192};
-  int hidden = 2048;               // the layer's shape (qwen3-30b-a3b by default)
+  int hidden = 2048;  // the layer's shape (qwen3-30b-a3b by default)
   int intermediate = 768;
   int experts = 128;
   int top_k = 8;
   std::string isa = "auto";
-  double skew_sigma = 0.3;         // expert popularity ~ exp(sigma * N(0,1)): max/mean load ~2 at large T
+  double skew_sigma = 0.3;  // expert popularity ~ exp(sigma * N(0,1)): max/mean load ~2 at large T
   uint64_t seed = 1;
   int repetitions = 5;             // timed runs per point (median), fewer when a point is slow
   double seconds_per_point = 3.0;  // stop repeating a point after this much time
@@ -37,7 +37,7 @@ struct KernelBenchOptions {
   int decode_max_tokens = 16;
   int decode_ranks = 8;
   int decode_repetitions = 3;
-  int64_t flush_bytes = int64_t{128} << 20;  // read before each timed run so weights come from DRAM
+  int64_t flush_bytes = int64_t{128} << 20;             // read before each timed run so weights come from DRAM
   int64_t bandwidth_buffer_bytes = int64_t{512} << 20;  // for MeasureMemoryBandwidth
 };
 
@@ -56,16 +56,16 @@ struct KernelBenchPoint {
   int64_t picks = 0;
   int experts_touched = 0;
   int64_t max_rows_per_expert = 0;
-  double us = 0;               // median time of the layer's routed experts
-  int64_t bytes = 0;           // expert weight bytes read (touched experts, scales included)
+  double us = 0;      // median time of the layer's routed experts
+  int64_t bytes = 0;  // expert weight bytes read (touched experts, scales included)
   double gbps = 0;
-  double read_gbps_used = 0;   // bandwidth measured next to this format's points
-  double peak_used = 0;        // peak of the kernel's arithmetic path, measured likewise
+  double read_gbps_used = 0;      // bandwidth measured next to this format's points
+  double peak_used = 0;           // peak of the kernel's arithmetic path, measured likewise
   double bandwidth_fraction = 0;  // gbps / read_gbps_used
-  double operations = 0;       // 2 * picks * 3 * hidden * intermediate
+  double operations = 0;          // 2 * picks * 3 * hidden * intermediate
   double gflops = 0;
-  double bound_us = 0;         // max(bytes / read_gbps_used, operations / peak_used)
-  bool memory_bound = false;   // which term of the bound is larger
+  double bound_us = 0;           // max(bytes / read_gbps_used, operations / peak_used)
+  bool memory_bound = false;     // which term of the bound is larger
   double roofline_fraction = 0;  // bound_us / us
   int repetitions = 0;
 };
@@ -81,7 +81,7 @@ struct DecodeSample {
 struct DecodeExperiment {
   WeightFormat format;
   std::vector<DecodeSample> samples;
-  double fixed_us = 0;       // fitted time = fixed_us + us_per_gb * GB read
+  double fixed_us = 0;  // fitted time = fixed_us + us_per_gb * GB read
   double us_per_gb = 0;
   double correlation_bytes = 0;  // Pearson, time vs bytes read
   double correlation_picks = 0;  // Pearson, time vs picks

@@ -35,8 +35,7 @@ struct BandwidthOptions {
 // Read bandwidth in GB/s (1e9 bytes per second): all threads of the pool sum disjoint parts of the
 // buffer with the widest loads `isa` has; median over the repetitions. Fails if the buffer cannot
 // be allocated or is smaller than 64 MB.
-Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options = {},
-                                      Isa isa = Isa::kAvx512);
+Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options = {}, Isa isa = Isa::kAvx512);
 
 struct PeakOptions {
   double seconds_per_repetition = 0.05;

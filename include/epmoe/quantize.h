@@ -24,24 +24,24 @@ namespace epmoe {
 
 uint16_t Bf16FromFloat(float value);
 float FloatFromBf16(uint16_t bits);
-float DecodeE2m1(uint8_t code);         // low 4 bits used
-uint8_t EncodeE2m1(float value);        // nearest, clamped to +-6
-float DecodeE4m3(uint8_t code);         // 0x7F / 0xFF (NaN) decode to NaN
-uint8_t EncodeE4m3(float value);        // nearest non-negative code, clamped to 448; value >= 0
-float DecodeE8m0(uint8_t code);         // 2^(code - 127); 255 decodes to NaN
+float DecodeE2m1(uint8_t code);   // low 4 bits used
+uint8_t EncodeE2m1(float value);  // nearest, clamped to +-6
+float DecodeE4m3(uint8_t code);   // 0x7F / 0xFF (NaN) decode to NaN
+uint8_t EncodeE4m3(float value);  // nearest non-negative code, clamped to 448; value >= 0
+float DecodeE8m0(uint8_t code);   // 2^(code - 127); 255 decodes to NaN
 
 // One [rows x cols] matrix in a weight format, natural order. Only the fields of `format` are used.
 struct QuantizedMatrix {
   WeightFormat format = WeightFormat::kFp32;
   int64_t rows = 0;
   int64_t cols = 0;
-  std::vector<float> fp32;             // rows * cols
-  std::vector<uint16_t> bf16;          // rows * cols
-  std::vector<int8_t> int8;            // rows * cols
-  std::vector<float> row_scales;       // int8: one per row
-  std::vector<BlockNvfp4> nvfp4;       // rows * cols / 16, row-major
-  float tensor_scale = 1.0f;           // nvfp4
-  std::vector<BlockMxfp4> mxfp4;       // rows * cols / 32, row-major
+  std::vector<float> fp32;        // rows * cols
+  std::vector<uint16_t> bf16;     // rows * cols
+  std::vector<int8_t> int8;       // rows * cols
+  std::vector<float> row_scales;  // int8: one per row
+  std::vector<BlockNvfp4> nvfp4;  // rows * cols / 16, row-major
+  float tensor_scale = 1.0f;      // nvfp4
+  std::vector<BlockMxfp4> mxfp4;  // rows * cols / 32, row-major
 
   // Bytes of the encoded data: equals ByteCount(format, rows, cols).
   int64_t bytes() const;

@@ -1,9 +1,9 @@
 #include "epmoe/cpu.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdlib>
-
-#include <fmt/format.h>
 
 namespace epmoe {
 
@@ -16,7 +16,9 @@ const char* IsaName(Isa isa) {
   return "unknown";
 }
 
-std::vector<Isa> AllIsas() { return {Isa::kAvx512, Isa::kAvx2, Isa::kReference}; }
+std::vector<Isa> AllIsas() {
+  return {Isa::kAvx512, Isa::kAvx2, Isa::kReference};
+}
 
 Result<Isa> ParseIsa(std::string_view name) {
   for (Isa isa : AllIsas()) {
@@ -71,8 +73,8 @@ Result<Isa> ResolveIsa(std::string_view requested) {
   if (requested != "auto") {
     EPMOE_ASSIGN_OR_RETURN(chosen, ParseIsa(requested));
     if (!IsaSupported(chosen))
-      return FailedPrecondition(fmt::format("this CPU cannot run the {} kernels (best available: {})",
-                                            IsaName(chosen), IsaName(BestSupportedIsa())));
+      return FailedPrecondition(fmt::format("this CPU cannot run the {} kernels (best available: {})", IsaName(chosen),
+                                            IsaName(BestSupportedIsa())));
   }
   if (const char* env = std::getenv("EPMOE_ISA"); env != nullptr && *env != '\0') {
     auto cap = ParseIsa(env);

@@ -1,9 +1,9 @@
 #include "kernels/expert_store.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <fmt/format.h>
 
 #include "epmoe/thread_pool.h"
 
@@ -110,7 +110,8 @@ void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets,
   // Phase 1: input rows in the kernel's activation format.
   std::vector<uint8_t> inputs(total * hidden_stride);
   pool.ParallelFor(total, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) kernel.QuantizeActivations(rows + r * hidden_, hidden_, inputs.data() + r * hidden_stride);
+    for (int64_t r = begin; r < end; ++r)
+      kernel.QuantizeActivations(rows + r * hidden_, hidden_, inputs.data() + r * hidden_stride);
   });
 
   // Phase 2: silu(gate x) * (up x) for every row, in fp32.

@@ -1,13 +1,13 @@
 #include "epmoe/kernel_bench.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <memory>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "epmoe/cpu.h"
 #include "epmoe/expert_ffn.h"
@@ -141,13 +141,14 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     return InvalidArgument(fmt::format("bench: shape experts={} top_k={} hidden={} intermediate={} is not valid",
                                        o.experts, o.top_k, o.hidden, o.intermediate));
   if (o.decode && (o.decode_ranks <= 0 || o.experts % o.decode_ranks != 0))
-    return InvalidArgument(fmt::format("bench: {} experts do not split into {} ranks of whole experts", o.experts,
-                                       o.decode_ranks));
+    return InvalidArgument(
+        fmt::format("bench: {} experts do not split into {} ranks of whole experts", o.experts, o.decode_ranks));
   if (o.decode && (o.decode_min_tokens <= 0 || o.decode_max_tokens < o.decode_min_tokens))
-    return InvalidArgument(fmt::format("bench: decode tokens {}..{} is not a range", o.decode_min_tokens,
-                                       o.decode_max_tokens));
+    return InvalidArgument(
+        fmt::format("bench: decode tokens {}..{} is not a range", o.decode_min_tokens, o.decode_max_tokens));
   for (int64_t t : o.tokens) {
-    if (t <= 0 || t > (int64_t{1} << 20)) return InvalidArgument(fmt::format("bench: token count {} out of 1..2^20", t));
+    if (t <= 0 || t > (int64_t{1} << 20))
+      return InvalidArgument(fmt::format("bench: token count {} out of 1..2^20", t));
   }
   EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa(o.isa));
 
@@ -194,7 +195,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     const ArithmeticPath path = PathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
     // Limits drift when other processes share the machine: measure them again next to this
     // format's points and use these; the report's limits are the medians of all measurements.
-    EPMOE_ASSIGN_OR_RETURN(const double bandwidth, MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 5}, machine));
+    EPMOE_ASSIGN_OR_RETURN(const double bandwidth,
+                           MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 5}, machine));
     const double effective_peak = peak_or_zero(path, {0.05, 3});
     bandwidths.push_back(bandwidth);
     peaks[static_cast<int>(path)].push_back(effective_peak);

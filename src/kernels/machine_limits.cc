@@ -1,5 +1,7 @@
 #include "epmoe/machine_limits.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -7,8 +9,6 @@
 #include <memory>
 #include <new>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "epmoe/thread_pool.h"
 #include "kernels/cpu/limits_kernels.h"
@@ -21,7 +21,9 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-Isa Lowered(Isa isa) { return std::min(isa, BestSupportedIsa()); }
+Isa Lowered(Isa isa) {
+  return std::min(isa, BestSupportedIsa());
+}
 
 }  // namespace
 
@@ -58,8 +60,8 @@ ArithmeticPath PathForFormat(WeightFormat format, Isa isa) {
 Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options, Isa isa) {
   constexpr int64_t kChunk = int64_t{1} << 20;
   if (options.buffer_bytes < (int64_t{64} << 20))
-    return InvalidArgument(fmt::format("bandwidth buffer of {} bytes is under 64 MB: it would be read from cache",
-                                       options.buffer_bytes));
+    return InvalidArgument(
+        fmt::format("bandwidth buffer of {} bytes is under 64 MB: it would be read from cache", options.buffer_bytes));
   const int64_t bytes = options.buffer_bytes / kChunk * kChunk;
   std::unique_ptr<uint8_t[]> buffer(new (std::nothrow) uint8_t[bytes]);
   if (buffer == nullptr) return OutOfRange(fmt::format("cannot allocate {} bytes for the bandwidth test", bytes));
@@ -102,7 +104,8 @@ Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOpti
   };
   float probe = 0;
   if (loop(1, &probe) == 0)
-    return FailedPrecondition(fmt::format("instruction set {} has no {} instruction", IsaName(use), ArithmeticPathName(path)));
+    return FailedPrecondition(
+        fmt::format("instruction set {} has no {} instruction", IsaName(use), ArithmeticPathName(path)));
   // Calibrate the iterations for the wanted duration on one thread.
   int64_t iterations = 1 << 16;
   while (true) {

@@ -125,8 +125,8 @@ void DequantizePackedRow(const PackedMatrix& w, int64_t n, float* out) {
         for (int code = 0; code < 16; ++code) values[code] = DecodeE2m1(static_cast<uint8_t>(code));
         const uint8_t* row = w.row(n);
         for (int64_t b = 0; b < w.cols / block; ++b) {
-          const float scale = w.format == WeightFormat::kNvfp4 ? DecodeE4m3(scales[b]) * w.tensor_scale
-                                                               : DecodeE8m0(scales[b]);
+          const float scale =
+              w.format == WeightFormat::kNvfp4 ? DecodeE4m3(scales[b]) * w.tensor_scale : DecodeE8m0(scales[b]);
           for (int i = 0; i < block / 2; ++i) {
             const uint8_t byte = row[b * block / 2 + i];
             out[b * block + 2 * i] = values[byte & 0xF] * scale;

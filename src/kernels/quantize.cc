@@ -1,12 +1,12 @@
 #include "epmoe/quantize.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
 #include <limits>
-
-#include <fmt/format.h>
 
 namespace epmoe {
 namespace {
@@ -31,7 +31,9 @@ float MaxAbs(const float* values, int64_t count) {
   return m;
 }
 
-uint8_t PackPair(uint8_t low, uint8_t high) { return static_cast<uint8_t>(low | (high << 4)); }
+uint8_t PackPair(uint8_t low, uint8_t high) {
+  return static_cast<uint8_t>(low | (high << 4));
+}
 
 }  // namespace
 
@@ -42,7 +44,9 @@ uint16_t Bf16FromFloat(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-float FloatFromBf16(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+float FloatFromBf16(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
 
 float DecodeE2m1(uint8_t code) {
   const float magnitude = kE2m1Magnitudes[code & 7];
@@ -63,8 +67,8 @@ float DecodeE4m3(uint8_t code) {
   const int exponent = (code >> 3) & 0xF;
   const int mantissa = code & 7;
   if (exponent == 0xF && mantissa == 7) return std::numeric_limits<float>::quiet_NaN();
-  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
-                                        : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  const float magnitude =
+      exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
   return (code & 0x80) ? -magnitude : magnitude;
 }
 
@@ -176,7 +180,8 @@ Result<QuantizedMatrix> Quantize(WeightFormat format, const Matrix& weights) {
       const float amax = MaxAbs(weights.data.data(), count);
       q.tensor_scale = amax > 0 ? amax / (kE2m1Max * kE4m3Max) : 1.0f;
       q.nvfp4.resize(count / 16);
-      for (int64_t b = 0; b < count / 16; ++b) q.nvfp4[b] = QuantizeNvfp4Block(weights.data.data() + b * 16, q.tensor_scale);
+      for (int64_t b = 0; b < count / 16; ++b)
+        q.nvfp4[b] = QuantizeNvfp4Block(weights.data.data() + b * 16, q.tensor_scale);
       break;
     }
     case WeightFormat::kMxfp4:
@@ -198,7 +203,8 @@ void DequantizeRow(const QuantizedMatrix& q, int64_t row, float* out) {
       for (int64_t c = 0; c < q.cols; ++c) out[c] = q.int8[first + c] * q.row_scales[row];
       break;
     case WeightFormat::kNvfp4:
-      for (int64_t b = 0; b < q.cols / 16; ++b) DequantizeNvfp4Block(q.nvfp4[first / 16 + b], q.tensor_scale, out + b * 16);
+      for (int64_t b = 0; b < q.cols / 16; ++b)
+        DequantizeNvfp4Block(q.nvfp4[first / 16 + b], q.tensor_scale, out + b * 16);
       break;
     case WeightFormat::kMxfp4:
       for (int64_t b = 0; b < q.cols / 32; ++b) DequantizeMxfp4Block(q.mxfp4[first / 32 + b], out + b * 32);

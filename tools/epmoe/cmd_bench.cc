@@ -1,13 +1,13 @@
 // `epmoe bench kernels`: the expert kernels against the machine's measured limits (roofline), and
 // the decode experiment. The work is RunKernelBench (epmoe/kernel_bench.h); this file parses flags
 // and prints.
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "epmoe/kernel_bench.h"
@@ -99,10 +99,11 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
                 p.memory_bound ? "mem" : "arith", p.roofline_fraction);
   }
   for (const auto& d : r.decode) {
-    std::printf("decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f, "
-                "with picks %.3f\n",
-                WeightFormatName(d.format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
-                d.correlation_picks);
+    std::printf(
+        "decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f, "
+        "with picks %.3f\n",
+        WeightFormatName(d.format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
+        d.correlation_picks);
   }
 }
 
@@ -129,8 +130,8 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.seed = o.seed;
   ThreadPool pool(o.threads);
   EPMOE_ASSIGN_OR_RETURN(*report, RunKernelBench(options, pool, [](const std::string& line) {
-                           std::fprintf(stderr, "bench: %s\n", line.c_str());
-                         }));
+    std::fprintf(stderr, "bench: %s\n", line.c_str());
+  }));
   return Status::Ok();
 }
 
@@ -141,8 +142,9 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   bench->require_subcommand(1);
   auto o = std::make_shared<BenchKernelsOptions>();
   auto* cmd = bench->add_subcommand(
-      "kernels", "Expert kernels per weight format and token count against the measured roofline, and the decode "
-                 "experiment (time vs bytes read)");
+      "kernels",
+      "Expert kernels per weight format and token count against the measured roofline, and the decode "
+      "experiment (time vs bytes read)");
   cmd->add_option("--model", o->model, "Model preset (or .json) giving the layer shape")->capture_default_str();
   cmd->add_option("--formats", o->formats, "Weight formats, comma separated")
       ->delimiter(',')

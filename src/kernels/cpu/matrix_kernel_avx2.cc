@@ -78,6 +78,8 @@ class Avx2Kernel final : public MatrixKernel {
 
 }  // namespace
 
-std::unique_ptr<MatrixKernel> MakeAvx2Kernel(WeightFormat format) { return std::make_unique<Avx2Kernel>(format); }
+std::unique_ptr<MatrixKernel> MakeAvx2Kernel(WeightFormat format) {
+  return std::make_unique<Avx2Kernel>(format);
+}
 
 }  // namespace epmoe::kernels

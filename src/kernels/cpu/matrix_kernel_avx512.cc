@@ -32,11 +32,11 @@ namespace {
 // Where a tile reads and writes.
 struct TileArgs {
   const PackedMatrix* weights;
-  int64_t channel;          // first weight row of the tile
-  const uint8_t* acts;      // first activation row of the tile
-  int64_t act_stride;       // bytes between activation rows
-  float* out;               // result of (first row, first channel)
-  int64_t out_stride;       // floats between output rows
+  int64_t channel;      // first weight row of the tile
+  const uint8_t* acts;  // first activation row of the tile
+  int64_t act_stride;   // bytes between activation rows
+  float* out;           // result of (first row, first channel)
+  int64_t out_stride;   // floats between output rows
   // 4-bit prefill only: the tile's weights already expanded (see FourBit::Unpack).
   const uint8_t* unpacked_values = nullptr;
   const float* unpacked_scales = nullptr;
@@ -50,7 +50,7 @@ struct TileTable {
   static constexpr std::array<TileFn, sizeof...(I)> Make(std::integer_sequence<int, I...>) {
     return {&Tile<I / kMaxChannels + 1, I % kMaxChannels + 1>::Run...};
   }
-  static constexpr std::array<TileFn, kMaxRows * kMaxChannels> kTable =
+  static constexpr std::array<TileFn, kMaxRows* kMaxChannels> kTable =
       Make(std::make_integer_sequence<int, kMaxRows * kMaxChannels>{});
 };
 
@@ -92,10 +92,13 @@ int32_t SumLanes(__m512i v) {
 // of 64) starting `offset` bytes into it. Short rows split into several
 // streams over 4 KB pages defeat the hardware prefetchers; this keeps enough reads in flight.
 inline void PrefetchNextTile(const uint8_t* next_tile, int64_t offset, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(next_tile + offset + b), _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next_tile + offset + b), _MM_HINT_T0);
 }
 
-int64_t RoundUp(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+int64_t RoundUp(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
 
 // ---- fp32 ----
 
@@ -257,8 +260,12 @@ class Int8Kernel final : public MatrixKernel {
 
 // 4-bit activation row (cols a multiple of 256): cols int8 values in kGrouped256 order, then
 // cols/16 int32 lane corrections (-12 * sum of the lane's 16 values), then the fp32 scale.
-int64_t FourBitCorrectionOffset(int64_t cols) { return cols; }
-int64_t FourBitScaleOffset(int64_t cols) { return cols + cols / 16 * 4; }
+int64_t FourBitCorrectionOffset(int64_t cols) {
+  return cols;
+}
+int64_t FourBitScaleOffset(int64_t cols) {
+  return cols + cols / 16 * 4;
+}
 
 // Lane scales of group g for one weight row: 16 fp32, lane i scaling inputs 16i .. 16i+15.
 template <WeightFormat kFormat>
@@ -266,7 +273,8 @@ __m512 LaneScales(const uint8_t* row_scales, int64_t group) {
   if constexpr (kFormat == WeightFormat::kNvfp4) {
     // E4M3 (non-negative, never NaN here) -> fp32: place exponent and mantissa bits, then scale by
     // 2^(127 - 7) to rebias; subnormal codes come out right as fp32 subnormals times 2^120.
-    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + group * 16)));
+    const __m512i codes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + group * 16)));
     const __m512 raw = _mm512_castsi512_ps(_mm512_slli_epi32(codes, 20));
     return _mm512_mul_ps(raw, _mm512_set1_ps(0x1p120f));
   } else {
@@ -289,7 +297,8 @@ struct FourBit {
       const int64_t groups = cols / 256;
       const int64_t scales_per_row = cols / BlockSize(kFormat);
       // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), repeated in each 16 bytes.
-      const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+      const __m512i table =
+          _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
       const uint8_t* w[N];
       const uint8_t* s[N];
       for (int j = 0; j < N; ++j) {
@@ -336,8 +345,7 @@ struct FourBit {
       for (int r = 0; r < R; ++r) {
         float act_scale;
         std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(cols), 4);
-        for (int j = 0; j < N; ++j)
-          a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
+        for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
       }
     }
   };
@@ -349,7 +357,8 @@ struct FourBit {
                                                            uint8_t* values, float* scales) {
     const int64_t groups = m.cols / 256;
     const int64_t scales_per_row = m.cols / BlockSize(kFormat);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i table =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     for (int j = 0; j < channels; ++j) {
       const uint8_t* w = m.row(channel + j);
       const uint8_t* s = m.scales.data() + (channel + j) * scales_per_row;
@@ -406,8 +415,7 @@ struct FourBit {
       for (int r = 0; r < R; ++r) {
         float act_scale;
         std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(cols), 4);
-        for (int j = 0; j < N; ++j)
-          a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
+        for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
       }
     }
   };
@@ -461,8 +469,9 @@ class FourBitKernel final : public MatrixKernel {
       FourBit<kFormat>::Unpack(w, n, channels, values.data(), scales.data());
       for (int64_t r = 0; r < rows; r += kRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-        TileArgs args{&w, n, acts + r * stride, stride, out + r * out_stride + (n - n_begin), out_stride,
-                      values.data(), scales.data()};
+        TileArgs args{
+            &w,           n, acts + r * stride, stride, out + r * out_stride + (n - n_begin), out_stride, values.data(),
+            scales.data()};
         TileTable<FourBit<kFormat>::template UnpackedTile, kRows, kChannels>::kTable[(tile_rows - 1) * kChannels +
                                                                                      (channels - 1)](args);
       }
