@@ -92,7 +92,9 @@ class Rebalancer {
   ~Rebalancer();
 
   // Call on every rank after each step, with the number of steps completed so far and the rank's
-  // recorder (its window covers that rank's picks). Collective.
+  // recorder (its window covers that rank's picks). Collective. A look of the trigger that falls
+  // due while a rebalance is still switching is taken at the first boundary after it. After a
+  // boundary that installed layers, give the recorder placement() (LoadRecorder::SetPlacement).
   Result<BoundaryOutcome> AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder);
 
   // Proposes a placement to install from the next boundary on, instead of one the policy computes
@@ -124,6 +126,7 @@ class Rebalancer {
   RebalancerOptions options_;
   RebalanceTrigger trigger_;
   std::unique_ptr<Pending> pending_;
+  int64_t owed_check_step_ = -1;  // a look that fell due during a rebalance, taken after it
   std::vector<RebalanceReport> reports_;
 };
 

@@ -177,8 +177,18 @@ Status Rebalancer::Propose(const PlacementPtr& proposal) {
 Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder) {
   const double start = SteadySeconds();
   BoundaryOutcome outcome;
-  const bool needs_load = (pending_ == nullptr && trigger_.ChecksAt(steps_done)) ||
-                          (pending_ != nullptr && !pending_->measured);
+  // A look that falls due while a rebalance is still switching is deferred to the first boundary
+  // after it, not skipped (every rank knows the same state, so all defer alike).
+  if (trigger_.ChecksAt(steps_done) && pending_ != nullptr) owed_check_step_ = steps_done;
+  int64_t check_step = -1;
+  if (pending_ == nullptr) {
+    if (trigger_.ChecksAt(steps_done)) {
+      check_step = steps_done;
+    } else if (owed_check_step_ >= 0) {
+      check_step = owed_check_step_;
+    }
+  }
+  const bool needs_load = check_step >= 0 || (pending_ != nullptr && !pending_->measured);
   if (needs_load) {
     ExpertLoad load = recorder.Load();
     if (load.num_layers != live_->num_layers() || load.num_experts != live_->num_experts())
@@ -198,8 +208,9 @@ Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const Loa
       outcome.started = true;
     } else {
       outcome.checked = true;
+      owed_check_step_ = -1;
       TriggerInput input;
-      input.step = steps_done;
+      input.step = check_step;  // the step the look was due at (the trigger's schedule)
       input.windowed_balancedness = before;
       bool decide = false;
       if (options_.trigger.mode == TriggerMode::kPayback) {
