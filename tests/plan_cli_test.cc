@@ -2,39 +2,21 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
-#include <sys/wait.h>
 
-#include <nlohmann/json.hpp>
+#include "run_command.h"
 
 namespace {
 
-struct CommandRun {
-  int exit_code = -1;
-  std::string out;  // stdout and stderr together
-};
-
-CommandRun Epmoe(const std::string& args) {
-  const char* binary = std::getenv("EPMOE_BINARY");
-  const std::string path = binary != nullptr ? binary : EPMOE_BINARY_DIR "/epmoe";
-  CommandRun run;
-  FILE* pipe = popen((path + " " + args + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return run;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) run.out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
-}
+using CommandRun = epmoe::testing::CommandResult;
+using epmoe::testing::Epmoe;
 
 TEST(PlanCliTest, JsonOutputParses) {
-  const CommandRun run = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8,16 --batch 8,64 --samples 4 --format json");
+  const CommandRun run =
+      Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8,16 --batch 8,64 --samples 4 --format json");
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out);
   EXPECT_EQ(j["model"], "glm-5.3");
@@ -55,11 +37,13 @@ TEST(PlanCliTest, TextMarkdownCsvAndPlot) {
   EXPECT_NE(text.out.find("winner:"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("copies sent per row"), std::string::npos) << text.out;
 
-  const CommandRun md = Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 32 --batch 256 --samples 2 --format md");
+  const CommandRun md =
+      Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 32 --batch 256 --samples 2 --format md");
   ASSERT_EQ(md.exit_code, 0) << md.out;
   EXPECT_NE(md.out.find("| batch | GPUs | option |"), std::string::npos) << md.out;
 
-  const CommandRun csv = Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 16,32 --batch 256 --samples 2 --format csv");
+  const CommandRun csv =
+      Epmoe("plan --model deepseek-v3 --hardware h200x8 --gpus 16,32 --batch 256 --samples 2 --format csv");
   ASSERT_EQ(csv.exit_code, 0) << csv.out;
   std::istringstream lines(csv.out);
   std::string line;
@@ -70,8 +54,10 @@ TEST(PlanCliTest, TextMarkdownCsvAndPlot) {
   EXPECT_EQ(rows, 10);
 
   const std::string svg_path = ::testing::TempDir() + "plan_cli_test.svg";
-  const CommandRun plot = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8,16,32 --batch 8,64,256 --samples 2 "
-                         "--format csv --plot " + svg_path);
+  const CommandRun plot = Epmoe(
+      "plan --model glm-5.3 --hardware b300x8 --gpus 8,16,32 --batch 8,64,256 --samples 2 "
+      "--format csv --plot " +
+      svg_path);
   ASSERT_EQ(plot.exit_code, 0) << plot.out;
   std::ifstream in(svg_path);
   std::stringstream svg;
@@ -83,15 +69,14 @@ TEST(PlanCliTest, TextMarkdownCsvAndPlot) {
 }
 
 TEST(PlanCliTest, BadInputIsRefusedWithOneLine) {
-  for (const char* args : {"plan --model glm-5.3 --hardware b300x8 --gpus 0",
-                           "plan --model glm-5.3 --hardware b300x8 --batch -5",
-                           "plan --model glm-5.3 --hardware nope",
-                           "plan --model nope --hardware b300x8",
-                           "plan --model glm-5.3 --hardware b300x8 --phase train",
-                           "plan --model glm-5.3 --hardware b300x8 --options sliced,teleport",
-                           "plan --model glm-5.3 --hardware b300x8 --frobnicate",
-                           "plan --model glm-5.3 --hardware b300x8 --trace /nonexistent/trace.bin",
-                           "hardware show /nonexistent/profile.json"}) {
+  for (const char* args :
+       {"plan --model glm-5.3 --hardware b300x8 --gpus 0", "plan --model glm-5.3 --hardware b300x8 --batch -5",
+        "plan --model glm-5.3 --hardware nope", "plan --model nope --hardware b300x8",
+        "plan --model glm-5.3 --hardware b300x8 --phase train",
+        "plan --model glm-5.3 --hardware b300x8 --options sliced,teleport",
+        "plan --model glm-5.3 --hardware b300x8 --frobnicate",
+        "plan --model glm-5.3 --hardware b300x8 --trace /nonexistent/trace.bin",
+        "hardware show /nonexistent/profile.json"}) {
     const CommandRun run = Epmoe(args);
     EXPECT_NE(run.exit_code, 0) << args << "\n" << run.out;
     EXPECT_FALSE(run.out.empty()) << args;
@@ -107,14 +92,16 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
     out << R"({"ranks": 8, "tokens": 64, "layers": 2, "options": [)"
         << R"({"option": "sliced", "step_ms_median": 0.4}, {"option": "a2a", "step_ms_median": 0.5}]})";
   }
-  const CommandRun run = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured " + path);
+  const CommandRun run =
+      Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured " + path);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out)["calibration_check"];
   ASSERT_EQ(j["options"].size(), 2u);
   EXPECT_DOUBLE_EQ(j["options"][0]["measured_us_per_layer"].get<double>(), 200.0);  // 0.4 ms / 2 layers
   EXPECT_EQ(j["measured_order"][0], "sliced");
   // A run at another rank count is refused, naming what to pass.
-  const CommandRun other = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 16 --batch 64 --samples 2 --measured " + path);
+  const CommandRun other =
+      Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 16 --batch 64 --samples 2 --measured " + path);
   EXPECT_NE(other.exit_code, 0);
   EXPECT_NE(other.out.find("--gpus 8 --batch 64"), std::string::npos) << other.out;
 }
