@@ -1,15 +1,15 @@
 // The binary trace format and the exports: round trips (import -> binary -> export -> import gives
 // the same picks), and truncated or corrupted files of every format refused with an error naming
 // the byte offset (binary) or line (text), never a crash.
-#include <cstring>
-#include <filesystem>
-#include <limits>
-#include <fstream>
-#include <numeric>
-#include <sstream>
-
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <sstream>
 
 #include "epmoe/trace.h"
 #include "epmoe/trace_gen.h"
@@ -241,9 +241,9 @@ TEST_F(TraceFormatTest, CorruptedBinaryFieldsAreRefusedWithTheirOffset) {
   };
   const uint32_t big = 1u << 30;
   const uint32_t two = 2;
-  expect_offset(patched(0, "XPMOETRC", 8), 0);             // magic
-  expect_offset(patched(8, &two, 4), 8);                   // version
-  expect_offset(patched(16, &big, 4), 16);                 // layers
+  expect_offset(patched(0, "XPMOETRC", 8), 0);  // magic
+  expect_offset(patched(8, &two, 4), 8);        // version
+  expect_offset(patched(16, &big, 4), 16);      // layers
   const int64_t steps = 7;
   expect_offset(patched(32, &steps, 8), 40 + 8 + 2 * (4 + 8 + 2 * 2 * 2 * 8) + 4);  // header vs trailer steps
   // First step: marker at 48 (40 header + 2 layer ids), rows at 52, first expert id at 60.
@@ -253,11 +253,11 @@ TEST_F(TraceFormatTest, CorruptedBinaryFieldsAreRefusedWithTheirOffset) {
   expect_offset(patched(60, &repeated, 4), 60);
   int32_t first_id;
   std::memcpy(&first_id, bytes.data() + 60, 4);
-  expect_offset(patched(64, &first_id, 4), 64);            // the row's second pick repeats the first
+  expect_offset(patched(64, &first_id, 4), 64);  // the row's second pick repeats the first
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  expect_offset(patched(60 + 16, &nan, 4), 76);            // first weight of layer 0
+  expect_offset(patched(60 + 16, &nan, 4), 76);  // first weight of layer 0
   const int64_t many_rows = int64_t{1} << 40;
-  expect_offset(patched(52, &many_rows, 8), 52);           // rows beyond the file
+  expect_offset(patched(52, &many_rows, 8), 52);  // rows beyond the file
   const uint32_t marker = 0x12345678;
   expect_offset(patched(48, &marker, 4), 48);
   const int64_t picks = 3;
@@ -329,8 +329,7 @@ TEST_F(TraceFormatTest, DamagedTextFilesAreRefusedWithTheLine) {
   EXPECT_NE(topk("token,layer,e0,e1\n0,2,1\n").message().find("t.csv:2"), std::string::npos);
   EXPECT_NE(topk("token,layer,e0,e1\n0,2,1,-3\n").message().find("t.csv:2"), std::string::npos);
   // Token 1 lacks layer 3.
-  EXPECT_NE(topk("token,layer,e0\n0,2,1\n0,3,1\n1,2,0\n").message().find("no record for layer 3"),
-            std::string::npos);
+  EXPECT_NE(topk("token,layer,e0\n0,2,1\n0,3,1\n1,2,0\n").message().find("no record for layer 3"), std::string::npos);
   EXPECT_FALSE(topk("token,layer,e0,e1,w0,w1\n0,2,1,3,nan,0.25\n").ok());
   EXPECT_FALSE(topk("").ok());
   options.num_experts = 2;
@@ -367,8 +366,7 @@ TEST_F(TraceFormatTest, DamagedTextFilesAreRefusedWithTheLine) {
     return ImportExpertCountsCsv(in, "c.csv", options).status();
   };
   EXPECT_TRUE(counts("model,layer,expert,count\nm,0,0,5\nm,0,1,3\n").ok());
-  EXPECT_NE(counts("model,layer,expert,count\nm,0,0,5\nm,0,0,3\n").message().find("second count"),
-            std::string::npos);
+  EXPECT_NE(counts("model,layer,expert,count\nm,0,0,5\nm,0,0,3\n").message().find("second count"), std::string::npos);
   EXPECT_NE(counts("model,layer,expert,count\nm,0,0,-5\n").message().find("c.csv:2"), std::string::npos);
   EXPECT_FALSE(counts("model,layer,expert\nm,0,0\n").ok());
   EXPECT_FALSE(counts("model,layer,expert,count\nm,0,0,5\nm,1,0,4\n").ok());  // layers disagree
@@ -383,11 +381,17 @@ TEST_F(TraceFormatTest, DamagedTextFilesAreRefusedWithTheLine) {
   EXPECT_NE(flame("layer_id,token_id,expert_0,expert_1,expert_2\n0,0,0.5,0,0.2\n0,1,0.5,0.1,0.2\n")
                 .message()
                 .find("layer02.csv:3"),
-            std::string::npos);  // k changes
+            std::string::npos);                                                    // k changes
   EXPECT_FALSE(flame("layer_id,token_id,expert_0,expert_2\n0,0,0.5,0.2\n").ok());  // column gap
   EXPECT_FALSE(flame("layer_id,token_id,expert_0\n0,0,-0.5\n").ok());
   EXPECT_FALSE(flame("layer_id,token_id,expert_0\n0,0,0\n").ok());
   EXPECT_FALSE(flame("layer_id,token_id,expert_0\n0,0\n").ok());
+  // A score that is a finite double but overflows the float weights are stored in (found by fuzzing).
+  EXPECT_NE(flame("layer_id,token_id,expert_0,expert_1\n0,0,1e300,0\n").message().find("out of range"),
+            std::string::npos);
+  EXPECT_NE(topk("token,layer,e0,e1,w0,w1\n0,2,1,3,1e300,0.25\n").message().find("out of range"), std::string::npos);
+  EXPECT_NE(jsonl("{\"layer\":0,\"experts\":[1,2],\"gating_probs\":[1e300,0.4]}\n").message().find("out of range"),
+            std::string::npos);
 }
 
 TEST_F(TraceFormatTest, TruncatedRealFilesAreRefusedOrConsistent) {

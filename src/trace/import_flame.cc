@@ -1,11 +1,11 @@
 // FLAME-MoE per-layer gate-score CSVs (see trace.h for the layouts).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <regex>
-
-#include <fmt/format.h>
 
 #include "trace/imported.h"
 #include "trace/text_input.h"
@@ -117,17 +117,20 @@ Status ParseFlameLayerCsv(std::istream& in, const std::string& source, Picks* pi
     if (chosen.empty()) return lines.Error("no expert has a non-zero score");
     if (picks->rows == 0) picks->k = static_cast<int>(chosen.size());
     if (static_cast<int>(chosen.size()) != picks->k)
-      return lines.Error(fmt::format("{} non-zero scores, earlier rows have {} (top-k must be constant)",
-                                     chosen.size(), picks->k));
+      return lines.Error(
+          fmt::format("{} non-zero scores, earlier rows have {} (top-k must be constant)", chosen.size(), picks->k));
     if ((picks->rows + 1) * picks->k > TraceReader::kMaxInMemoryPicks)
-      return OutOfRange(fmt::format("{}: more than {} picks; too large to import", source,
-                                    TraceReader::kMaxInMemoryPicks));
+      return OutOfRange(
+          fmt::format("{}: more than {} picks; too large to import", source, TraceReader::kMaxInMemoryPicks));
     std::stable_sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) {
       return a.first > b.first || (a.first == b.first && a.second < b.second);
     });
     for (const auto& [score, expert] : chosen) {
+      float weight = 0;
+      if (!ToWeight(score, &weight))
+        return lines.Error(fmt::format("gate score {} of expert {} is out of range", score, expert));
       picks->experts.push_back(expert);
-      picks->weights.push_back(static_cast<float>(score));
+      picks->weights.push_back(weight);
     }
     ++picks->rows;
   }
@@ -170,7 +173,8 @@ Result<ImportedTrace> ImportFlameCsv(const std::string& path, const LoadReadOpti
       EPMOE_RETURN_IF_ERROR(ReadLayerFolder(files, &trace.info, &trace.steps[0]));
       for (const LayerFile& f : files) trace.info.layer_ids.push_back(static_cast<int>(f.layer_id));
       std::smatch match;
-      const std::string name = root.filename().empty() ? root.parent_path().filename().string() : root.filename().string();
+      const std::string name =
+          root.filename().empty() ? root.parent_path().filename().string() : root.filename().string();
       static const std::regex kSeqsTok("([0-9]+)seqs_x([0-9]+)tok");
       if (std::regex_search(name, match, kSeqsTok)) {
         const int64_t seqs = std::stoll(match[1].str()), tokens = std::stoll(match[2].str());
@@ -200,8 +204,8 @@ Result<ImportedTrace> ImportFlameCsv(const std::string& path, const LoadReadOpti
         EPMOE_RETURN_IF_ERROR(ReadLayerFolder(step_files, &trace.info, &step));
         picks += step.rows * trace.info.top_k * static_cast<int64_t>(ids.size());
         if (picks > TraceReader::kMaxInMemoryPicks)
-          return OutOfRange(fmt::format("{}: more than {} picks; too large to import", path,
-                                        TraceReader::kMaxInMemoryPicks));
+          return OutOfRange(
+              fmt::format("{}: more than {} picks; too large to import", path, TraceReader::kMaxInMemoryPicks));
         trace.row_seq.emplace_back(step.rows);
         std::iota(trace.row_seq.back().begin(), trace.row_seq.back().end(), 0);
         trace.row_pos.emplace_back(step.rows, number < 0 ? static_cast<int64_t>(trace.steps.size()) : number);

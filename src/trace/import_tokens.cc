@@ -1,11 +1,11 @@
 // Per-token sources with one record per (token, layer): top-k CSVs and JSONL routing logs.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <unordered_map>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "trace/imported.h"
 #include "trace/text_input.h"
@@ -20,9 +20,9 @@ class TokenTableBuilder {
 
   struct Record {
     int64_t step = 0;
-    int64_t seq = 0;       // sequence id, or 0
-    int64_t token = -1;    // token index within (step, seq); -1: the record's order in its layer
-    int64_t pos = -1;      // position in the sequence, or -1 when unknown
+    int64_t seq = 0;     // sequence id, or 0
+    int64_t token = -1;  // token index within (step, seq); -1: the record's order in its layer
+    int64_t pos = -1;    // position in the sequence, or -1 when unknown
     int64_t layer = 0;
     int64_t line = 0;
   };
@@ -36,22 +36,29 @@ class TokenTableBuilder {
       has_weights_ = !weights.empty();
     }
     if (static_cast<int>(experts.size()) != k_)
-      return InvalidArgument(fmt::format("{}: {} experts, earlier records have {} (top-k must be constant)", where,
-                                         experts.size(), k_));
+      return InvalidArgument(
+          fmt::format("{}: {} experts, earlier records have {} (top-k must be constant)", where, experts.size(), k_));
     if (weights.empty() == has_weights_ || (!weights.empty() && weights.size() != experts.size()))
       return InvalidArgument(fmt::format("{}: {} weights for {} experts{}", where, weights.size(), experts.size(),
                                          has_weights_ ? "" : " (earlier records have none)"));
     if (static_cast<int64_t>(experts_.size()) + k_ > TraceReader::kMaxInMemoryPicks)
-      return OutOfRange(fmt::format("{}: more than {} picks; too large to import", where,
-                                    TraceReader::kMaxInMemoryPicks));
+      return OutOfRange(
+          fmt::format("{}: more than {} picks; too large to import", where, TraceReader::kMaxInMemoryPicks));
     for (size_t j = 0; j < experts.size(); ++j) {
       if (experts[j] < 0 || experts[j] >= (1 << 20))
         return InvalidArgument(fmt::format("{}: expert id {} out of range", where, experts[j]));
       for (size_t i = 0; i < j; ++i)
-        if (experts[i] == experts[j]) return InvalidArgument(fmt::format("{}: expert {} picked twice", where, experts[j]));
+        if (experts[i] == experts[j])
+          return InvalidArgument(fmt::format("{}: expert {} picked twice", where, experts[j]));
       max_expert_ = std::max(max_expert_, experts[j]);
       experts_.push_back(static_cast<int32_t>(experts[j]));
-      if (!weights.empty()) weights_.push_back(static_cast<float>(weights[j]));
+      if (!weights.empty()) {
+        float weight = 0;
+        if (!ToWeight(weights[j], &weight))
+          return InvalidArgument(
+              fmt::format("{}: weight {} of expert {} is out of range", where, weights[j], experts[j]));
+        weights_.push_back(weight);
+      }
     }
     if (record.token < 0) record.token = next_token_[{record.step, record.layer}]++;
     records_.push_back(record);
@@ -67,8 +74,8 @@ class TokenTableBuilder {
     trace.info.top_k = k_;
     trace.info.num_experts = options.num_experts > 0 ? options.num_experts : static_cast<int>(max_expert_ + 1);
     if (max_expert_ >= trace.info.num_experts)
-      return InvalidArgument(fmt::format("{}: expert id {} out of range for {} experts", source_, max_expert_,
-                                         trace.info.num_experts));
+      return InvalidArgument(
+          fmt::format("{}: expert id {} out of range for {} experts", source_, max_expert_, trace.info.num_experts));
     std::set<int64_t> layer_set;
     for (const Record& r : records_) layer_set.insert(r.layer);
     std::vector<int64_t> layers(layer_set.begin(), layer_set.end());

@@ -1,9 +1,9 @@
 #include "trace/text_input.h"
 
+#include <fmt/format.h>
+
 #include <charconv>
 #include <cmath>
-
-#include <fmt/format.h>
 
 namespace epmoe::trace_internal {
 
@@ -36,7 +36,8 @@ std::vector<std::string_view> SplitCommas(std::string_view line) {
   size_t start = 0;
   while (true) {
     size_t comma = line.find(',', start);
-    std::string_view field = line.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    std::string_view field =
+        line.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
     while (!field.empty() && (field.front() == ' ' || field.front() == '\t')) field.remove_prefix(1);
     while (!field.empty() && (field.back() == ' ' || field.back() == '\t')) field.remove_suffix(1);
     fields.push_back(field);
@@ -66,6 +67,11 @@ bool ParseDouble(std::string_view text, double* value) {
   const char* end = text.data() + text.size();
   auto [ptr, ec] = std::from_chars(text.data(), end, *value);
   return ec == std::errc() && ptr == end && std::isfinite(*value);
+}
+
+bool ToWeight(double value, float* weight) {
+  *weight = static_cast<float>(value);
+  return std::isfinite(*weight);
 }
 
 }  // namespace epmoe::trace_internal

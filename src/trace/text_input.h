@@ -43,4 +43,8 @@ std::vector<std::string> SplitHeader(std::string_view line);
 bool ParseInt64(std::string_view text, int64_t* value);
 bool ParseDouble(std::string_view text, double* value);
 
+// A router weight or gate score as traces store it (float); false when the value is not finite as a
+// float (e.g. 1e300 parses as a finite double but overflows a float).
+bool ToWeight(double value, float* weight);
+
 }  // namespace epmoe::trace_internal

@@ -24,7 +24,9 @@ for target in "${targets[@]}"; do
   echo "run_fuzzers: $target for ${seconds}s"
   # Findings are written under $build/findings/; the log's last lines say what failed.
   mkdir -p "$build/findings"
-  if ! "$build/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
+  # A fixed seed and run count make a CI run repeatable: a finding shows up in every run until it is
+  # fixed, not by chance. The time limit still bounds a slow machine.
+  if ! "$build/tests/fuzz/$target" -seed=1 -runs="${EPMOE_FUZZ_RUNS:-40000}" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
       -artifact_prefix="$build/findings/$target-" "$corpus/$target" >"$build/findings/$target.log" 2>&1; then
     tail -n 40 "$build/findings/$target.log" >&2
     echo "run_fuzzers: $target FAILED (log: $build/findings/$target.log)" >&2
