@@ -95,6 +95,7 @@ class Rebalancer {
   // recorder (its window covers that rank's picks). Collective. A look of the trigger that falls
   // due while a rebalance is still switching is taken at the first boundary after it. After a
   // boundary that installed layers, give the recorder placement() (LoadRecorder::SetPlacement).
+  // A policy that returns the live placement unchanged starts no rebalance.
   Result<BoundaryOutcome> AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder);
 
   // Proposes a placement to install from the next boundary on, instead of one the policy computes

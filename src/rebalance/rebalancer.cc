@@ -175,7 +175,7 @@ Status Rebalancer::Propose(const PlacementPtr& proposal) {
 }
 
 Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder) {
-  const double start = SteadySeconds();
+  double start = SteadySeconds();
   BoundaryOutcome outcome;
   // A look that falls due while a rebalance is still switching is deferred to the first boundary
   // after it, not skipped (every rank knows the same state, so all defer alike).
@@ -189,6 +189,12 @@ Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const Loa
     }
   }
   const bool needs_load = check_step >= 0 || (pending_ != nullptr && !pending_->measured);
+  if (needs_load || pending_ != nullptr) {
+    // Ranks reach the boundary at different times (the step's own imbalance); wait for all of them
+    // first so that the stall measured below is the rebalancing's, not the step's.
+    EPMOE_RETURN_IF_ERROR(comm_.Barrier().WithContext(fmt::format("rebalancer: step boundary {}", steps_done)));
+    start = SteadySeconds();
+  }
   if (needs_load) {
     ExpertLoad load = recorder.Load();
     if (load.num_layers != live_->num_layers() || load.num_experts != live_->num_experts())
@@ -242,6 +248,8 @@ Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const Loa
           return InvalidArgument(fmt::format("rebalancer: rank 0 computed a placement of {}, the live one has {}",
                                              ShapeText(**next), ShapeText(*live_)));
         const double after = WindowBalancedness(**next, load);
+        // The policy may keep the live placement (the load has not changed enough): nothing to do.
+        if (**next == *live_) decide = false;
         if (options_.trigger.mode == TriggerMode::kPayback) {
           auto plan = PlanMoves(*live_, **next, 0, live_->num_layers(), target_.expert_bytes());
           if (!plan.ok()) return plan.status();
