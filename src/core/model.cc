@@ -1,11 +1,11 @@
 #include "epmoe/model.h"
 
+#include "epmoe/config_file.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 namespace epmoe::embedded {
 extern const std::vector<std::pair<std::string_view, std::string_view>> kModelPresets;
@@ -63,10 +63,6 @@ Status Positive(std::string_view source, const char* field, double value) {
 Status NonNegative(std::string_view source, const char* field, double value) {
   if (value >= 0) return Status::Ok();
   return InvalidArgument(fmt::format("{}: field '{}' must not be negative, got {}", source, field, value));
-}
-
-bool LooksLikePath(std::string_view s) {
-  return s.find('/') != std::string_view::npos || (s.size() > 5 && s.substr(s.size() - 5) == ".json");
 }
 
 }  // namespace
@@ -200,29 +196,11 @@ std::string ModelToJson(const ModelConfig& m) {
   return j.dump(2);
 }
 
-std::vector<std::string> ListModelPresets() {
-  std::vector<std::string> names;
-  for (const auto& [name, text] : embedded::kModelPresets) names.emplace_back(name);
-  std::sort(names.begin(), names.end());
-  return names;
-}
+std::vector<std::string> ListModelPresets() { return BuiltinConfigNames(embedded::kModelPresets); }
 
 Result<ModelConfig> LoadModel(std::string_view name_or_path) {
-  if (LooksLikePath(name_or_path)) {
-    std::string path(name_or_path);
-    std::ifstream in(path);
-    if (!in) return NotFound(fmt::format("{}: cannot open model file", path));
-    std::stringstream text;
-    text << in.rdbuf();
-    return ParseModel(text.str(), path);
-  }
-  for (const auto& [name, text] : embedded::kModelPresets) {
-    if (name == name_or_path) return ParseModel(text, fmt::format("configs/models/{}.json", name));
-  }
-  std::string known;
-  for (const auto& n : ListModelPresets()) known += (known.empty() ? "" : ", ") + n;
-  return NotFound(
-      fmt::format("no model preset named '{}' (known: {}; or give a path to a .json file)", name_or_path, known));
+  EPMOE_ASSIGN_OR_RETURN(ConfigText config, ReadConfig(name_or_path, embedded::kModelPresets, "model preset", "models"));
+  return ParseModel(config.text, config.source);
 }
 
 ModelConfig ScaledModel(const ModelConfig& model, int hidden, int intermediate) {

@@ -1,9 +1,9 @@
 #include "epmoe/hardware.h"
 
+#include "epmoe/config_file.h"
+
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -81,10 +81,6 @@ Status CheckKnownKeys(const json& j, std::string_view source, const std::string&
       return InvalidArgument(fmt::format("{}: unknown field '{}{}'", source, prefix, it.key()));
   }
   return Status::Ok();
-}
-
-bool LooksLikePath(std::string_view s) {
-  return s.find('/') != std::string_view::npos || (s.size() > 5 && s.substr(s.size() - 5) == ".json");
 }
 
 }  // namespace
@@ -238,29 +234,12 @@ std::string HardwareToJson(const HardwareProfile& p) {
   return j.dump(2);
 }
 
-std::vector<std::string> ListHardwareProfiles() {
-  std::vector<std::string> names;
-  for (const auto& [name, text] : embedded::kHardwareProfiles) names.emplace_back(name);
-  std::sort(names.begin(), names.end());
-  return names;
-}
+std::vector<std::string> ListHardwareProfiles() { return BuiltinConfigNames(embedded::kHardwareProfiles); }
 
 Result<HardwareProfile> LoadHardware(std::string_view name_or_path) {
-  if (LooksLikePath(name_or_path)) {
-    std::string path(name_or_path);
-    std::ifstream in(path);
-    if (!in) return NotFound(fmt::format("{}: cannot open hardware profile", path));
-    std::stringstream text;
-    text << in.rdbuf();
-    return ParseHardware(text.str(), path);
-  }
-  for (const auto& [name, text] : embedded::kHardwareProfiles) {
-    if (name == name_or_path) return ParseHardware(text, fmt::format("configs/hardware/{}.json", name));
-  }
-  std::string known;
-  for (const auto& n : ListHardwareProfiles()) known += (known.empty() ? "" : ", ") + n;
-  return NotFound(fmt::format("no hardware profile named '{}' (known: {}; or give a path to a .json file)",
-                              name_or_path, known));
+  EPMOE_ASSIGN_OR_RETURN(ConfigText config,
+                         ReadConfig(name_or_path, embedded::kHardwareProfiles, "hardware profile", "hardware"));
+  return ParseHardware(config.text, config.source);
 }
 
 }  // namespace epmoe
