@@ -1,15 +1,15 @@
 // `epmoe balance`: fits expert placements on the first part of a routing trace and scores them on
 // the rest (held-out), per policy, against the trivial placement and an even router.
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "epmoe/balance.h"
@@ -64,8 +64,7 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
     EPMOE_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(o.policy));
     policies.push_back(policy);
   }
-  if (!o.out.empty() && policies.size() != 1)
-    return InvalidArgument("--out writes one placement: choose one --policy");
+  if (!o.out.empty() && policies.size() != 1) return InvalidArgument("--out writes one placement: choose one --policy");
 
   // Expert size and groups from the model preset, when given.
   CostModel cost;
@@ -104,8 +103,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   if (!o.model.empty()) {
     EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
     if (model.num_experts != load.num_experts)
-      return InvalidArgument(fmt::format("--model {} has {} experts, the trace {}", model.name, model.num_experts,
-                                         load.num_experts));
+      return InvalidArgument(
+          fmt::format("--model {} has {} experts, the trace {}", model.name, model.num_experts, load.num_experts));
   }
   const ExpertLoad train = SliceSteps(load, 0, train_steps);
   const ExpertLoad test = score ? SliceSteps(load, train_steps, load.num_steps) : ExpertLoad();
@@ -116,8 +115,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   options.min_move_factor = o.min_move_factor;
   options.search_rounds = o.search_rounds;
   EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
-  EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(load.num_layers, load.num_experts, o.redundant,
-                                                               o.ranks, o.nodes));
+  EPMOE_ASSIGN_OR_RETURN(Placement trivial,
+                         Placement::Trivial(load.num_layers, load.num_experts, o.redundant, o.ranks, o.nodes));
   std::optional<Placement> current;
   if (!o.current.empty()) {
     EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
@@ -185,27 +184,27 @@ void PrintText(const nlohmann::json& r) {
               scored ? fmt::format("scored on the other {}", r["held_out_steps"].get<int64_t>()).c_str()
                      : "no held-out steps: figures are on the fitted steps");
   const auto& c = r["cost_model"];
-  std::printf("shape: %d ranks, %d nodes, %d groups, %d redundant (%d slots); cost model: %s, %s, %s per expert, "
-              "%.0f GB/s, %.0f GFLOP/s, %.1f us fixed\n",
-              r["ranks"].get<int>(), r["nodes"].get<int>(), r["groups"].get<int>(), r["redundant"].get<int>(),
-              r["slots"].get<int>(), c["expert"].get<std::string>().c_str(),
-              c["weight_format"].get<std::string>().c_str(),
-              HumanBytes(static_cast<int64_t>(c["bytes_per_expert"].get<double>())).c_str(),
-              c["memory_bandwidth"].get<double>() / 1e9, c["peak_flops"].get<double>() / 1e9,
-              c["fixed_seconds"].get<double>() * 1e6);
+  std::printf(
+      "shape: %d ranks, %d nodes, %d groups, %d redundant (%d slots); cost model: %s, %s, %s per expert, "
+      "%.0f GB/s, %.0f GFLOP/s, %.1f us fixed\n",
+      r["ranks"].get<int>(), r["nodes"].get<int>(), r["groups"].get<int>(), r["redundant"].get<int>(),
+      r["slots"].get<int>(), c["expert"].get<std::string>().c_str(), c["weight_format"].get<std::string>().c_str(),
+      HumanBytes(static_cast<int64_t>(c["bytes_per_expert"].get<double>())).c_str(),
+      c["memory_bandwidth"].get<double>() / 1e9, c["peak_flops"].get<double>() / 1e9,
+      c["fixed_seconds"].get<double>() * 1e6);
   std::printf("%-17s %8s %9s %9s %8s %11s %11s %7s %10s %9s\n", "policy", "balanced", "max pick", "mean pick",
               "byte bal", "max bytes", "mean bytes", "moved", "step us", "solve ms");
   for (const auto& p : r["results"]) {
     const auto& s = scored ? p["held_out"] : p["train"];
-    std::printf("%-17s %8.4f %9.1f %9.1f %8.4f %11s %11s %7s %10.1f %9s\n", p["policy"].get<std::string>().c_str(),
-                s["balancedness"].get<double>(), s["max_picks_per_rank"].get<double>(),
-                s["mean_picks_per_rank"].get<double>(), s["byte_balancedness"].get<double>(),
-                HumanBytes(static_cast<int64_t>(s["max_bytes_per_rank"].get<double>())).c_str(),
-                HumanBytes(static_cast<int64_t>(s["mean_bytes_per_rank"].get<double>())).c_str(),
-                p.contains("moved_copies") ? std::to_string(p["moved_copies"].get<int64_t>()).c_str() : "-",
-                s["step_seconds"].get<double>() * 1e6,
-                p.contains("solve_seconds") ? fmt::format("{:.2f}", p["solve_seconds"].get<double>() * 1e3).c_str()
-                                            : "-");
+    std::printf(
+        "%-17s %8.4f %9.1f %9.1f %8.4f %11s %11s %7s %10.1f %9s\n", p["policy"].get<std::string>().c_str(),
+        s["balancedness"].get<double>(), s["max_picks_per_rank"].get<double>(), s["mean_picks_per_rank"].get<double>(),
+        s["byte_balancedness"].get<double>(),
+        HumanBytes(static_cast<int64_t>(s["max_bytes_per_rank"].get<double>())).c_str(),
+        HumanBytes(static_cast<int64_t>(s["mean_bytes_per_rank"].get<double>())).c_str(),
+        p.contains("moved_copies") ? std::to_string(p["moved_copies"].get<int64_t>()).c_str() : "-",
+        s["step_seconds"].get<double>() * 1e6,
+        p.contains("solve_seconds") ? fmt::format("{:.2f}", p["solve_seconds"].get<double>() * 1e3).c_str() : "-");
   }
   if (r.contains("out")) std::printf("placement written to %s\n", r["out"].get<std::string>().c_str());
 }
@@ -248,8 +247,9 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--fixed-us", o->fixed_us, "Cost model: fixed time per rank and layer, microseconds")
       ->check(kNonNegative)
       ->capture_default_str();
-  cmd->add_option("--current", o->current, "Placement JSON in use (min-move starts from it; moved copies count "
-                                           "against it); default: the trivial placement");
+  cmd->add_option("--current", o->current,
+                  "Placement JSON in use (min-move starts from it; moved copies count "
+                  "against it); default: the trivial placement");
   cmd->add_option("--min-move-factor", o->min_move_factor,
                   "min-move: allowed max load relative to deepseek-guarded's (>= 1)")
       ->capture_default_str();
@@ -259,19 +259,8 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
   AddFormatOption(cmd, &o->format, {"text", "json"});
-  cmd->callback([o, exit_code] {
-    nlohmann::json report;
-    const Status status = RunBalance(*o, &report);
-    if (!status.ok()) {
-      *exit_code = ReportError(status);
-      return;
-    }
-    if (o->format == "json") {
-      std::printf("%s\n", report.dump(2).c_str());
-    } else {
-      PrintText(report);
-    }
-  });
+  SetReportCallback(
+      cmd, exit_code, &o->format, [o](nlohmann::json* report) { return RunBalance(*o, report); }, PrintText);
 }
 
 }  // namespace epmoe::cli

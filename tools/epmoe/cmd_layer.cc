@@ -234,20 +234,8 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--max-memory-gb", o->max_memory_gb, "Memory budget for weights (0: 80% of available memory)")
       ->check(kNonNegative);
   AddFormatOption(cmd, &o->format, {"text", "json"});
-  cmd->callback([o, exit_code] {
-    nlohmann::json report;
-    const Status status = RunLayers(*o, &report);
-    if (!status.ok()) {
-      *exit_code = ReportError(status);
-      return;
-    }
-    if (o->format == "json") {
-      std::printf("%s\n", report.dump(2).c_str());
-    } else {
-      PrintText(report);
-    }
-    *exit_code = 0;
-  });
+  SetReportCallback(
+      cmd, exit_code, &o->format, [o](nlohmann::json* report) { return RunLayers(*o, report); }, PrintText);
 }
 
 }  // namespace epmoe::cli

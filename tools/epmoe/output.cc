@@ -40,6 +40,25 @@ void AddFormatOption(CLI::App* command, std::string* format, const std::vector<s
   command->add_option("--format", *format, "Output format")->check(CLI::IsMember(allowed))->capture_default_str();
 }
 
+void SetReportCallback(CLI::App* command, int* exit_code, const std::string* format,
+                       std::function<Status(nlohmann::json*)> run,
+                       std::function<void(const nlohmann::json&)> print_text) {
+  command->callback([=] {
+    nlohmann::json report;
+    const Status status = run(&report);
+    if (!status.ok()) {
+      *exit_code = ReportError(status);
+      return;
+    }
+    if (*format == "json") {
+      std::printf("%s\n", report.dump(2).c_str());
+    } else {
+      print_text(report);
+    }
+    *exit_code = 0;
+  });
+}
+
 namespace {
 std::string Scaled(double value, const char* const* units, int count) {
   int unit = 0;

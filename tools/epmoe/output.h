@@ -1,10 +1,13 @@
-// Small helpers shared by the commands: error reporting and human-readable numbers.
+// Small helpers shared by the commands: error reporting, report printing and human-readable numbers.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "epmoe/status.h"
 
@@ -19,6 +22,13 @@ extern const CLI::Validator kPositive;
 
 // Adds `--format` with the given allowed values.
 void AddFormatOption(CLI::App* command, std::string* format, const std::vector<std::string>& allowed);
+
+// Sets a command's callback for the common shape of a report: run() fills a JSON report (or fails,
+// and the error is reported); the report is printed as JSON when *format is "json", else by
+// print_text. The exit code goes to *exit_code.
+void SetReportCallback(CLI::App* command, int* exit_code, const std::string* format,
+                       std::function<Status(nlohmann::json*)> run,
+                       std::function<void(const nlohmann::json&)> print_text);
 
 // 1234567 -> "1.23 M"; bytes -> "1.23 GB" (powers of 1,000, as the seeds quote sizes).
 std::string HumanCount(int64_t n);
