@@ -4,7 +4,8 @@
 // ExpertStore holds a set of experts packed once (at load) in one weight format; Run applies each
 // expert to its contiguous group of rows. Slices of experts (a range of the intermediate dimension)
 // are experts too, so sliced options reuse the same store. An ExpertStore is immutable after
-// packing; Run is thread-safe (it uses the pool it is given for its parallelism).
+// packing except for ImportExpert (live rebalancing, between runs); Run is thread-safe (it uses the
+// pool it is given for its parallelism).
 #pragma once
 
 #include <cstdint>
@@ -50,6 +51,14 @@ class ExpertStore {
   // offsets, non-decreasing, offsets[0] == 0). Writes each row's expert output to the same row of
   // out ([offsets[E] x hidden]). Experts with no rows are not read.
   virtual void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const = 0;
+
+  // Live rebalancing (moving one packed expert to another rank's store of the same format, shape
+  // and kernel). ExportExpert writes expert e as stored, expert_bytes(e) bytes: for gate, up and
+  // down in turn, its values, its scales and (nvfp4) its tensor scale. ImportExpert replaces
+  // expert e with such bytes; it is the one change to a packed store and must not run during Run
+  // (callers import between steps). Both refuse an expert out of range or a wrong length.
+  virtual Status ExportExpert(int expert, std::span<std::byte> out) const = 0;
+  virtual Status ImportExpert(int expert, std::span<const std::byte> bytes) = 0;
 };
 
 struct PackOptions {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "epmoe/thread_pool.h"
 
@@ -89,6 +90,46 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
 int64_t KernelExpertStore::expert_bytes(int expert) const {
   const PackedExpert& e = experts_[expert];
   return e.gate.bytes() + e.up.bytes() + e.down.bytes();
+}
+
+Status KernelExpertStore::ExportExpert(int expert, std::span<std::byte> out) const {
+  if (expert < 0 || expert >= num_experts())
+    return InvalidArgument(fmt::format("export expert: expert {} outside [0, {})", expert, num_experts()));
+  if (static_cast<int64_t>(out.size()) != expert_bytes(expert))
+    return InvalidArgument(fmt::format("export expert: expert {} takes {} bytes, the buffer has {}", expert,
+                                       expert_bytes(expert), out.size()));
+  std::byte* at = out.data();
+  auto put = [&at](const void* from, size_t bytes) {
+    if (bytes > 0) std::memcpy(at, from, bytes);
+    at += bytes;
+  };
+  const PackedExpert& e = experts_[expert];
+  for (const PackedMatrix* m : {&e.gate, &e.up, &e.down}) {
+    put(m->values.data(), m->values.size());
+    put(m->scales.data(), m->scales.size());
+    if (m->format == WeightFormat::kNvfp4) put(&m->tensor_scale, sizeof(float));
+  }
+  return Status::Ok();
+}
+
+Status KernelExpertStore::ImportExpert(int expert, std::span<const std::byte> bytes) {
+  if (expert < 0 || expert >= num_experts())
+    return InvalidArgument(fmt::format("import expert: expert {} outside [0, {})", expert, num_experts()));
+  if (static_cast<int64_t>(bytes.size()) != expert_bytes(expert))
+    return InvalidArgument(fmt::format("import expert: expert {} takes {} bytes, got {}", expert, expert_bytes(expert),
+                                       bytes.size()));
+  const std::byte* at = bytes.data();
+  auto take = [&at](void* to, size_t count) {
+    if (count > 0) std::memcpy(to, at, count);
+    at += count;
+  };
+  PackedExpert& e = experts_[expert];
+  for (PackedMatrix* m : {&e.gate, &e.up, &e.down}) {
+    take(m->values.data(), m->values.size());
+    take(m->scales.data(), m->scales.size());
+    if (m->format == WeightFormat::kNvfp4) take(&m->tensor_scale, sizeof(float));
+  }
+  return Status::Ok();
 }
 
 std::string KernelExpertStore::kernel_name() const {

@@ -32,6 +32,8 @@ class KernelExpertStore final : public ExpertStore {
   int64_t expert_bytes(int expert) const override;
   std::string kernel_name() const override;
   void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const override;
+  Status ExportExpert(int expert, std::span<std::byte> out) const override;
+  Status ImportExpert(int expert, std::span<const std::byte> bytes) override;
 
  private:
   struct PackedExpert {
