@@ -35,6 +35,7 @@
 #include "epmoe/matrix.h"
 #include "epmoe/model.h"
 #include "epmoe/placement.h"
+#include "epmoe/rebalance_target.h"
 #include "epmoe/router.h"
 #include "epmoe/row_codec.h"
 #include "epmoe/status.h"
@@ -127,6 +128,11 @@ class MoeExecutor {
   // Runs MoE layer `layer` on this rank's rows (see RowOrigin) with their picks; out gets one
   // output row per input row. Collective. stats (may be null) is overwritten.
   virtual Status Forward(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) = 0;
+
+  // Live rebalancing of this rank's slots (rebalancer.h): a2a and whole, whose experts follow the
+  // placement; null for sliced, hybrid and dwdp. Owned by the executor; use it between Forward
+  // calls only (a step's layers keep the placement they started with).
+  virtual RebalanceTarget* rebalance_target() { return nullptr; }
 };
 
 // Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory

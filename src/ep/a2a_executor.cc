@@ -40,8 +40,16 @@ class A2aExecutor : public MoeExecutor {
     EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(p, me, options_.dispatch_seed));
     dispatch_ = std::make_unique<DispatchTable>(std::move(table));
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
+    target_ = std::make_unique<SlotStoresTarget>(me, &placement_, &stores_, [this](PlacementPtr next) -> Status {
+      EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*next, comm_.rank(), options_.dispatch_seed));
+      dispatch_ = std::make_unique<DispatchTable>(std::move(table));
+      placement_ = std::move(next);
+      return Status::Ok();
+    });
     return Status::Ok();
   }
+
+  RebalanceTarget* rebalance_target() override { return target_.get(); }
 
   EpOption option() const override { return EpOption::kA2a; }
   std::string description() const override {
@@ -356,6 +364,7 @@ class A2aExecutor : public MoeExecutor {
   PlacementPtr placement_;
   std::vector<std::unique_ptr<ExpertStore>> stores_;   // per layer: this rank's slots
   std::unique_ptr<DispatchTable> dispatch_;            // this rank's picks -> slots
+  std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ and placement_
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
 };
 

@@ -2,6 +2,9 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
+#include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -55,6 +58,33 @@ Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, co
 // The placement to use: the given one (checked against the model and ranks) or the trivial one.
 Result<PlacementPtr> ResolvePlacement(const ModelConfig& model, const ExecutorOptions& options, int num_ranks,
                                       int num_nodes);
+
+// The RebalanceTarget of an executor whose layers hold this rank's slots of the placement as one
+// ExpertStore each (a2a, whole). Exports a slot when asked (kept until the next Install or
+// DropStaged), keeps staged bytes aside, and on Install first lets the executor switch to the new
+// placement (`switch_placement` rebuilds its dispatch tables; nothing changes if it fails), then
+// imports the staged slots of the switched layers. Not thread-safe (between steps only).
+class SlotStoresTarget final : public RebalanceTarget {
+ public:
+  SlotStoresTarget(int rank, const PlacementPtr* placement, std::vector<std::unique_ptr<ExpertStore>>* stores,
+                   std::function<Status(PlacementPtr)> switch_placement)
+      : rank_(rank), placement_(placement), stores_(stores), switch_placement_(std::move(switch_placement)) {}
+  int64_t expert_bytes() const override;
+  std::span<const std::byte> slot_bytes(int layer, int slot) const override;
+  Status Stage(int layer, int slot, std::span<const std::byte> bytes) override;
+  Status Install(int layer_begin, int layer_end, PlacementPtr next) override;
+  void DropStaged() override;
+
+ private:
+  // This rank's index of `slot`, or -1 when the slot is not on this rank or the layer is unknown.
+  int LocalSlot(int layer, int slot) const;
+  int rank_;
+  const PlacementPtr* placement_;
+  std::vector<std::unique_ptr<ExpertStore>>* stores_;
+  std::function<Status(PlacementPtr)> switch_placement_;
+  mutable std::map<std::pair<int, int>, std::vector<std::byte>> exported_;
+  std::map<std::pair<int, int>, std::vector<std::byte>> staged_;
+};
 
 // Makes rows travel: encode then decode (what a receiver sees).
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out);

@@ -77,9 +77,22 @@ class GatherExecutor : public MoeExecutor {
     } else {
       shared_.resize(options_.num_layers);
     }
+    if (options_.option == EpOption::kWhole) {
+      target_ = std::make_unique<SlotStoresTarget>(me, &placement_, &stores_, [this](PlacementPtr next) -> Status {
+        std::vector<DispatchTable> tables;
+        for (int home = 0; home < comm_.size(); ++home) {
+          EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*next, home, options_.dispatch_seed));
+          tables.push_back(std::move(table));
+        }
+        tables_ = std::move(tables);
+        placement_ = std::move(next);
+        return Status::Ok();
+      });
+    }
     return Status::Ok();
   }
 
+  RebalanceTarget* rebalance_target() override { return target_.get(); }
   EpOption option() const override { return options_.option; }
   std::string description() const override {
     std::string what = EpOptionName(options_.option);
@@ -322,6 +335,7 @@ class GatherExecutor : public MoeExecutor {
   std::vector<std::vector<int32_t>> local_of_;  // sliced, hybrid
   bool shared_copied_ = false;
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
+  std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_ and placement_
 };
 
 }  // namespace
