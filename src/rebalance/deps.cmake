@@ -1,1 +1,1 @@
-set(EPMOE_DEPS core eplb comm)
+set(EPMOE_DEPS core eplb comm ep)

@@ -21,6 +21,7 @@
 #include "epmoe/thread_pool.h"
 #include "epmoe/trace.h"
 #include "output.h"
+#include "run_eplb.h"
 
 namespace epmoe::cli {
 namespace {
@@ -51,6 +52,7 @@ struct RunOptions {
   bool check = false;
   bool no_progress = false;
   std::string format = "text";
+  EplbRunOptions eplb;
 };
 
 // Figures of one rank for one layer of one step, flattened for an all-gather.
@@ -226,6 +228,7 @@ struct OptionResult {
   double sent_per_rank_step = 0, received_per_rank_step = 0, copies_per_row = 0, picks_balance = 0, bytes_balance = 0,
          peak_buffer = 0, rounds = 0, max_error = 0;
   int64_t resident_bytes = 0;
+  nlohmann::json eplb;  // with --eplb
 };
 
 Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& model, EpOption option,
@@ -239,6 +242,10 @@ Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& mod
   if (option == EpOption::kDwdp || option == EpOption::kA2a) eo.shared = SharedMode::kDefault;
   result->name = EpOptionName(option);
   EPMOE_ASSIGN_OR_RETURN(auto executor, CreateExecutor(comm, model, eo, pool));
+  std::unique_ptr<EplbSession> eplb;
+  if (o.eplb.enabled) {
+    EPMOE_ASSIGN_OR_RETURN(eplb, EplbSession::Create(comm, o.eplb, model, *executor, eo.placement));
+  }
   result->description = executor->description();
   EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(executor->resident_weight_bytes()));
   const bool tensor_parallel = eo.origin == RowOrigin::kTensorParallel;
@@ -257,6 +264,7 @@ Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& mod
       Picks picks;
       EPMOE_RETURN_IF_ERROR(inputs.PicksFor(step, layer, x, first, &picks));
       const double route_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      if (eplb) EPMOE_RETURN_IF_ERROR(eplb->Record(layer, picks, tensor_parallel));
       Matrix out;
       StepStats st;
       EPMOE_RETURN_IF_ERROR(executor->Forward(layer, x, picks, &out, &st)
@@ -314,11 +322,26 @@ Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& mod
       bytes_balance += max_bytes > 0 ? sum_bytes / g / max_bytes : 1.0;
       ++balance_samples;
     }
+    if (eplb) {
+      double step_balance = 0;
+      for (int l = 0; l < o.layers; ++l) {
+        double most = 0, sum = 0;
+        for (int r = 0; r < g; ++r) {
+          most = std::max(most, all[r][l * kFields + kPicks]);
+          sum += all[r][l * kFields + kPicks];
+        }
+        step_balance += most > 0 ? sum / g / most : 1.0;
+      }
+      std::vector<std::pair<std::string, double>> stages;
+      for (int s = 0; s < 7; ++s) stages.emplace_back(kStageNames[s], stage_us[s] / 1e6);
+      EPMOE_RETURN_IF_ERROR(eplb->EndStep(step + 1, step_us / 1e6, stages, step_balance / o.layers));
+    }
     result->step_ms.push_back(step_us / 1000);
     for (int s = 0; s < 7; ++s) result->stage_ms[s].push_back(stage_us[s] / 1000);
     ++*done;
     if (me == 0) progress.Update(*done, fmt::format("{} step {}/{}", result->name, step + 1, inputs.steps()));
   }
+  if (eplb) result->eplb = eplb->Report();
   const int steps = inputs.steps();
   result->copies_per_row = rows > 0 ? copies / rows : 0;
   result->sent_per_rank_step = sent / g / steps;
@@ -365,6 +388,9 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   } else {
     EPMOE_ASSIGN_OR_RETURN(EpOption one, ParseEpOption(o.option));
     options.push_back(one);
+  }
+  if (o.eplb.enabled || !o.eplb.metrics_file.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(base.placement, EplbInitialPlacement(o.eplb, model, o.layers, *comm, options));
   }
   // Refuse what cannot run, before any work: one option fails the command, `all` skips it.
   std::vector<OptionResult> results(options.size());
@@ -426,6 +452,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
               {"max_rounds", r.rounds},
               {"resident_weight_bytes_max_rank", r.resident_bytes}});
     if (o.check) j["max_normalized_error"] = r.max_error;
+    if (!r.eplb.is_null()) j["eplb"] = r.eplb;
     rows.push_back(j);
   }
   *report = {{"model", model.name},
@@ -486,6 +513,7 @@ void PrintText(const nlohmann::json& r) {
         static_cast<int>(o["max_rounds"].get<double>()));
     if (checked) std::printf(" %9.2g", o["max_normalized_error"].get<double>());
     std::printf("\n");
+    if (o.contains("eplb")) PrintEplbText(o["eplb"]);
   }
   std::printf(
       "stage times: median over steps of the mean over ranks, summed over layers (ms); step ms: slowest rank\n");
@@ -558,6 +586,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
   cmd->add_flag("--check", o->check, "Compare every layer with the single-process layer; fail on a mismatch");
   cmd->add_flag("--no-progress", o->no_progress, "No progress bar");
+  AddEplbOptions(cmd, &o->eplb);
   AddFormatOption(cmd, &o->format, {"text", "json"});
   cmd->callback([o, exit_code] {
     nlohmann::json report;

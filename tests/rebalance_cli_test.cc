@@ -1,0 +1,99 @@
+// `epmoe run --eplb` end to end under mpirun: a run that rebalances every few steps, with fp32
+// weights, rows and combine, matches the single-process layer exactly at every layer of every step
+// (--check reports the largest normalized difference), as the same run without --eplb does, so the
+// two runs' outputs are identical bit for bit. Also the metrics file, text output and refusals.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "run_command.h"
+
+namespace {
+
+using epmoe::testing::CommandResult;
+using epmoe::testing::EpmoeBinary;
+using epmoe::testing::RunCommand;
+
+const std::string kMpirun =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+    "mpirun --oversubscribe --bind-to none -np 2 ";
+const std::string kShape =
+    " --model olmoe-1b-7b --hidden 64 --intermediate 32 --tokens 24 --steps 12 --layers 2 --no-progress"
+    " --dispatch-format fp32 --combine-format fp32 --weight-format fp32 --check";
+
+nlohmann::json RunJson(const std::string& args) {
+  const CommandResult run = RunCommand(kMpirun + EpmoeBinary() + " run --format json" + kShape + args, false);
+  EXPECT_EQ(run.exit_code, 0) << run.out;
+  if (run.exit_code != 0) return {};
+  return nlohmann::json::parse(run.out);
+}
+
+TEST(RebalanceCli, RebalancingA2aRunMatchesTheFixedOneBitForBit) {
+  const std::string metrics = (std::filesystem::temp_directory_path() / "epmoe_rebalance_cli_test.prom").string();
+  std::remove(metrics.c_str());
+  const auto fixed = RunJson(" --option a2a");
+  const auto live = RunJson(" --option a2a --eplb --eplb-interval 3 --eplb-redundant 2 --eplb-policy deepseek-guarded"
+                            " --metrics-file " + metrics);
+  ASSERT_FALSE(fixed.is_null());
+  ASSERT_FALSE(live.is_null());
+  EXPECT_EQ(fixed["options"][0]["max_normalized_error"].get<double>(), 0.0);
+  EXPECT_EQ(live["options"][0]["max_normalized_error"].get<double>(), 0.0);
+  const auto& eplb = live["options"][0]["eplb"];
+  ASSERT_GE(eplb["rebalances"].size(), 3u) << eplb.dump();
+  EXPECT_GT(eplb["bytes_moved_total"].get<int64_t>(), 0);
+  for (const auto& r : eplb["rebalances"]) {
+    EXPECT_EQ(r["bytes_sent_by_rank"].size(), 2u);
+    EXPECT_GE(r["stall_ms_max_rank"].get<double>(), 0);
+  }
+  std::ifstream in(metrics);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_NE(text.str().find("epmoe_rebalances_total " + std::to_string(eplb["rebalances"].size()) + "\n"), std::string::npos)
+      << text.str();
+  EXPECT_NE(text.str().find("epmoe_step_seconds{quantile=\"0.9\"}"), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("epmoe_stage_seconds_total{stage=\"rebalance\"}"), std::string::npos) << text.str();
+  std::remove(metrics.c_str());
+}
+
+TEST(RebalanceCli, WholeAsyncChunkedMatchesTheSingleProcessLayer) {
+  const auto live = RunJson(" --option whole --eplb --eplb-interval 3 --eplb-async --eplb-layers-per-chunk 1");
+  ASSERT_FALSE(live.is_null());
+  EXPECT_LE(live["options"][0]["max_normalized_error"].get<double>(), 1e-5);
+  const auto& eplb = live["options"][0]["eplb"];
+  ASSERT_GE(eplb["rebalances"].size(), 2u) << eplb.dump();
+  for (const auto& r : eplb["rebalances"]) EXPECT_EQ(r["chunks"].get<int>(), 2);
+}
+
+TEST(RebalanceCli, TextOutputAndOneProcess) {
+  const CommandResult run =
+      RunCommand(EpmoeBinary() + " run --option a2a --eplb --eplb-interval 2" + kShape, true);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find("eplb (interval trigger, looks every 2 steps"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("rebalance(s)"), std::string::npos) << run.out;
+}
+
+TEST(RebalanceCli, RefusesWithOneLineReasons) {
+  CommandResult run = RunCommand(EpmoeBinary() + " run --option dwdp --eplb", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("--eplb rebalances the a2a and whole options, not dwdp"), std::string::npos) << run.out;
+  run = RunCommand(EpmoeBinary() + " run --option a2a --metrics-file /tmp/x.prom", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("--metrics-file needs --eplb"), std::string::npos) << run.out;
+  run = RunCommand(EpmoeBinary() + " run --option a2a --eplb --eplb-threshold 2", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("--eplb-threshold 2"), std::string::npos) << run.out;
+  run = RunCommand(kMpirun + EpmoeBinary() + " run --option a2a --eplb --eplb-redundant 1 --model olmoe-1b-7b", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("do not divide over 2 ranks"), std::string::npos) << run.out;
+  run = RunCommand(EpmoeBinary() + " run --option a2a --eplb --eplb-trigger sometimes", true);
+  EXPECT_NE(run.exit_code, 0);
+  run = RunCommand(EpmoeBinary() + " run --option a2a --eplb --eplb-policy magic", true);
+  EXPECT_NE(run.exit_code, 0);
+}
+
+}  // namespace
