@@ -192,7 +192,13 @@ Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const Loa
   if (needs_load || pending_ != nullptr) {
     // Ranks reach the boundary at different times (the step's own imbalance); wait for all of them
     // first so that the stall measured below is the rebalancing's, not the step's.
-    EPMOE_RETURN_IF_ERROR(comm_.Barrier().WithContext(fmt::format("rebalancer: step boundary {}", steps_done)));
+    const std::string what =
+        pending_ == nullptr
+            ? fmt::format("rebalancer: rank {}, step boundary {}", comm_.rank(), steps_done)
+            : fmt::format("rebalancer: rank {}, step boundary {}, installing layers [{}, {})", comm_.rank(), steps_done,
+                          pending_->chunk_begin, live_->num_layers());
+    const Status arrived = comm_.Barrier().WithContext(what);
+    if (!arrived.ok()) return pending_ != nullptr ? Fail(arrived) : arrived;
     start = SteadySeconds();
   }
   if (needs_load) {
@@ -200,10 +206,12 @@ Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const Loa
     if (load.num_layers != live_->num_layers() || load.num_experts != live_->num_experts())
       return InvalidArgument(fmt::format("rebalancer: rank {} recorded {} layers x {} experts, the placement has {}",
                                          comm_.rank(), load.num_layers, load.num_experts, ShapeText(*live_)));
-    EPMOE_RETURN_IF_ERROR(SumOverRanks(comm_, load.counts).WithContext(
-        fmt::format("rebalancer: summing the load window at step {}", steps_done)));
-    EPMOE_RETURN_IF_ERROR(SumOverRanks(comm_, load.rows).WithContext(
-        fmt::format("rebalancer: summing the rows window at step {}", steps_done)));
+    Status summed = SumOverRanks(comm_, load.counts)
+                        .WithContext(fmt::format("rebalancer: summing the load window at step {}", steps_done));
+    if (summed.ok())
+      summed = SumOverRanks(comm_, load.rows)
+                   .WithContext(fmt::format("rebalancer: summing the rows window at step {}", steps_done));
+    if (!summed.ok()) return pending_ != nullptr ? Fail(summed) : summed;
     const double before = WindowBalancedness(*live_, load);
     outcome.window_balancedness = before;
     if (pending_ != nullptr) {
