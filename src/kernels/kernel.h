@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -67,6 +68,22 @@ class MatrixKernel {
   // Reads each weight row once for all `rows` (rows are tiled in registers, weights stay in L1).
   virtual void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows,
                       float* out, int64_t out_stride) const = 0;
+};
+
+// Base of the kernels that take fp32 activations as they are and run any input size (the AVX2 and
+// reference kernels): they differ only in MatMul.
+class Fp32ActivationKernel : public MatrixKernel {
+ public:
+  explicit Fp32ActivationKernel(WeightFormat format) : format_(format) {}
+  WeightFormat format() const override { return format_; }
+  bool SupportsCols(int64_t) const override { return true; }
+  int64_t ActivationBytes(int64_t cols) const override { return cols * static_cast<int64_t>(sizeof(float)); }
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    std::memcpy(out, x, cols * sizeof(float));
+  }
+
+ protected:
+  WeightFormat format_;
 };
 
 // Factories; the avx2 and avx512 ones may be called only when IsaSupported says so.

@@ -5,7 +5,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "kernels/kernel.h"
@@ -36,16 +35,10 @@ void DotRows(const float* w, int64_t cols, const float* const* x, float* results
   }
 }
 
-class Avx2Kernel final : public MatrixKernel {
+class Avx2Kernel final : public Fp32ActivationKernel {
  public:
-  explicit Avx2Kernel(WeightFormat format) : format_(format) {}
+  explicit Avx2Kernel(WeightFormat format) : Fp32ActivationKernel(format) {}
   Isa isa() const override { return Isa::kAvx2; }
-  WeightFormat format() const override { return format_; }
-  bool SupportsCols(int64_t) const override { return true; }
-  int64_t ActivationBytes(int64_t cols) const override { return cols * static_cast<int64_t>(sizeof(float)); }
-  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
-    std::memcpy(out, x, cols * sizeof(float));
-  }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride) const override {
     std::vector<float> dequantized(format_ == WeightFormat::kFp32 ? 0 : w.cols);
@@ -71,9 +64,6 @@ class Avx2Kernel final : public MatrixKernel {
       }
     }
   }
-
- private:
-  WeightFormat format_;
 };
 
 }  // namespace
