@@ -287,6 +287,42 @@ __m512 LaneScales(const uint8_t* row_scales, int64_t group) {
 
 template <WeightFormat kFormat>
 struct FourBit {
+  // One group of 256 inputs of R rows against N channels' expanded values and block scales: per row
+  // and channel 4 VPDPBUSD, a conversion and an FMA. Shared by the decode and prefill tiles.
+  template <int R, int N>
+  static inline __attribute__((always_inline)) void AccumulateGroup(const TileArgs& a, int64_t cols, int64_t g,
+                                                                    const __m512i (&v)[N][4], const __m512 (&scale)[N],
+                                                                    __m512 (&acc)[R][N]) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = a.acts + r * a.act_stride;
+      const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
+      const __m512i x0 = _mm512_loadu_si512(x + g * 256);
+      const __m512i x1 = _mm512_loadu_si512(x + g * 256 + 64);
+      const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
+      const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
+      for (int j = 0; j < N; ++j) {
+        __m512i t = _mm512_dpbusd_epi32(correction, v[j][0], x0);
+        t = _mm512_dpbusd_epi32(t, v[j][1], x1);
+        t = _mm512_dpbusd_epi32(t, v[j][2], x2);
+        t = _mm512_dpbusd_epi32(t, v[j][3], x3);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[j], acc[r][j]);
+      }
+    }
+  }
+
+  // Writes an R x N tile. The lookup table doubled the values: halve here, with the activation and
+  // tensor scales.
+  template <int R, int N>
+  static inline __attribute__((always_inline)) void StoreTile(const TileArgs& a, const PackedMatrix& m,
+                                                              const __m512 (&acc)[R][N]) {
+    const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
+    for (int r = 0; r < R; ++r) {
+      float act_scale;
+      std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(m.cols), 4);
+      for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
+    }
+  }
+
   template <int R, int N>
   struct Tile {
     // VPERMB (AVX512_VBMI) looks codes up in a 64-entry table holding the 16 values 4 times, so
@@ -324,29 +360,9 @@ struct FourBit {
           v[j][3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p1, 4), table);
           scale[j] = LaneScales<kFormat>(s[j], g);
         }
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* x = a.acts + r * a.act_stride;
-          const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
-          const __m512i x0 = _mm512_loadu_si512(x + g * 256);
-          const __m512i x1 = _mm512_loadu_si512(x + g * 256 + 64);
-          const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
-          const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
-          for (int j = 0; j < N; ++j) {
-            __m512i t = _mm512_dpbusd_epi32(correction, v[j][0], x0);
-            t = _mm512_dpbusd_epi32(t, v[j][1], x1);
-            t = _mm512_dpbusd_epi32(t, v[j][2], x2);
-            t = _mm512_dpbusd_epi32(t, v[j][3], x3);
-            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[j], acc[r][j]);
-          }
-        }
+        AccumulateGroup<R, N>(a, cols, g, v, scale, acc);
       }
-      // The table doubled the values: halve here, with the activation and tensor scales.
-      const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
-      for (int r = 0; r < R; ++r) {
-        float act_scale;
-        std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(cols), 4);
-        for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
-      }
+      StoreTile<R, N>(a, m, acc);
     }
   };
 
@@ -395,28 +411,9 @@ struct FourBit {
           for (int i = 0; i < 4; ++i) v[j][i] = _mm512_loadu_si512(values + 64 * i);
           scale[j] = _mm512_loadu_ps(a.unpacked_scales + (j * groups + g) * 16);
         }
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* x = a.acts + r * a.act_stride;
-          const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
-          const __m512i x0 = _mm512_loadu_si512(x + g * 256);
-          const __m512i x1 = _mm512_loadu_si512(x + g * 256 + 64);
-          const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
-          const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
-          for (int j = 0; j < N; ++j) {
-            __m512i t = _mm512_dpbusd_epi32(correction, v[j][0], x0);
-            t = _mm512_dpbusd_epi32(t, v[j][1], x1);
-            t = _mm512_dpbusd_epi32(t, v[j][2], x2);
-            t = _mm512_dpbusd_epi32(t, v[j][3], x3);
-            acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[j], acc[r][j]);
-          }
-        }
+        AccumulateGroup<R, N>(a, cols, g, v, scale, acc);
       }
-      const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
-      for (int r = 0; r < R; ++r) {
-        float act_scale;
-        std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(cols), 4);
-        for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
-      }
+      StoreTile<R, N>(a, m, acc);
     }
   };
 };
