@@ -11,6 +11,22 @@
 namespace epmoe {
 namespace {
 
+// Adds one chunk's moves to the rebalance's report.
+void AddPlanToReport(const MovePlan& plan, RebalanceReport* r) {
+  r->remote_copies += plan.remote_copies;
+  r->local_copies += plan.local_copies;
+  r->inter_node_copies += plan.inter_node_copies;
+  r->bytes_moved += plan.total_bytes_moved();
+  for (size_t i = 0; i < plan.bytes_sent.size(); ++i) {
+    r->bytes_sent_by_rank[i] += plan.bytes_sent[i];
+    r->bytes_received_by_rank[i] += plan.bytes_received[i];
+  }
+  for (size_t i = 0; i < plan.bytes_sent_by_node.size(); ++i) {
+    r->bytes_sent_by_node[i] += plan.bytes_sent_by_node[i];
+    r->bytes_received_by_node[i] += plan.bytes_received_by_node[i];
+  }
+}
+
 double SteadySeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -323,21 +339,8 @@ Result<int> Rebalancer::AdvanceSync(int64_t step) {
     return Unavailable(fmt::format("rebalance at step {}: rank(s) {} could not stage layers [{}, {}); nothing installed",
                                    step, failed, p.chunk_begin, p.chunk_end));
   const int begin = p.chunk_begin;
-  // Add the chunk's plan to the report.
-  RebalanceReport& r = p.report;
-  r.rounds += moved->rounds;
-  r.remote_copies += plan.remote_copies;
-  r.local_copies += plan.local_copies;
-  r.inter_node_copies += plan.inter_node_copies;
-  r.bytes_moved += plan.total_bytes_moved();
-  for (size_t i = 0; i < plan.bytes_sent.size(); ++i) {
-    r.bytes_sent_by_rank[i] += plan.bytes_sent[i];
-    r.bytes_received_by_rank[i] += plan.bytes_received[i];
-  }
-  for (size_t i = 0; i < plan.bytes_sent_by_node.size(); ++i) {
-    r.bytes_sent_by_node[i] += plan.bytes_sent_by_node[i];
-    r.bytes_received_by_node[i] += plan.bytes_received_by_node[i];
-  }
+  p.report.rounds += moved->rounds;
+  AddPlanToReport(plan, &p.report);
   EPMOE_RETURN_IF_ERROR(InstallChunk().WithContext(where));
   return p.chunk_begin - begin;
 }
@@ -349,19 +352,7 @@ Status Rebalancer::StartChunkTransfer() {
   p.chunk_end = std::min(layers, p.chunk_begin + per_chunk);
   const int64_t expert_bytes = target_.expert_bytes();
   EPMOE_ASSIGN_OR_RETURN(MovePlan plan, PlanMoves(*p.from, *p.to, p.chunk_begin, p.chunk_end, expert_bytes));
-  RebalanceReport& r = p.report;
-  r.remote_copies += plan.remote_copies;
-  r.local_copies += plan.local_copies;
-  r.inter_node_copies += plan.inter_node_copies;
-  r.bytes_moved += plan.total_bytes_moved();
-  for (size_t i = 0; i < plan.bytes_sent.size(); ++i) {
-    r.bytes_sent_by_rank[i] += plan.bytes_sent[i];
-    r.bytes_received_by_rank[i] += plan.bytes_received[i];
-  }
-  for (size_t i = 0; i < plan.bytes_sent_by_node.size(); ++i) {
-    r.bytes_sent_by_node[i] += plan.bytes_sent_by_node[i];
-    r.bytes_received_by_node[i] += plan.bytes_received_by_node[i];
-  }
+  AddPlanToReport(plan, &p.report);
   p.chunk_started_at = SteadySeconds();
   EPMOE_ASSIGN_OR_RETURN(
       p.transfer,
