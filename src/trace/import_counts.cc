@@ -73,13 +73,10 @@ Result<ImportedTrace> ImportExpertCountsCsv(std::istream& in, const std::string&
   std::map<std::vector<std::string>, size_t> series_index;
   std::map<std::string, int64_t> max_expert_of_model;
   int64_t values = 0;
+  std::vector<std::string_view> fields;
   while (true) {
-    EPMOE_ASSIGN_OR_RETURN(bool more, lines.Next(&line));
+    EPMOE_ASSIGN_OR_RETURN(bool more, lines.NextRecord(header.size(), &fields));
     if (!more) break;
-    if (line.empty()) continue;
-    const std::vector<std::string_view> fields = SplitCommas(line);
-    if (fields.size() != header.size())
-      return lines.Error(fmt::format("{} fields, the header has {}", fields.size(), header.size()));
     int64_t layer = 0, expert = 0, count = 0;
     if (!ParseInt64(fields[layer_col], &layer) || layer < 0 || layer > (1 << 20))
       return lines.Error(fmt::format("layer '{}' is not a layer id", fields[layer_col]));
@@ -216,13 +213,10 @@ Result<ImportedTrace> ImportCountsCsv(std::istream& in, const std::string& sourc
   std::map<int64_t, int64_t> rows_of_step;
   std::set<int64_t> layer_set;
   int64_t max_expert = -1, top_k = -1;
+  std::vector<std::string_view> fields;
   while (true) {
-    EPMOE_ASSIGN_OR_RETURN(bool more, lines.Next(&line));
+    EPMOE_ASSIGN_OR_RETURN(bool more, lines.NextRecord(header.size(), &fields));
     if (!more) break;
-    if (line.empty()) continue;
-    const std::vector<std::string_view> fields = SplitCommas(line);
-    if (fields.size() != header.size())
-      return lines.Error(fmt::format("{} fields, the header has {}", fields.size(), header.size()));
     Entry e{};
     if (!ParseInt64(fields[column["step"]], &e.step) || e.step < 0) return lines.Error("bad step");
     if (!ParseInt64(fields[column["layer"]], &e.layer) || e.layer < 0 || e.layer > (1 << 20))

@@ -98,13 +98,10 @@ Status ParseFlameLayerCsv(std::istream& in, const std::string& source, Picks* pi
   picks->experts.clear();
   picks->weights.clear();
   std::vector<std::pair<double, int>> chosen;
+  std::vector<std::string_view> fields;
   while (true) {
-    EPMOE_ASSIGN_OR_RETURN(bool more, lines.Next(&line));
+    EPMOE_ASSIGN_OR_RETURN(bool more, lines.NextRecord(header.size(), &fields));
     if (!more) break;
-    if (line.empty()) continue;
-    std::vector<std::string_view> fields = SplitCommas(line);
-    if (fields.size() != header.size())
-      return lines.Error(fmt::format("{} fields, the header has {}", fields.size(), header.size()));
     chosen.clear();
     for (size_t c = 0; c < fields.size(); ++c) {
       double value = 0;

@@ -179,13 +179,10 @@ Result<ImportedTrace> ImportTopkCsv(std::istream& in, const std::string& source,
   TokenTableBuilder builder(source);
   std::vector<int64_t> experts(expert_cols.size());
   std::vector<double> weights(weight_cols.size());
+  std::vector<std::string_view> fields;
   while (true) {
-    EPMOE_ASSIGN_OR_RETURN(bool more, lines.Next(&line));
+    EPMOE_ASSIGN_OR_RETURN(bool more, lines.NextRecord(header.size(), &fields));
     if (!more) break;
-    if (line.empty()) continue;
-    const std::vector<std::string_view> fields = SplitCommas(line);
-    if (fields.size() != header.size())
-      return lines.Error(fmt::format("{} fields, the header has {}", fields.size(), header.size()));
     TokenTableBuilder::Record record;
     record.line = lines.line_number();
     auto read_id = [&](int col, int64_t* value) -> Status {

@@ -27,6 +27,18 @@ Result<bool> LineReader::Next(std::string_view* line) {
   return true;
 }
 
+Result<bool> LineReader::NextRecord(size_t expected_fields, std::vector<std::string_view>* fields) {
+  std::string_view line;
+  do {
+    EPMOE_ASSIGN_OR_RETURN(bool more, Next(&line));
+    if (!more) return false;
+  } while (line.empty());
+  *fields = SplitCommas(line);
+  if (fields->size() != expected_fields)
+    return Error(fmt::format("{} fields, the header has {}", fields->size(), expected_fields));
+  return true;
+}
+
 Status LineReader::Error(const std::string& message) const {
   return InvalidArgument(fmt::format("{}:{}: {}", source_, line_number_, message));
 }

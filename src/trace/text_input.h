@@ -21,6 +21,10 @@ class LineReader {
   LineReader(std::istream& in, std::string source) : in_(in), source_(std::move(source)) {}
   // Sets *line to the next line and returns true, or false at the end of the input.
   Result<bool> Next(std::string_view* line);
+  // The next non-empty line split on commas (SplitCommas) into *fields, which must number
+  // `expected_fields` (the header's), else an error naming the line; false at the end of the input.
+  // The fields view the line buffer: valid until the next call.
+  Result<bool> NextRecord(size_t expected_fields, std::vector<std::string_view>* fields);
   int64_t line_number() const { return line_number_; }
   const std::string& source() const { return source_; }
   // "<source>:<line>: <message>" as an invalid-argument Status.
