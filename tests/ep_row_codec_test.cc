@@ -71,6 +71,29 @@ TEST(RowCodec, BlockFormatsStayWithinHalfAStep) {
   for (float v : zeros) EXPECT_EQ(v, 0.0f);
 }
 
+TEST(RowCodec, FusedFormsEqualTheTwoStepForms) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  std::vector<float> values(96), accumulate(96);
+  for (float& v : values) v = dist(rng);
+  for (float& v : accumulate) v = dist(rng);
+  for (RowFormat f : {RowFormat::kFp32, RowFormat::kBf16, RowFormat::kQ8, RowFormat::kQ4}) {
+    SCOPED_TRACE(RowFormatName(f));
+    const float scale = 0.3712f;
+    std::vector<float> scaled(values.size());
+    for (size_t i = 0; i < values.size(); ++i) scaled[i] = scale * values[i];
+    std::vector<uint8_t> two_step(RowBytes(f, 96)), fused(RowBytes(f, 96));
+    EncodeRow(f, scaled.data(), 96, two_step.data());
+    EncodeScaledRow(f, scale, values.data(), 96, fused.data());
+    EXPECT_EQ(fused, two_step);
+    std::vector<float> decoded(96), want = accumulate, got = accumulate;
+    DecodeRow(f, fused.data(), 96, decoded.data());
+    for (size_t i = 0; i < want.size(); ++i) want[i] += decoded[i];
+    AddDecodedRow(f, fused.data(), 96, got.data());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+  }
+}
+
 TEST(RowCodec, Q8LayoutIsScaleThenValues) {
   std::vector<float> in(32, 0.0f);
   in[0] = 1.27f;

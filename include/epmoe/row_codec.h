@@ -29,4 +29,10 @@ int64_t RowBytes(RowFormat format, int64_t cols);
 void EncodeRow(RowFormat format, const float* values, int64_t cols, uint8_t* out);
 void DecodeRow(RowFormat format, const uint8_t* in, int64_t cols, float* values);
 
+// Fused forms for the a2a combine, bit-identical to the two-step forms they replace:
+// EncodeScaledRow(f, s, v, n, out) == EncodeRow(f, {s * v[i]}, n, out), and
+// AddDecodedRow(f, in, n, acc) == DecodeRow(f, in, n, tmp) then acc[i] += tmp[i].
+void EncodeScaledRow(RowFormat format, float scale, const float* values, int64_t cols, uint8_t* out);
+void AddDecodedRow(RowFormat format, const uint8_t* in, int64_t cols, float* accumulate);
+
 }  // namespace epmoe

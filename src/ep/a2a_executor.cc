@@ -4,12 +4,18 @@
 // output by its router weight and sends one output per pick back in the combine format; the home
 // rank sums a row's k outputs in pick order j = 0..k-1, as the single-process layer does. With
 // partial sums the expert side adds up a row's picks it ran and sends one row back per rank.
-// Counts are exchanged first (one all-gather of the count matrix) so receive buffers are sized
-// exactly; when they would exceed the buffer bound the exchange runs in rounds (every rank sends a
-// fixed share of each destination's rows per round, so both sides know every round's counts
-// without another exchange).
+// Counts are exchanged first (one alltoall of one value per peer, then the agreed round count, one
+// all-reduce) so receive buffers are sized exactly; when they would exceed the buffer bound the
+// exchange runs in rounds (every rank sends a fixed share of each destination's rows per round, so
+// both sides know every round's counts without another exchange).
+// The step copies as little as it can: records are packed straight into the send buffer (a rank's
+// own records straight into its receive buffer, so they never pass through MPI), received rows are
+// decoded straight into the expert-ordered input, weighted outputs are encoded straight into the
+// return buffer (this rank's own straight into where they are summed), and returned outputs are
+// summed where they landed. Buffers live across steps.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -97,257 +103,319 @@ class A2aExecutor : public MoeExecutor {
     return Status::Ok();
   }
 
+
  private:
+  // Rows [first, first + count) of destination d's list in round `round` of `rounds`: both sides
+  // split a pair's rows the same way, so no per-round counts travel.
+  static int64_t RoundFirst(int64_t count, int64_t round, int64_t rounds) { return count * round / rounds; }
+
+  // The bytes this rank holds at once with `rounds` rounds (see Forward's memory model).
+  int64_t BytesHeld(int64_t rounds) const {
+    const int g = comm_.size(), me = comm_.rank();
+    int64_t bytes = returns_bytes_;
+    for (int r = 0; r < g; ++r) {
+      const int64_t in = (recv_count_[r] + rounds - 1) / rounds, out = (send_count_[r] + rounds - 1) / rounds;
+      bytes += in * per_received_row_;
+      if (r != me) bytes += out * record_bytes_ + in * per_returned_row_;
+    }
+    return bytes;
+  }
+
+  // Memory model of one step (what max_buffer_bytes bounds), per rank:
+  //   returns: every output coming back for this rank's rows, held for the whole step (one per
+  //            pick, or one per row and destination with partial sums), so the home rank sums
+  //            straight from where they landed, in pick order;
+  //   per round: the records sent to other ranks; the records received (this rank's own records
+  //            are packed straight into the receive buffer and never pass through MPI); the
+  //            expert-ordered input and output rows (at most min(k, slots) picks per record);
+  //            the weighted outputs going back to other ranks (this rank's own go straight into
+  //            returns).
+  // Buffers are kept across steps and reused; when a step needs a different mix whose total would
+  // exceed the bound, the oversized ones are released first, so what is held never exceeds it.
   Status ForwardHome(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
     const int64_t h = model_.hidden, n = rows.rows;
     const Placement& p = *placement_;
     const int slots = p.slots_per_rank();
     const ExpertStore& store = *stores_[layer];
-    const int64_t row_bytes = RowBytes(options_.dispatch_format, h);
-    const int64_t record_bytes = k * 8 + row_bytes;
-    const int64_t return_bytes = RowBytes(options_.combine_format, h);
+    const RowFormat dispatch_format = options_.dispatch_format, combine_format = options_.combine_format;
+    const bool partial = options_.combine_partial_sums;
+    const int64_t row_bytes = RowBytes(dispatch_format, h);
+    record_bytes_ = k * 8 + row_bytes;
+    const int64_t return_bytes = RowBytes(combine_format, h);
     StepStats st;
     st.rows = n;
     Stopwatch watch;
 
-    // Layout: destination and slot of every pick; the rows each destination gets, in row order.
-    std::vector<int32_t> pick_rank(n * k), pick_slot(n * k);
-    std::vector<std::vector<int64_t>> send_rows(g);
-    std::vector<int64_t> seen(g, -1), nth(model_.num_experts, 0);
+    // Layout, pass 1: the destination rank and local slot of every pick; rows and picks per
+    // destination (a row counts once per destination it visits).
+    pick_rank_.resize(n * k);
+    pick_slot_.resize(n * k);
+    nth_.assign(model_.num_experts, 0);
+    send_count_.assign(g, 0);
+    std::vector<int64_t> picks_to(g, 0), last_row(g, -1);
     for (int64_t r = 0; r < n; ++r) {
       for (int j = 0; j < k; ++j) {
         const int32_t e = picks.expert(r, j);
-        const int32_t slot = dispatch_->SlotFor(layer, e, nth[e]++);
+        const int32_t slot = dispatch_->SlotFor(layer, e, nth_[e]++);
         const int dest = p.rank_of_slot(slot);
-        pick_rank[r * k + j] = dest;
-        pick_slot[r * k + j] = slot - dest * slots;
-        if (seen[dest] != r) {
-          seen[dest] = r;
-          send_rows[dest].push_back(r);
+        pick_rank_[r * k + j] = dest;
+        pick_slot_[r * k + j] = slot - dest * slots;
+        ++picks_to[dest];
+        if (last_row[dest] != r) {
+          last_row[dest] = r;
+          ++send_count_[dest];
         }
       }
     }
-    // One all-gather gives every rank the whole count matrix (and every rank's rows), so receive
-    // buffers are sized exactly and every rank computes the same number of rounds without a
-    // further exchange.
-    std::vector<int64_t> mine(g + 1), matrix(static_cast<size_t>(g) * (g + 1));
-    for (int d = 0; d < g; ++d) mine[d] = static_cast<int64_t>(send_rows[d].size());
-    mine[g] = n;
-    st.pack_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(comm_.AllgatherInt64(mine, matrix));
-    st.dispatch_us += watch.Lap();
-    auto sent = [&](int from, int to) { return matrix[static_cast<size_t>(from) * (g + 1) + to]; };
-    std::vector<int64_t> send_count(g), recv_count(g);
-    for (int r = 0; r < g; ++r) {
-      send_count[r] = sent(me, r);
-      recv_count[r] = sent(r, me);
-    }
-
-    // Rounds under the buffer bound: the fewest that fit the rank needing the most.
-    const int64_t picks_per_row = std::min(k, slots);
-    const bool partial = options_.combine_partial_sums;
-    const int64_t returns_per_row = partial ? 1 : picks_per_row;
-    const int64_t per_recv_row = record_bytes + picks_per_row * 2 * h * 4 + returns_per_row * return_bytes + h * 4;
-    const int64_t per_send_row = record_bytes + returns_per_row * return_bytes;
-    // Bytes rank `rank` holds at once with `rounds` rounds; its returned outputs (one per pick of
-    // its own rows) stay until the sum.
-    auto round_bytes = [&](int rank, int64_t rounds) {
-      int64_t bytes = sent(rank, g) * (partial ? h * 4 : k * return_bytes);
-      for (int r = 0; r < g; ++r) {
-        bytes += (sent(r, rank) + rounds - 1) / rounds * per_recv_row;
-        bytes += (sent(rank, r) + rounds - 1) / rounds * per_send_row;
+    // Pass 2: each destination's rows in row order, the returns they bring (prefix per row), and
+    // where each pick's returned output will lie in the returns buffer.
+    send_row_begin_ = PrefixOffsets(send_count_);
+    std::vector<int64_t> region(g + 1, 0);  // returns of destination d: [region[d], region[d+1])
+    for (int d = 0; d < g; ++d) region[d + 1] = region[d] + (partial ? send_count_[d] : picks_to[d]) * return_bytes;
+    returns_bytes_ = region[g];
+    send_rows_.resize(send_row_begin_[g]);
+    send_return_at_.resize(send_row_begin_[g] + g);  // per destination: count + 1 prefix values
+    pick_return_.resize(n * k);
+    std::vector<int64_t> cursor(send_row_begin_.begin(), send_row_begin_.end() - 1), returned(g, 0);
+    std::fill(last_row.begin(), last_row.end(), -1);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int j = 0; j < k; ++j) {
+        const int d = pick_rank_[r * k + j];
+        const bool first_visit = last_row[d] != r;
+        if (first_visit) {
+          last_row[d] = r;
+          send_return_at_[cursor[d] + d] = returned[d];
+          send_rows_[cursor[d]++] = r;
+        }
+        if (partial && !first_visit) {
+          pick_return_[r * k + j] = -1;  // summed on the expert side into the row's first pick to d
+          continue;
+        }
+        pick_return_[r * k + j] = region[d] + returned[d] * return_bytes;
+        ++returned[d];
       }
-      return bytes;
-    };
+    }
+    for (int d = 0; d < g; ++d) send_return_at_[send_row_begin_[d + 1] + d] = returned[d];
+    st.pack_us += watch.Lap();
+
+    // Counts: one small alltoall; then the rounds every rank agrees on (the most any rank needs).
+    recv_count_.assign(g, 0);
+    EPMOE_RETURN_IF_ERROR(comm_.ExchangeCounts(send_count_, recv_count_));
+    const int64_t picks_per_row = std::min(k, slots);
+    per_received_row_ = record_bytes_ + picks_per_row * 2 * h * 4;
+    per_returned_row_ = (partial ? 1 : picks_per_row) * return_bytes;
     int64_t max_count = 1;
-    for (int64_t v = 0; v < g; ++v)
-      for (int r = 0; r < g; ++r) max_count = std::max(max_count, sent(static_cast<int>(v), r));
-    int64_t rounds = 1;
-    for (int rank = 0; rank < g; ++rank) {
-      // The fewest rounds that fit this rank (round_bytes does not grow with more rounds).
-      int64_t lo = 1, hi = max_count;
+    for (int r = 0; r < g; ++r) max_count = std::max({max_count, send_count_[r], recv_count_[r]});
+    int64_t need = 1;
+    if (BytesHeld(max_count) > options_.max_buffer_bytes) {
+      need = kRefused + me;  // not even one row per peer and round fits: every rank must refuse
+    } else {
+      int64_t lo = 1, hi = max_count;  // BytesHeld does not grow with more rounds
       while (lo < hi) {
         const int64_t mid = (lo + hi) / 2;
-        if (round_bytes(rank, mid) <= options_.max_buffer_bytes) {
+        if (BytesHeld(mid) <= options_.max_buffer_bytes) {
           hi = mid;
         } else {
           lo = mid + 1;
         }
       }
-      if (round_bytes(rank, lo) > options_.max_buffer_bytes)
+      need = lo;
+    }
+    EPMOE_ASSIGN_OR_RETURN(const int64_t rounds, comm_.AllreduceMax(need));
+    st.dispatch_us += watch.Lap();
+    if (rounds >= kRefused) {
+      const int refusing = static_cast<int>(rounds - kRefused);
+      if (refusing == me)
         return OutOfRange(fmt::format("a2a: rank {} needs {} bytes even with one row per peer and round ({} rounds), "
-                                      "over the buffer bound of {} bytes", rank, round_bytes(rank, lo), lo,
+                                      "over the buffer bound of {} bytes", me, BytesHeld(max_count), max_count,
                                       options_.max_buffer_bytes));
-      rounds = std::max(rounds, lo);
+      return OutOfRange(fmt::format("a2a: rank {} cannot fit one row per peer and round in the buffer bound of {} "
+                                    "bytes", refusing, options_.max_buffer_bytes));
     }
     st.rounds = static_cast<int>(rounds);
 
-    // Per-pick mode keeps every pick's returned output until the ordered sum; partial-sum mode adds
-    // each returned row into the output as it arrives.
-    std::vector<uint8_t> returned(partial ? 0 : n * k * return_bytes);
-    *out = Matrix(n, h);
-    std::vector<float> value(h);
-    std::vector<uint8_t> send, recv, back_send, back_recv;
-    Matrix recv_rows, work_in, work_out;
-    std::vector<float> weighted(h);
-    for (int64_t round = 0; round < rounds; ++round) {
-      // This round's rows per destination and per source.
-      std::vector<int64_t> send_first(g), send_n(g), recv_n(g), send_bytes(g), recv_bytes(g);
-      for (int r = 0; r < g; ++r) {
-        send_first[r] = send_count[r] * round / rounds;
-        send_n[r] = send_count[r] * (round + 1) / rounds - send_first[r];
-        recv_n[r] = recv_count[r] * (round + 1) / rounds - recv_count[r] * round / rounds;
-        send_bytes[r] = send_n[r] * record_bytes;
-        recv_bytes[r] = recv_n[r] * record_bytes;
+    // Buffers for the largest round (no round's share of a pair's rows exceeds ceil(count / rounds)).
+    int64_t send_cap = 0, recv_cap = 0, items_cap = 0, back_cap = 0;
+    for (int r = 0; r < g; ++r) {
+      const int64_t in = (recv_count_[r] + rounds - 1) / rounds, out_rows = (send_count_[r] + rounds - 1) / rounds;
+      recv_cap += in * record_bytes_;
+      items_cap += in * picks_per_row;
+      if (r != me) {
+        send_cap += out_rows * record_bytes_;
+        back_cap += in * per_returned_row_;
       }
-      const auto send_offsets = PrefixOffsets(send_bytes);
-      const auto recv_offsets = PrefixOffsets(recv_bytes);
-      send.resize(send_offsets[g]);
-      recv.resize(recv_offsets[g]);
+    }
+    const int64_t rows_cap_bytes = items_cap * h * 4;
+    ScratchBuffer* buffers[] = {&returns_, &send_, &recv_, &work_in_, &work_out_, &back_send_};
+    const int64_t needs[] = {returns_bytes_, send_cap, recv_cap, rows_cap_bytes, rows_cap_bytes, back_cap};
+    int64_t held = 0;
+    for (int b = 0; b < 6; ++b) held += std::max(buffers[b]->capacity(), needs[b]);
+    for (int b = 0; b < 6; ++b) {
+      if (held > options_.max_buffer_bytes) buffers[b]->ShrinkTo(needs[b]);
+      buffers[b]->Reserve(needs[b]);
+    }
+    int64_t peak = 0;
+    for (const ScratchBuffer* b : buffers) peak += b->capacity();
+    st.peak_buffer_bytes = peak;
+    if (partial) partial_row_.resize(h);
+    st.pack_us += watch.Lap();
+
+    std::vector<int64_t> send_bytes(g), send_offsets(g), recv_bytes(g), recv_offsets(g), recv_first(g + 1);
+    std::vector<int64_t> back_send_bytes(g), back_send_offsets(g), back_recv_bytes(g), back_recv_offsets(g);
+    std::vector<int64_t> slot_offsets(slots + 1), slot_cursor(slots);
+    std::vector<int32_t> slot_ids(k);
+    uint8_t* const returns = returns_.data();
+    for (int64_t round = 0; round < rounds; ++round) {
+      // Pack: one record per (row, destination) straight into the send buffer, or for this rank
+      // into its place in the receive buffer.
+      int64_t send_at = 0, recv_at = 0;
+      for (int r = 0; r < g; ++r) {
+        const int64_t in = RoundFirst(recv_count_[r], round + 1, rounds) - RoundFirst(recv_count_[r], round, rounds);
+        recv_first[r] = recv_at / record_bytes_;
+        recv_offsets[r] = recv_at;
+        recv_bytes[r] = r == me ? 0 : in * record_bytes_;
+        recv_at += in * record_bytes_;
+      }
+      recv_first[g] = recv_at / record_bytes_;
       for (int d = 0; d < g; ++d) {
-        for (int64_t i = 0; i < send_n[d]; ++i) {
-          const int64_t r = send_rows[d][send_first[d] + i];
-          uint8_t* record = send.data() + send_offsets[d] + i * record_bytes;
-          for (int j = 0; j < k; ++j) {
-            const int32_t slot = pick_rank[r * k + j] == d ? pick_slot[r * k + j] : -1;
-            std::memcpy(record + j * 4, &slot, 4);
-          }
+        const int64_t first = RoundFirst(send_count_[d], round, rounds);
+        const int64_t count = RoundFirst(send_count_[d], round + 1, rounds) - first;
+        send_offsets[d] = send_at;
+        send_bytes[d] = d == me ? 0 : count * record_bytes_;
+        uint8_t* record = d == me ? recv_.data() + recv_offsets[me] : send_.data() + send_at;
+        if (d != me) send_at += count * record_bytes_;
+        const int64_t* row_list = send_rows_.data() + send_row_begin_[d] + first;
+        for (int64_t i = 0; i < count; ++i, record += record_bytes_) {
+          const int64_t r = row_list[i];
+          for (int j = 0; j < k; ++j) slot_ids[j] = pick_rank_[r * k + j] == d ? pick_slot_[r * k + j] : -1;
+          std::memcpy(record, slot_ids.data(), k * 4);
           std::memcpy(record + k * 4, picks.weights.data() + r * k, k * 4);
-          EncodeRow(options_.dispatch_format, rows.row(r), h, record + k * 8);
+          EncodeRow(dispatch_format, rows.row(r), h, record + k * 8);
         }
+        // What comes back from d this round: the returns of these rows, at their place.
+        const int64_t* return_at = send_return_at_.data() + send_row_begin_[d] + d;
+        back_recv_offsets[d] = region[d] + return_at[first] * return_bytes;
+        back_recv_bytes[d] = d == me ? 0 : (return_at[first + count] - return_at[first]) * return_bytes;
+        st.row_copies += count;
       }
       st.pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(send.data(), send_bytes, std::span<const int64_t>(send_offsets.data(), g),
-                                            recv.data(), recv_bytes, std::span<const int64_t>(recv_offsets.data(), g)));
+      EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(send_.data(), send_bytes, send_offsets, recv_.data(), recv_bytes, recv_offsets));
       st.dispatch_us += watch.Lap();
-      st.bytes_sent += send_offsets[g] - send_bytes[me];
-      st.bytes_received += recv_offsets[g] - recv_bytes[me];
-      st.row_copies += send_offsets[g] / record_bytes;
+      for (int r = 0; r < g; ++r) {
+        st.bytes_sent += send_bytes[r];
+        st.bytes_received += recv_bytes[r];
+      }
 
-      // Expert side: decode the received rows and group their picks by local slot.
-      const int64_t received = recv_offsets[g] / record_bytes;
-      recv_rows = Matrix(received, h);
-      std::vector<int32_t> item_slot(received * k);
-      std::vector<float> item_weight(received * k);
-      std::vector<int64_t> offsets(slots + 1, 0);
+      // Expert side: group the received picks by local slot (counting sort) and decode each row
+      // straight into its places in the expert-ordered input.
+      const int64_t received = recv_first[g];
+      const uint8_t* const records = recv_.data();
+      std::fill(slot_offsets.begin(), slot_offsets.end(), 0);
       for (int64_t q = 0; q < received; ++q) {
-        const uint8_t* record = recv.data() + q * record_bytes;
-        std::memcpy(item_slot.data() + q * k, record, k * 4);
-        std::memcpy(item_weight.data() + q * k, record + k * 4, k * 4);
+        std::memcpy(slot_ids.data(), records + q * record_bytes_, k * 4);
         for (int j = 0; j < k; ++j) {
-          const int32_t slot = item_slot[q * k + j];
+          const int32_t slot = slot_ids[j];
           if (slot < -1 || slot >= slots)
             return Internal(fmt::format("a2a: rank {} received a pick for slot {} (it holds {})", me, slot, slots));
-          if (slot >= 0) ++offsets[slot + 1];
+          if (slot >= 0) ++slot_offsets[slot + 1];
         }
-        DecodeRow(options_.dispatch_format, record + k * 8, h, recv_rows.row(q));
       }
-      for (int s = 0; s < slots; ++s) offsets[s + 1] += offsets[s];
-      const int64_t items = offsets[slots];
-      std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1), position(received * k, -1);
-      work_in = Matrix(items, h);
+      for (int s = 0; s < slots; ++s) slot_offsets[s + 1] += slot_offsets[s];
+      const int64_t items = slot_offsets[slots];
+      EPMOE_CHECK(items <= items_cap);
+      std::copy(slot_offsets.begin(), slot_offsets.end() - 1, slot_cursor.begin());
+      position_.resize(received * k);
+      float* const work_in = work_in_.floats();
       for (int64_t q = 0; q < received; ++q) {
+        const uint8_t* record = records + q * record_bytes_;
+        std::memcpy(slot_ids.data(), record, k * 4);
+        const float* decoded = nullptr;
         for (int j = 0; j < k; ++j) {
-          const int32_t slot = item_slot[q * k + j];
+          const int32_t slot = slot_ids[j];
+          position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
           if (slot < 0) continue;
-          position[q * k + j] = cursor[slot]++;
-          std::copy(recv_rows.row(q), recv_rows.row(q) + h, work_in.row(position[q * k + j]));
+          float* to = work_in + position_[q * k + j] * h;
+          if (decoded == nullptr) {
+            DecodeRow(dispatch_format, record + k * 8, h, to);
+            decoded = to;
+          } else {
+            std::memcpy(to, decoded, h * 4);
+          }
         }
       }
       st.pack_us += watch.Lap();
-      work_out = Matrix(items, h);
-      if (items > 0) store.Run(work_in.data.data(), offsets, work_out.data.data(), pool_);
+      if (items > 0) store.Run(work_in, slot_offsets, work_out_.floats(), pool_);
       for (int s = 0; s < slots; ++s) {
-        if (offsets[s + 1] > offsets[s]) st.expert_bytes_read += store.expert_bytes(s);
+        if (slot_offsets[s + 1] > slot_offsets[s]) st.expert_bytes_read += store.expert_bytes(s);
       }
       st.picks += items;
       st.experts_us += watch.Lap();
 
-      // Weighted outputs back in (received row, pick) order per source: one per pick, or (partial
-      // sums) one per received row, its picks here summed in pick order.
-      std::vector<int64_t> back_send_bytes(g), back_recv_bytes(g);
-      int64_t q = 0;
+      // Weighted outputs back, per source in record order: one per pick in pick order, or (partial
+      // sums) one per record with its picks here summed in pick order. This rank's own go straight
+      // to their place in returns.
+      int64_t back_at = 0;
       for (int s = 0; s < g; ++s) {
         int64_t count = 0;
-        for (int64_t i = 0; i < recv_n[s]; ++i, ++q)
-          for (int j = 0; j < k; ++j) count += item_slot[q * k + j] >= 0;
-        back_send_bytes[s] = (partial ? recv_n[s] : count) * return_bytes;
-      }
-      for (int d = 0; d < g; ++d) {
-        int64_t count = 0;
-        for (int64_t i = 0; i < send_n[d]; ++i) {
-          const int64_t r = send_rows[d][send_first[d] + i];
-          for (int j = 0; j < k; ++j) count += pick_rank[r * k + j] == d;
-        }
-        back_recv_bytes[d] = (partial ? send_n[d] : count) * return_bytes;
-      }
-      const auto back_send_offsets = PrefixOffsets(back_send_bytes);
-      const auto back_recv_offsets = PrefixOffsets(back_recv_bytes);
-      back_send.resize(back_send_offsets[g]);
-      back_recv.resize(back_recv_offsets[g]);
-      int64_t out_at = 0;
-      for (int64_t i = 0; i < received; ++i) {
-        if (partial) std::fill(weighted.begin(), weighted.end(), 0.0f);
-        for (int j = 0; j < k; ++j) {
-          const int64_t pos = position[i * k + j];
-          if (pos < 0) continue;
-          const float w = item_weight[i * k + j];
-          const float* src = work_out.row(pos);
+        for (int64_t q = recv_first[s]; q < recv_first[s + 1]; ++q) {
           if (partial) {
-            for (int64_t c = 0; c < h; ++c) weighted[c] += w * src[c];
+            ++count;
             continue;
           }
-          for (int64_t c = 0; c < h; ++c) weighted[c] = w * src[c];
-          EncodeRow(options_.combine_format, weighted.data(), h, back_send.data() + out_at);
-          out_at += return_bytes;
+          for (int j = 0; j < k; ++j) count += position_[q * k + j] >= 0;
         }
-        if (partial) {
-          EncodeRow(options_.combine_format, weighted.data(), h, back_send.data() + out_at);
-          out_at += return_bytes;
-        }
+        back_send_offsets[s] = back_at;
+        back_send_bytes[s] = s == me ? 0 : count * return_bytes;
+        back_at += back_send_bytes[s];
       }
-      st.peak_buffer_bytes = std::max<int64_t>(
-          st.peak_buffer_bytes,
-          static_cast<int64_t>(returned.size() + send.size() + recv.size() + back_send.size() + back_recv.size()) +
-              static_cast<int64_t>((partial ? out->data.size() : 0) + recv_rows.data.size() + work_in.data.size() +
-                                   work_out.data.size()) * 4);
-      st.pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(back_send.data(), back_send_bytes,
-                                            std::span<const int64_t>(back_send_offsets.data(), g), back_recv.data(),
-                                            back_recv_bytes, std::span<const int64_t>(back_recv_offsets.data(), g)));
-      st.combine_us += watch.Lap();
-      st.bytes_sent += back_send_offsets[g] - back_send_bytes[me];
-      st.bytes_received += back_recv_offsets[g] - back_recv_bytes[me];
-
-      // Each pick's output to its place, returned[r*k + j]; or each partial sum into its row.
-      for (int d = 0; d < g; ++d) {
-        const uint8_t* src = back_recv.data() + back_recv_offsets[d];
-        for (int64_t i = 0; i < send_n[d]; ++i) {
-          const int64_t r = send_rows[d][send_first[d] + i];
+      const float* const work_out = work_out_.floats();
+      for (int s = 0; s < g; ++s) {
+        uint8_t* to = s == me ? returns + back_recv_offsets[me] : back_send_.data() + back_send_offsets[s];
+        for (int64_t q = recv_first[s]; q < recv_first[s + 1]; ++q) {
+          const uint8_t* weights = records + q * record_bytes_ + k * 4;
           if (partial) {
-            DecodeRow(options_.combine_format, src, h, value.data());
-            float* y = out->row(r);
-            for (int64_t c = 0; c < h; ++c) y[c] += value[c];
-            src += return_bytes;
+            std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
+            for (int j = 0; j < k; ++j) {
+              const int64_t pos = position_[q * k + j];
+              if (pos < 0) continue;
+              float w;
+              std::memcpy(&w, weights + j * 4, 4);
+              const float* src = work_out + pos * h;
+              for (int64_t c = 0; c < h; ++c) partial_row_[c] += w * src[c];
+            }
+            EncodeRow(combine_format, partial_row_.data(), h, to);
+            to += return_bytes;
             continue;
           }
           for (int j = 0; j < k; ++j) {
-            if (pick_rank[r * k + j] != d) continue;
-            std::memcpy(returned.data() + (r * k + j) * return_bytes, src, return_bytes);
-            src += return_bytes;
+            const int64_t pos = position_[q * k + j];
+            if (pos < 0) continue;
+            float w;
+            std::memcpy(&w, weights + j * 4, 4);
+            EncodeScaledRow(combine_format, w, work_out + pos * h, h, to);
+            to += return_bytes;
           }
         }
       }
-      st.unpack_us += watch.Lap();
+      st.pack_us += watch.Lap();
+      EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(back_send_.data(), back_send_bytes, back_send_offsets, returns,
+                                            back_recv_bytes, back_recv_offsets));
+      st.combine_us += watch.Lap();
+      for (int r = 0; r < g; ++r) {
+        st.bytes_sent += back_send_bytes[r];
+        st.bytes_received += back_recv_bytes[r];
+      }
     }
 
-    // Sum each row's k outputs in pick order, exactly as CombinePermutedRows.
-    for (int64_t r = 0; r < n && !partial; ++r) {
+    // Sum each row's outputs in pick order j = 0..k-1, exactly as CombinePermutedRows, straight
+    // from where they landed.
+    *out = Matrix(n, h);
+    for (int64_t r = 0; r < n; ++r) {
       float* y = out->row(r);
       for (int j = 0; j < k; ++j) {
-        DecodeRow(options_.combine_format, returned.data() + (r * k + j) * return_bytes, h, value.data());
-        for (int64_t c = 0; c < h; ++c) y[c] += value[c];
+        const int64_t at = pick_return_[r * k + j];
+        if (at >= 0) AddDecodedRow(combine_format, returns + at, h, y);
       }
     }
     st.unpack_us += watch.Lap();
@@ -356,6 +424,33 @@ class A2aExecutor : public MoeExecutor {
     if (stats != nullptr) *stats = st;
     return Status::Ok();
   }
+
+  // Memory reused across steps, uninitialized: grows when a step needs more.
+  class ScratchBuffer {
+   public:
+    void Reserve(int64_t bytes) {
+      if (bytes <= capacity_) return;
+      data_.reset();
+      data_ = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+      capacity_ = bytes;
+    }
+    // Frees the memory when it holds more than `bytes` (the next Reserve allocates what it needs).
+    void ShrinkTo(int64_t bytes) {
+      if (capacity_ <= bytes) return;
+      data_.reset();
+      capacity_ = 0;
+    }
+    int64_t capacity() const { return capacity_; }
+    uint8_t* data() { return data_.get(); }
+    float* floats() { return reinterpret_cast<float*>(data_.get()); }
+
+   private:
+    std::unique_ptr<uint8_t[]> data_;
+    int64_t capacity_ = 0;
+  };
+
+  // A rank's need of rounds at or above this says that rank cannot fit one row per peer.
+  static constexpr int64_t kRefused = int64_t{1} << 62;
 
   Communicator& comm_;
   ModelConfig model_;
@@ -366,6 +461,18 @@ class A2aExecutor : public MoeExecutor {
   std::unique_ptr<DispatchTable> dispatch_;            // this rank's picks -> slots
   std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ and placement_
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
+
+  // Per-step state, kept to reuse its memory (see ForwardHome).
+  int64_t record_bytes_ = 0, returns_bytes_ = 0, per_received_row_ = 0, per_returned_row_ = 0;
+  std::vector<int32_t> pick_rank_, pick_slot_;     // per pick of this rank's rows
+  std::vector<int64_t> pick_return_;               // per pick: byte offset of its output in returns_ (-1: none)
+  std::vector<int64_t> nth_;                       // per expert: picks dealt so far this step
+  std::vector<int64_t> send_count_, recv_count_;   // rows to / from each rank this step
+  std::vector<int64_t> send_row_begin_, send_rows_;  // rows per destination, in row order
+  std::vector<int64_t> send_return_at_;            // per destination: returns before each of its rows
+  std::vector<int64_t> position_;                  // per received pick: its row in the expert-ordered input
+  std::vector<float> partial_row_;
+  ScratchBuffer returns_, send_, recv_, work_in_, work_out_, back_send_;
 };
 
 }  // namespace

@@ -137,4 +137,61 @@ void DecodeRow(RowFormat format, const uint8_t* in, int64_t cols, float* values)
   }
 }
 
+void EncodeScaledRow(RowFormat format, float scale, const float* values, int64_t cols, uint8_t* out) {
+  switch (format) {
+    case RowFormat::kFp32:
+      for (int64_t i = 0; i < cols; ++i) {
+        const float v = scale * values[i];
+        std::memcpy(out + 4 * i, &v, 4);
+      }
+      return;
+    case RowFormat::kBf16:
+      for (int64_t i = 0; i < cols; ++i) {
+        const uint16_t v = FloatToBf16(scale * values[i]);
+        std::memcpy(out + 2 * i, &v, 2);
+      }
+      return;
+    case RowFormat::kQ8:
+    case RowFormat::kQ4: {
+      // Block formats: scale one block at a time (their blocks are self-contained).
+      const int64_t block_bytes = RowBytes(format, kBlock);
+      float scaled[kBlock];
+      for (int64_t b = 0; b < cols / kBlock; ++b) {
+        for (int i = 0; i < kBlock; ++i) scaled[i] = scale * values[b * kBlock + i];
+        EncodeRow(format, scaled, kBlock, out + b * block_bytes);
+      }
+      return;
+    }
+  }
+}
+
+void AddDecodedRow(RowFormat format, const uint8_t* in, int64_t cols, float* accumulate) {
+  switch (format) {
+    case RowFormat::kFp32:
+      for (int64_t i = 0; i < cols; ++i) {
+        float v;
+        std::memcpy(&v, in + 4 * i, 4);
+        accumulate[i] += v;
+      }
+      return;
+    case RowFormat::kBf16:
+      for (int64_t i = 0; i < cols; ++i) {
+        uint16_t v;
+        std::memcpy(&v, in + 2 * i, 2);
+        accumulate[i] += Bf16ToFloat(v);
+      }
+      return;
+    case RowFormat::kQ8:
+    case RowFormat::kQ4: {
+      const int64_t block_bytes = RowBytes(format, kBlock);
+      float decoded[kBlock];
+      for (int64_t b = 0; b < cols / kBlock; ++b) {
+        DecodeRow(format, in + b * block_bytes, kBlock, decoded);
+        for (int i = 0; i < kBlock; ++i) accumulate[b * kBlock + i] += decoded[i];
+      }
+      return;
+    }
+  }
+}
+
 }  // namespace epmoe
