@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <thread>
@@ -74,7 +75,10 @@ class ToyTarget : public RebalanceTarget {
       }
   }
   int64_t expert_bytes() const override { return kExpertBytes; }
-  std::span<const std::byte> slot_bytes(int layer, int slot) const override { return slots_[layer][Local(slot)]; }
+  std::span<const std::byte> slot_bytes(int layer, int slot) const override {
+    if (on_read) on_read();
+    return slots_[layer][Local(slot)];
+  }
   Status Stage(int layer, int slot, std::span<const std::byte> bytes) override {
     if (placement_->rank_of_slot(slot) != rank_) return Internal("staged a slot of another rank");
     staged_[{layer, slot}].assign(bytes.begin(), bytes.end());
@@ -111,6 +115,7 @@ class ToyTarget : public RebalanceTarget {
 
   int64_t stages = 0;
   int installs = 0;
+  std::function<void()> on_read;  // called whenever a slot's bytes are read (a stalling rank blocks here)
 
  private:
   int Local(int slot) const { return slot - rank_ * placement_->slots_per_rank(); }
@@ -231,7 +236,9 @@ struct RunResult {
   int placements_seen = 0;  // distinct live placements the steps ran with
 };
 
-// Runs `steps` steps with rebalancing, checking each step's outputs against the direct ones.
+// Runs `steps` steps with rebalancing, checking each step's outputs against the direct ones. With
+// `async`, each step lasts at least 2 ms (toy steps take microseconds; real ones last longer than
+// starting rank 0's placement thread), so the test does not depend on how soon the thread runs.
 RunResult RunAndCheck(Communicator& comm, RebalancerOptions options, int64_t steps) {
   const int ranks = comm.size();
   const Shape shape = TestShape(ranks);
@@ -271,6 +278,7 @@ RunResult RunAndCheck(Communicator& comm, RebalancerOptions options, int64_t ste
       ToyLayer(comm, target, *snapshot, tables, l, picks, rows);
     }
     recorder->EndStep();
+    if (options.async) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     const auto direct = DirectStep(step, ranks, shape.layers, shape.experts);
     EXPECT_EQ(std::memcmp(rows.data(), direct.data(), rows.size() * sizeof(float)), 0)
         << "rank " << comm.rank() << " step " << step << " differs from the run that never rebalances";
@@ -382,7 +390,8 @@ TEST(LiveRebalance, PaybackTriggerWeighsTheSavingAgainstTheMove) {
 
 // Drives a Propose()d placement to its install with a recorder that has seen a few steps.
 struct ProposeFixture {
-  explicit ProposeFixture(Communicator& comm, bool async = false)
+  explicit ProposeFixture(Communicator& comm, bool async = false, double roll_call_seconds = 10,
+                          int64_t max_buffer_bytes = int64_t{1} << 28)
       : ranks(comm.size()), shape(TestShape(ranks)) {
     start = std::make_shared<const Placement>(
         *Placement::Trivial(shape.layers, shape.experts, shape.redundant, ranks, shape.nodes));
@@ -390,6 +399,8 @@ struct ProposeFixture {
     auto options = TestOptions(shape, ranks);
     options.trigger.interval_steps = 1000;  // only proposals
     options.async = async;
+    options.roll_call_seconds = roll_call_seconds;
+    options.max_buffer_bytes = max_buffer_bytes;
     rebalancer = std::move(Rebalancer::Create(comm, *target, start, options)).value();
     recorder = std::make_unique<LoadRecorder>(std::move(LoadRecorder::Create({}, start)).value());
     for (int l = 0; l < shape.layers; ++l) CheckOk(recorder->Record(l, StepPicks(0, comm.rank(), l, shape.experts)));
@@ -482,20 +493,88 @@ TEST(LiveRebalance, CorruptOrInconsistentPlacementIsRefusedBeforeInstall) {
   EXPECT_EQ(f.rebalancer->placement(), f.start);
 }
 
-// Last: the others leave exchanges pending on the short-timeout communicator for good. The stalled
-// rank never joins them (it stops answering), so MPI never writes into their abandoned buffers.
-TEST(LiveRebalance, StalledRankEndsTheRebalanceWithANamedBoundedError) {
-  if (World().size() < 2) GTEST_SKIP() << "needs two ranks";
+// Async: rank 0 computes the placement on a helper thread (slowed down here) while the steps run on;
+// the placement is broadcast at a later boundary, and every step still matches the run that never
+// rebalances.
+TEST(LiveRebalance, AsyncPlacementOnAHelperThreadMatchesNoRebalance) {
+  const int ranks = World().size();
+  auto options = TestOptions(TestShape(ranks), ranks);
+  options.async = true;
+  options.trigger.interval_steps = 8;
+  options.compute_placement = [](const ExpertLoad& load, const PolicyOptions& policy) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return ComputePlacement(load, policy);
+  };
+  const RunResult run = RunAndCheck(World(), options, 48);
+  ExpectRebalancedExactly(run, ranks, 2);
+  bool spanned_steps = false;
+  for (const auto& r : run.reports) {
+    EXPECT_GT(r.placement_ready_at_step, r.decided_at_step);  // never at the boundary that decided it
+    EXPECT_GE(r.installed_at_step, r.placement_ready_at_step);
+    EXPECT_GE(r.compute_seconds, 0.02);  // rank 0's time, told to every rank
+    spanned_steps = spanned_steps || r.placement_ready_at_step >= r.decided_at_step + 2;
+  }
+  EXPECT_TRUE(spanned_steps) << "no step ran while rank 0 computed for 20 ms";
+}
+
+// Async: a policy that fails on rank 0's helper thread ends the rebalance on every rank, at the
+// boundary where rank 0 finds out, and nothing is installed.
+TEST(LiveRebalance, AsyncPolicyFailureEndsTheRebalanceOnEveryRank) {
+  Communicator& comm = World();
+  ProposeFixture f(comm);
+  auto options = TestOptions(f.shape, f.ranks);
+  options.async = true;
+  options.trigger.interval_steps = 2;
+  options.compute_placement = [](const ExpertLoad&, const PolicyOptions&) -> Result<Placement> {
+    return Internal("the test's policy refuses");
+  };
+  auto rebalancer = Rebalancer::Create(comm, *f.target, f.start, options);
+  ASSERT_TRUE(rebalancer.ok()) << rebalancer.status().ToString();
+  auto first = (*rebalancer)->AtStepBoundary(2, *f.recorder);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(first->placing);
+  EXPECT_TRUE((*rebalancer)->in_progress());
+  Status failed;
+  for (int64_t step = 3; step < 200 && failed.ok(); ++step) {
+    if (comm.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    failed = (*rebalancer)->AtStepBoundary(step, *f.recorder).status();
+  }
+  ASSERT_FALSE(failed.ok());
+  if (comm.rank() == 0) {
+    EXPECT_NE(failed.message().find("the test's policy refuses"), std::string::npos) << failed.ToString();
+  } else {
+    EXPECT_NE(failed.message().find("rank 0's policy failed"), std::string::npos) << failed.ToString();
+  }
+  EXPECT_FALSE((*rebalancer)->in_progress());
+  EXPECT_EQ(f.target->installs, 0);
+  EXPECT_EQ((*rebalancer)->placement(), f.start);
+}
+
+// The stall tests come last: the other ranks leave exchanges pending on their short-timeout
+// communicator for good. The stalled rank never uses it again (it waits in a barrier of the world
+// until the others are done), so MPI never writes into the abandoned buffers, and it leaks its
+// rebalancer and communicator (the abandoned exchanges may still refer to them).
+struct StallRun {
+  std::unique_ptr<Communicator> fast;  // exchanges time out after 1 s
+  std::unique_ptr<ProposeFixture> fixture;
+};
+
+StallRun StartStallRun(bool async) {
   CommOptions fast_options;
   fast_options.timeout_seconds = 1;
   auto fast_world = WorldCommunicator(fast_options);
-  ASSERT_TRUE(fast_world.ok());
+  EPMOE_CHECK_MSG(fast_world.ok(), fast_world.status().ToString());
   auto fast = (*fast_world)->Split(0, World().rank());
-  ASSERT_TRUE(fast.ok());
-  Communicator& comm = **fast;
-  ProposeFixture f(comm);
-  const int stalled = comm.size() - 1;
-  // Every slot of layer 0 moves one rank on: every rank sends and receives.
+  EPMOE_CHECK_MSG(fast.ok(), fast.status().ToString());
+  StallRun run;
+  run.fast = std::move(fast).value();
+  // One copy each way per exchange round, so an async move takes several boundaries.
+  run.fixture = std::make_unique<ProposeFixture>(*run.fast, async, /*roll_call_seconds=*/1.0, 2 * kExpertBytes);
+  return run;
+}
+
+// Proposes that every slot of layer 0 moves one rank on (every rank sends and receives).
+void ProposeRotation(ProposeFixture& f) {
   std::vector<std::vector<int32_t>> phy2log;
   for (int l = 0; l < f.shape.layers; ++l) phy2log.emplace_back(f.start->phy2log(l).begin(), f.start->phy2log(l).end());
   const int per_rank = f.start->slots_per_rank();
@@ -503,27 +582,81 @@ TEST(LiveRebalance, StalledRankEndsTheRebalanceWithANamedBoundedError) {
   auto next = Placement::Create(f.shape.experts, f.ranks, f.shape.nodes, phy2log);
   ASSERT_TRUE(next.ok());
   ASSERT_TRUE(f.rebalancer->Propose(std::make_shared<const Placement>(*next)).ok());
-  if (comm.rank() == stalled) {
-    // Stops answering: skips the boundary, and never uses this communicator again.
-    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-    (void)fast->release();  // abandoned exchanges may still refer to it
-    ASSERT_TRUE(World().Barrier().ok());
-    return;
-  }
-  const auto start = std::chrono::steady_clock::now();
-  auto outcome = f.rebalancer->AtStepBoundary(1, *f.recorder);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The stalled rank stops answering: it leaves the short-timeout communicator and its rebalancer
+// alone for good and waits for the others in the world.
+void StallForGood(StallRun& run) {
+  (void)run.fixture->rebalancer.release();
+  (void)run.fast.release();
+  ASSERT_TRUE(World().Barrier().ok());
+}
+
+// What the ranks that did not stall check: a bounded error naming the stalled rank and `where`,
+// and nothing installed or left staged.
+void ExpectStallNamed(StallRun& run, const Result<BoundaryOutcome>& outcome, double seconds, int stalled,
+                      const std::string& where) {
+  ProposeFixture& f = *run.fixture;
   ASSERT_FALSE(outcome.ok());
+  const std::string message = outcome.status().message();
   EXPECT_LT(seconds, 20);
-  EXPECT_NE(outcome.status().message().find("layers [0, 4)"), std::string::npos) << outcome.status().ToString();
-  EXPECT_NE(outcome.status().message().find(fmt::format("rank {}", comm.rank())), std::string::npos)
-      << outcome.status().ToString();
-  EXPECT_EQ(f.target->installs, 0);
+  EXPECT_NE(message.find(fmt::format("rank(s) {} did not answer", stalled)), std::string::npos) << message;
+  EXPECT_NE(message.find(where), std::string::npos) << message;
+  EXPECT_NE(message.find(fmt::format("rank {} noticed", run.fast->rank())), std::string::npos) << message;
   EXPECT_EQ(f.target->staged(), 0u);
   EXPECT_FALSE(f.rebalancer->in_progress());
-  EXPECT_EQ(f.rebalancer->placement(), f.start);
-  (void)fast->release();  // abandoned exchanges may still refer to it
+  (void)run.fast.release();  // abandoned exchanges may still refer to it
   ASSERT_TRUE(World().Barrier().ok());
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Sync: the last rank never reaches the boundary that would move the proposal's copies.
+TEST(LiveRebalance, StalledRankIsNamedBeforeTheMove) {
+  if (World().size() < 2) GTEST_SKIP() << "needs two ranks";
+  StallRun run = StartStallRun(/*async=*/false);
+  ProposeFixture& f = *run.fixture;
+  ProposeRotation(f);
+  const int stalled = f.ranks - 1;
+  if (run.fast->rank() == stalled) return StallForGood(run);
+  const auto start = std::chrono::steady_clock::now();
+  auto outcome = f.rebalancer->AtStepBoundary(1, *f.recorder);
+  ExpectStallNamed(run, outcome, SecondsSince(start), stalled, "installing layers [0, 4)");
+  EXPECT_EQ(f.target->installs, 0);
+  EXPECT_EQ(f.rebalancer->placement(), f.start);
+}
+
+// Async: the copies travel in several rounds; the last rank takes part in the boundary that starts
+// them and stops answering before the next one.
+TEST(LiveRebalance, StalledRankIsNamedWhileCopiesTravel) {
+  if (World().size() < 2) GTEST_SKIP() << "needs two ranks";
+  StallRun run = StartStallRun(/*async=*/true);
+  ProposeFixture& f = *run.fixture;
+  ProposeRotation(f);
+  const int stalled = f.ranks - 1;
+  auto first = f.rebalancer->AtStepBoundary(1, *f.recorder);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_TRUE(f.rebalancer->in_progress()) << "the copies should still travel";
+  if (run.fast->rank() == stalled) return StallForGood(run);
+  const auto start = std::chrono::steady_clock::now();
+  Result<BoundaryOutcome> outcome = first;
+  for (int64_t step = 2; outcome.ok() && f.rebalancer->in_progress(); ++step)
+    outcome = f.rebalancer->AtStepBoundary(step, *f.recorder);
+  ExpectStallNamed(run, outcome, SecondsSince(start), stalled, "installing layers [0, 4)");
+  EXPECT_EQ(f.target->installs, 0);
+}
+
+// Rank 0 (which computes placements and holds the roll call) stops before a trigger's look.
+TEST(LiveRebalance, StalledRankZeroIsNamedAtTheTriggersLook) {
+  if (World().size() < 2) GTEST_SKIP() << "needs two ranks";
+  StallRun run = StartStallRun(/*async=*/false);
+  ProposeFixture& f = *run.fixture;
+  if (run.fast->rank() == 0) return StallForGood(run);
+  const auto start = std::chrono::steady_clock::now();
+  auto outcome = f.rebalancer->AtStepBoundary(1000, *f.recorder);  // the fixture's trigger looks every 1000 steps
+  ExpectStallNamed(run, outcome, SecondsSince(start), 0, "at the trigger's look");
 }
 
 }  // namespace

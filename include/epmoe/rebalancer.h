@@ -4,17 +4,24 @@
 // rank), and installs it in chunks of layers, one chunk per step boundary, moving only the copies
 // that change (PlanMoves, MoveExperts or AsyncExpertMove). The running executor is reached through
 // RebalanceTarget, so the protocol is independent of the way rows meet their experts.
+// With `async`, rank 0 computes the placement on a helper thread while steps keep running; at each
+// later boundary every rank learns (one small all-gather) whether it is ready, and it is broadcast
+// at the first boundary where it is. It is computed from the window as it was at the trigger's look
+// (the boundary the rebalance was decided at), not from the steps run while it was computed.
 //
 // Generation safety: a step uses the placement snapshot it took at its start; the Rebalancer only
 // calls Install between steps, on every rank at the same step boundary, and only once every rank
 // has staged all copies of the chunk (agreed collectively). A rank that fails or stalls turns into
 // an error naming the rank and the layers; nothing of that chunk is installed anywhere (a rank that
 // timed out cannot tell what the others did: the caller must then abort the job, Communicator::Abort).
+// When an exchange times out, the ranks that noticed hold a roll call (bounded, over private
+// two-rank communicators made at Create) and the error names the rank(s) that did not answer.
 // Not thread-safe: one Rebalancer per rank, driven by the thread that runs the steps.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -34,6 +41,8 @@
 
 namespace epmoe {
 
+class RollCall;  // src/rebalance/roll_call.h
+
 struct RebalancerOptions {
   TriggerOptions trigger;
   // policy.shape must match the live placement (ranks, nodes, redundant = P - E); policy.current is
@@ -46,14 +55,22 @@ struct RebalancerOptions {
   // with policy.cost (the slowest rank's predicted expert time, per layer, averaged over the window).
   double move_bytes_per_second = 10e9;
   // Async: a chunk whose copies are not ready on every rank this long after it started fails,
-  // naming the ranks that were not ready.
+  // naming the ranks that were not ready; so does a placement rank 0 has not computed by then.
   double ready_timeout_seconds = 600;
+  // After an exchange timed out: how long rank 0 waits for the other ranks' answers to the roll
+  // call that finds who stopped answering (the ranks that noticed wait at most about twice that).
+  double roll_call_seconds = 10;
+  // The placement policy, run on rank 0 only (on a helper thread with `async`, so it must be
+  // thread-safe): ComputePlacement when empty. An engine may plug in its own.
+  std::function<Result<Placement>(const ExpertLoad&, const PolicyOptions&)> compute_placement;
 };
 Status ValidateRebalancerOptions(const RebalancerOptions& options);
 
 // One finished rebalance (the same on every rank except stall_seconds_this_rank).
 struct RebalanceReport {
   int64_t decided_at_step = 0;      // step boundary at which it was decided
+  int64_t placement_ready_at_step = 0;  // boundary at which every rank had the placement (async:
+                                        // later than decided_at_step; sync: the same)
   int64_t installed_at_step = 0;    // step boundary at which its last chunk switched
   int chunks = 0;
   int rounds = 0;                   // exchange rounds over all chunks (bounded buffers)
@@ -66,7 +83,7 @@ struct RebalanceReport {
   // Window balancedness (picks summed over ranks, mean/max per rank averaged over layers) under the
   // old and the new placement.
   double balancedness_before = 1, balancedness_after = 1;
-  double compute_seconds = 0;            // rank 0's placement computation
+  double compute_seconds = 0;            // rank 0's placement computation (on its helper thread with async)
   double stall_seconds_max = 0;          // longest time any rank spent inside the boundaries of it
   double stall_seconds_this_rank = 0;
   std::string policy;
@@ -75,10 +92,13 @@ struct RebalanceReport {
 // What one step boundary did.
 struct BoundaryOutcome {
   bool checked = false;          // the trigger looked at this boundary
-  bool started = false;          // a rebalance was decided here
+  bool placing = false;          // async: a rebalance was decided here, rank 0 computes its placement
+  bool started = false;          // a rebalance started here (sync: decided here; async: its placement
+                                 // arrived here)
   int layers_installed = 0;      // layers that switched at this boundary
   bool finished = false;         // the last chunk of a rebalance switched here (see last_report)
-  double window_balancedness = 1;  // when checked: the window's balancedness under the live placement
+  double window_balancedness = 1;  // when checked or started: the window's balancedness under the live
+                                   // placement (when started, the window of the decision)
   double seconds = 0;            // time this rank spent in the boundary
 };
 
@@ -93,7 +113,7 @@ class Rebalancer {
 
   // Call on every rank after each step, with the number of steps completed so far and the rank's
   // recorder (its window covers that rank's picks). Collective. A look of the trigger that falls
-  // due while a rebalance is still switching is taken at the first boundary after it. After a
+  // due while a rebalance is being placed or switched is taken at the first boundary after it. After a
   // boundary that installed layers, give the recorder placement() (LoadRecorder::SetPlacement).
   // A policy that returns the live placement unchanged starts no rebalance.
   Result<BoundaryOutcome> AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder);
@@ -105,13 +125,23 @@ class Rebalancer {
   Status Propose(const PlacementPtr& proposal);
 
   PlacementPtr placement() const { return live_; }  // the live placement (mixed while chunks switch)
-  bool in_progress() const;
+  bool in_progress() const;  // a rebalance is being placed (async) or switched
   const std::vector<RebalanceReport>& reports() const { return reports_; }
   int64_t bytes_moved_total() const;
 
  private:
   struct Pending;
+  struct Computing;
   Rebalancer(Communicator& comm, RebalanceTarget& target, PlacementPtr initial, const RebalancerOptions& options);
+  Result<BoundaryOutcome> Boundary(int64_t steps_done, const LoadRecorder& recorder);
+  Status Decide(int64_t step, ExpertLoad load, double before, const TriggerInput& input, BoundaryOutcome* outcome);
+  Result<bool> PlacementReady(int64_t step);
+  Status Adopt(int64_t decided_step, int64_t step, const ExpertLoad& load, double before, TriggerInput input,
+               const PlacementPtr& candidate, double compute_seconds, BoundaryOutcome* outcome);
+  Result<Placement> RunPolicy(const ExpertLoad& load) const;
+  Status Net(Status status);  // marks a transport timeout (then the error runs a roll call)
+  Status NameMissingRanks(Status status, int64_t step, const std::string& where);
+  std::string Where() const;
   Status Begin(PlacementPtr next, int64_t step, double before, double after, double compute_seconds);
   Result<int> Advance(int64_t step);           // layers installed at this boundary
   Result<int> AdvanceSync(int64_t step);
@@ -127,6 +157,9 @@ class Rebalancer {
   RebalancerOptions options_;
   RebalanceTrigger trigger_;
   std::unique_ptr<Pending> pending_;
+  std::unique_ptr<Computing> computing_;  // async: rank 0 computing the placement of a decided rebalance
+  std::unique_ptr<RollCall> roll_call_;   // null on one rank
+  bool timed_out_ = false;                // an exchange of this boundary timed out
   int64_t owed_check_step_ = -1;  // a look that fell due during a rebalance, taken after it
   std::vector<RebalanceReport> reports_;
 };

@@ -3,10 +3,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <optional>
+#include <thread>
 
 #include "epmoe/balance.h"
+#include "roll_call.h"
 
 namespace epmoe {
 namespace {
@@ -113,6 +117,36 @@ struct Rebalancer::Pending {
   RebalanceReport report;
 };
 
+// Async: a decided rebalance whose placement rank 0 computes on a helper thread. Every rank keeps
+// the window of the decision (for the balancedness after, and the payback test).
+struct Rebalancer::Computing {
+  // What the helper thread writes; `done` is set last (release) and read first (acquire).
+  struct Shared {
+    std::atomic<bool> done{false};
+    std::optional<Result<Placement>> result;
+    double seconds = 0;
+  };
+  int64_t decided_at_step = 0;
+  std::shared_ptr<const ExpertLoad> load;
+  double before = 1;
+  TriggerInput input;
+  double started_at = 0;
+  double compute_seconds = 0;      // rank 0's, told to every rank by the ready exchange
+  std::shared_ptr<Shared> shared;  // rank 0
+  std::thread thread;              // rank 0
+
+  ~Computing() {
+    // A finished computation is joined; one still running (the rebalance failed or the run ended)
+    // is left to finish on its own: it touches only its own copies (shared, load, policy).
+    if (!thread.joinable()) return;
+    if (shared->done.load(std::memory_order_acquire)) {
+      thread.join();
+    } else {
+      thread.detach();
+    }
+  }
+};
+
 Rebalancer::Rebalancer(Communicator& comm, RebalanceTarget& target, PlacementPtr initial,
                        const RebalancerOptions& options)
     : comm_(comm), target_(target), live_(std::move(initial)), options_(options), trigger_(options.trigger) {}
@@ -140,10 +174,14 @@ Result<std::unique_ptr<Rebalancer>> Rebalancer::Create(Communicator& comm, Rebal
   if (largest != -minus_smallest || bytes <= 0)
     return InvalidArgument(fmt::format("rebalancer: ranks store between {} and {} bytes per expert copy (rank {}: {})",
                                        -minus_smallest, largest, comm.rank(), bytes));
-  return std::unique_ptr<Rebalancer>(new Rebalancer(comm, target, std::move(initial), options));
+  std::unique_ptr<Rebalancer> rebalancer(new Rebalancer(comm, target, std::move(initial), options));
+  if (comm.size() > 1) {
+    EPMOE_ASSIGN_OR_RETURN(rebalancer->roll_call_, RollCall::Create(comm));
+  }
+  return rebalancer;
 }
 
-bool Rebalancer::in_progress() const { return pending_ != nullptr; }
+bool Rebalancer::in_progress() const { return pending_ != nullptr || computing_ != nullptr; }
 
 int64_t Rebalancer::bytes_moved_total() const {
   int64_t total = 0;
@@ -154,7 +192,41 @@ int64_t Rebalancer::bytes_moved_total() const {
 Status Rebalancer::Fail(Status status) {
   target_.DropStaged();
   pending_.reset();
+  computing_.reset();
   return status;
+}
+
+Status Rebalancer::Net(Status status) {
+  if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+  return status;
+}
+
+std::string Rebalancer::Where() const {
+  if (pending_ != nullptr) {
+    const int layers = live_->num_layers();
+    const int per_chunk = options_.layers_per_chunk > 0 ? options_.layers_per_chunk : layers;
+    return fmt::format("installing layers [{}, {})", pending_->chunk_begin,
+                       std::min(layers, pending_->chunk_begin + per_chunk));
+  }
+  if (computing_ != nullptr)
+    return fmt::format("waiting for rank 0's placement of the rebalance decided at step {}", computing_->decided_at_step);
+  return "at the trigger's look (no layer switching)";
+}
+
+Status Rebalancer::NameMissingRanks(Status status, int64_t step, const std::string& where) {
+  if (!timed_out_ || roll_call_ == nullptr) return status;
+  auto missing = roll_call_->Missing(options_.roll_call_seconds);
+  const std::string noticed = fmt::format("rank {} noticed: {}", comm_.rank(), status.message());
+  if (!missing.ok())
+    return Unavailable(fmt::format("rebalance at step {}, {}: an exchange timed out and the roll call failed ({}); "
+                                   "nothing installed; {}", step, where, missing.status().message(), noticed));
+  if (missing->empty())
+    return Unavailable(fmt::format("rebalance at step {}, {}: an exchange timed out, yet every rank answered the roll "
+                                   "call (a rank was slower than the timeout); nothing installed; {}",
+                                   step, where, noticed));
+  return Unavailable(fmt::format("rebalance at step {}, {}: rank(s) {} did not answer (stalled or failed: no answer to "
+                                 "the roll call within {} s); nothing installed; {}",
+                                 step, where, RankList(*missing), options_.roll_call_seconds, noticed));
 }
 
 Status Rebalancer::Begin(PlacementPtr next, int64_t step, double before, double after, double compute_seconds) {
@@ -163,6 +235,7 @@ Status Rebalancer::Begin(PlacementPtr next, int64_t step, double before, double 
   pending->to = std::move(next);
   pending->measured = true;
   pending->report.decided_at_step = step;
+  pending->report.placement_ready_at_step = step;
   pending->report.balancedness_before = before;
   pending->report.balancedness_after = after;
   pending->report.compute_seconds = compute_seconds;
@@ -178,9 +251,13 @@ Status Rebalancer::Begin(PlacementPtr next, int64_t step, double before, double 
 
 Status Rebalancer::Propose(const PlacementPtr& proposal) {
   // Every rank knows the same state, so all refuse together without an exchange.
-  if (pending_ != nullptr) return FailedPrecondition("rebalancer: a rebalance is in progress; propose after it");
+  if (in_progress()) return FailedPrecondition("rebalancer: a rebalance is in progress; propose after it");
+  timed_out_ = false;
   auto next = BroadcastPlacement(comm_, 0, proposal);
-  if (!next.ok()) return next.status().WithContext("proposed placement refused");
+  if (!next.ok()) {
+    const Status refused = Net(next.status()).WithContext("proposed placement refused");
+    return NameMissingRanks(refused, -1, "broadcasting a proposed placement");
+  }
   if (!SameShape(**next, *live_))
     return InvalidArgument(fmt::format("proposed placement refused: it has {}, the live placement {}",
                                        ShapeText(**next), ShapeText(*live_)));
@@ -190,121 +267,208 @@ Status Rebalancer::Propose(const PlacementPtr& proposal) {
   return Status::Ok();
 }
 
+Result<Placement> Rebalancer::RunPolicy(const ExpertLoad& load) const {
+  PolicyOptions policy = options_.policy;
+  policy.current = live_.get();
+  return options_.compute_placement ? options_.compute_placement(load, policy) : ComputePlacement(load, policy);
+}
+
 Result<BoundaryOutcome> Rebalancer::AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder) {
+  timed_out_ = false;
+  auto outcome = Boundary(steps_done, recorder);
+  if (outcome.ok()) return outcome;
+  const std::string where = Where();
+  const Status failed = Fail(outcome.status());
+  return NameMissingRanks(failed, steps_done, where);
+}
+
+Result<BoundaryOutcome> Rebalancer::Boundary(int64_t steps_done, const LoadRecorder& recorder) {
   double start = SteadySeconds();
   BoundaryOutcome outcome;
-  // A look that falls due while a rebalance is still switching is deferred to the first boundary
-  // after it, not skipped (every rank knows the same state, so all defer alike).
-  if (trigger_.ChecksAt(steps_done) && pending_ != nullptr) owed_check_step_ = steps_done;
-  int64_t check_step = -1;
-  if (pending_ == nullptr) {
-    if (trigger_.ChecksAt(steps_done)) {
-      check_step = steps_done;
-    } else if (owed_check_step_ >= 0) {
-      check_step = owed_check_step_;
-    }
-  }
-  const bool needs_load = check_step >= 0 || (pending_ != nullptr && !pending_->measured);
-  if (needs_load || pending_ != nullptr) {
-    // Ranks reach the boundary at different times (the step's own imbalance); wait for all of them
-    // first so that the stall measured below is the rebalancing's, not the step's.
-    const std::string what =
-        pending_ == nullptr
-            ? fmt::format("rebalancer: rank {}, step boundary {}", comm_.rank(), steps_done)
-            : fmt::format("rebalancer: rank {}, step boundary {}, installing layers [{}, {})", comm_.rank(), steps_done,
-                          pending_->chunk_begin, live_->num_layers());
-    const Status arrived = comm_.Barrier().WithContext(what);
-    if (!arrived.ok()) return pending_ != nullptr ? Fail(arrived) : arrived;
+  // A look that falls due while a rebalance is being placed or switched is deferred to the first
+  // boundary after it, not skipped (every rank knows the same state, so all defer alike).
+  if (trigger_.ChecksAt(steps_done) && in_progress()) owed_check_step_ = steps_done;
+  if (computing_ != nullptr) {
+    // The ready flag exchange is also where the ranks meet, so the stall starts after it.
+    EPMOE_ASSIGN_OR_RETURN(const bool ready, PlacementReady(steps_done));
     start = SteadySeconds();
-  }
-  if (needs_load) {
-    ExpertLoad load = recorder.Load();
-    if (load.num_layers != live_->num_layers() || load.num_experts != live_->num_experts())
-      return InvalidArgument(fmt::format("rebalancer: rank {} recorded {} layers x {} experts, the placement has {}",
-                                         comm_.rank(), load.num_layers, load.num_experts, ShapeText(*live_)));
-    Status summed = SumOverRanks(comm_, load.counts)
-                        .WithContext(fmt::format("rebalancer: summing the load window at step {}", steps_done));
-    if (summed.ok())
-      summed = SumOverRanks(comm_, load.rows)
-                   .WithContext(fmt::format("rebalancer: summing the rows window at step {}", steps_done));
-    if (!summed.ok()) return pending_ != nullptr ? Fail(summed) : summed;
-    const double before = WindowBalancedness(*live_, load);
-    outcome.window_balancedness = before;
-    if (pending_ != nullptr) {
-      pending_->report.decided_at_step = steps_done;
-      pending_->report.balancedness_before = before;
-      pending_->report.balancedness_after = WindowBalancedness(*pending_->to, load);
-      pending_->measured = true;
-      outcome.started = true;
-    } else {
-      outcome.checked = true;
-      owed_check_step_ = -1;
-      TriggerInput input;
-      input.step = check_step;  // the step the look was due at (the trigger's schedule)
-      input.windowed_balancedness = before;
-      bool decide = false;
-      if (options_.trigger.mode == TriggerMode::kPayback) {
-        // Would any saving do? (the interval and the spacing of rebalances)
-        input.predicted_saved_us_per_step = 1;
-        decide = trigger_.ShouldRebalance(input);
-      } else {
-        decide = trigger_.ShouldRebalance(input);
+    if (ready) {
+      std::unique_ptr<Computing> done = std::move(computing_);
+      PlacementPtr candidate;
+      if (comm_.rank() == 0) candidate = std::make_shared<const Placement>(std::move(*done->shared->result).value());
+      EPMOE_RETURN_IF_ERROR(Adopt(done->decided_at_step, steps_done, *done->load, done->before, done->input, candidate,
+                                  done->compute_seconds, &outcome));
+      outcome.window_balancedness = done->before;
+    }
+  } else {
+    int64_t check_step = -1;
+    if (pending_ == nullptr) {
+      if (trigger_.ChecksAt(steps_done)) {
+        check_step = steps_done;
+      } else if (owed_check_step_ >= 0) {
+        check_step = owed_check_step_;
       }
-      if (decide) {
-        const double compute_start = SteadySeconds();
-        PlacementPtr candidate;
-        Status root_error;
-        if (comm_.rank() == 0) {
-          PolicyOptions policy = options_.policy;
-          policy.current = live_.get();
-          auto computed = ComputePlacement(load, policy);
-          if (computed.ok()) {
-            candidate = std::make_shared<const Placement>(std::move(computed).value());
-          } else {
-            root_error = computed.status();
-          }
-        }
-        const double compute_seconds = SteadySeconds() - compute_start;
-        auto next = BroadcastPlacement(comm_, 0, candidate);
-        if (!root_error.ok()) return root_error.WithContext(fmt::format("rebalancer: policy at step {}", steps_done));
-        if (!next.ok()) return next.status().WithContext(fmt::format("rebalancer: new placement at step {}", steps_done));
-        if (!SameShape(**next, *live_))
-          return InvalidArgument(fmt::format("rebalancer: rank 0 computed a placement of {}, the live one has {}",
-                                             ShapeText(**next), ShapeText(*live_)));
-        const double after = WindowBalancedness(**next, load);
-        // The policy may keep the live placement (the load has not changed enough): nothing to do.
-        if (**next == *live_) decide = false;
-        if (options_.trigger.mode == TriggerMode::kPayback) {
-          auto plan = PlanMoves(*live_, **next, 0, live_->num_layers(), target_.expert_bytes());
-          if (!plan.ok()) return plan.status();
-          const CostModel& cost = options_.policy.cost;
-          input.predicted_saved_us_per_step =
-              1e6 * (SlowestRankSecondsPerStep(*live_, load, cost) - SlowestRankSecondsPerStep(**next, load, cost));
-          input.predicted_move_us = 1e6 * static_cast<double>(plan->total_bytes_moved()) / options_.move_bytes_per_second;
-          decide = trigger_.ShouldRebalance(input);
-        }
-        if (decide) {
-          trigger_.Rebalanced(steps_done);
-          EPMOE_RETURN_IF_ERROR(Begin(*next, steps_done, before, after, compute_seconds));
-          outcome.started = true;
-        }
+    }
+    const bool needs_load = check_step >= 0 || (pending_ != nullptr && !pending_->measured);
+    if (needs_load || pending_ != nullptr) {
+      // Ranks reach the boundary at different times (the step's own imbalance); wait for all of
+      // them first so that the stall measured below is the rebalancing's, not the step's.
+      EPMOE_RETURN_IF_ERROR(
+          Net(comm_.Barrier()).WithContext(fmt::format("rank {}, step boundary {}", comm_.rank(), steps_done)));
+      start = SteadySeconds();
+    }
+    if (needs_load) {
+      ExpertLoad load = recorder.Load();
+      if (load.num_layers != live_->num_layers() || load.num_experts != live_->num_experts())
+        return InvalidArgument(fmt::format("rebalancer: rank {} recorded {} layers x {} experts, the placement has {}",
+                                           comm_.rank(), load.num_layers, load.num_experts, ShapeText(*live_)));
+      EPMOE_RETURN_IF_ERROR(Net(SumOverRanks(comm_, load.counts))
+                                .WithContext(fmt::format("rebalancer: summing the load window at step {}", steps_done)));
+      EPMOE_RETURN_IF_ERROR(Net(SumOverRanks(comm_, load.rows))
+                                .WithContext(fmt::format("rebalancer: summing the rows window at step {}", steps_done)));
+      const double before = WindowBalancedness(*live_, load);
+      outcome.window_balancedness = before;
+      if (pending_ != nullptr) {
+        pending_->report.decided_at_step = steps_done;
+        pending_->report.placement_ready_at_step = steps_done;
+        pending_->report.balancedness_before = before;
+        pending_->report.balancedness_after = WindowBalancedness(*pending_->to, load);
+        pending_->measured = true;
+        outcome.started = true;
+      } else {
+        outcome.checked = true;
+        owed_check_step_ = -1;
+        TriggerInput input;
+        input.step = check_step;  // the step the look was due at (the trigger's schedule)
+        input.windowed_balancedness = before;
+        // Payback: would any saving do? (the interval and the spacing of rebalances); the saving
+        // itself is weighed once the placement is known (Adopt).
+        if (options_.trigger.mode == TriggerMode::kPayback) input.predicted_saved_us_per_step = 1;
+        if (trigger_.ShouldRebalance(input))
+          EPMOE_RETURN_IF_ERROR(Decide(steps_done, std::move(load), before, input, &outcome));
       }
     }
   }
   if (pending_ != nullptr) {
-    auto installed = Advance(steps_done);
-    if (!installed.ok()) return Fail(installed.status());
-    outcome.layers_installed = *installed;
+    EPMOE_ASSIGN_OR_RETURN(outcome.layers_installed, Advance(steps_done));
+    pending_->stall_seconds += SteadySeconds() - start;
     if (pending_->chunk_begin == live_->num_layers()) {
-      pending_->stall_seconds += SteadySeconds() - start;
       EPMOE_RETURN_IF_ERROR(FinishReport(steps_done));
       outcome.finished = true;
-    } else {
-      pending_->stall_seconds += SteadySeconds() - start;
     }
   }
   outcome.seconds = SteadySeconds() - start;
   return outcome;
+}
+
+Status Rebalancer::Decide(int64_t step, ExpertLoad load, double before, const TriggerInput& input,
+                          BoundaryOutcome* outcome) {
+  if (!options_.async) {
+    // Rank 0 computes while the others wait in the broadcast.
+    const double compute_start = SteadySeconds();
+    PlacementPtr candidate;
+    Status root_error;
+    if (comm_.rank() == 0) {
+      auto computed = RunPolicy(load);
+      if (computed.ok()) {
+        candidate = std::make_shared<const Placement>(std::move(computed).value());
+      } else {
+        root_error = computed.status();
+      }
+    }
+    const double compute_seconds = SteadySeconds() - compute_start;
+    if (!root_error.ok()) {
+      // The others learn it from the empty broadcast (they refuse it); rank 0 says why.
+      (void)BroadcastPlacement(comm_, 0, nullptr);
+      return root_error.WithContext(fmt::format("rebalancer: policy at step {}", step));
+    }
+    return Adopt(step, step, load, before, input, candidate, compute_seconds, outcome);
+  }
+  // Async: rank 0 computes on a helper thread; steps run on until every rank learns it is ready.
+  auto computing = std::make_unique<Computing>();
+  computing->decided_at_step = step;
+  computing->load = std::make_shared<const ExpertLoad>(std::move(load));
+  computing->before = before;
+  computing->input = input;
+  computing->started_at = SteadySeconds();
+  if (comm_.rank() == 0) {
+    computing->shared = std::make_shared<Computing::Shared>();
+    PolicyOptions policy = options_.policy;
+    auto compute = options_.compute_placement;
+    // The thread holds its own references: the window, the live placement it starts from and the
+    // shared result, so nothing it reads can go away before it ends.
+    computing->thread = std::thread([shared = computing->shared, window = computing->load, current = live_, policy,
+                                     compute]() mutable {
+      policy.current = current.get();
+      const double t0 = SteadySeconds();
+      shared->result.emplace(compute ? compute(*window, policy) : ComputePlacement(*window, policy));
+      shared->seconds = SteadySeconds() - t0;
+      shared->done.store(true, std::memory_order_release);
+    });
+  }
+  computing_ = std::move(computing);
+  outcome->placing = true;
+  return Status::Ok();
+}
+
+Result<bool> Rebalancer::PlacementReady(int64_t step) {
+  Computing& c = *computing_;
+  // Rank 0's flag: 0 still computing, 1 ready, 2 the policy failed, 3 not ready within the timeout.
+  int64_t flag = 0, compute_us = 0;
+  if (comm_.rank() == 0) {
+    if (c.shared->done.load(std::memory_order_acquire)) {
+      flag = c.shared->result->ok() ? 1 : 2;
+      compute_us = std::llround(c.shared->seconds * 1e6);
+    } else if (SteadySeconds() - c.started_at > options_.ready_timeout_seconds) {
+      flag = 3;
+    }
+  }
+  std::vector<int64_t> all(2 * static_cast<size_t>(comm_.size()));
+  EPMOE_RETURN_IF_ERROR(Net(comm_.AllgatherInt64(std::vector<int64_t>{flag, compute_us}, all))
+                            .WithContext(fmt::format("rank {}, step boundary {}, asking whether rank 0's placement is "
+                                                     "ready", comm_.rank(), step)));
+  flag = all[0];
+  c.compute_seconds = static_cast<double>(all[1]) * 1e-6;
+  if (flag == 2) {
+    if (comm_.rank() == 0)
+      return c.shared->result->status().WithContext(
+          fmt::format("rebalancer: policy of the rebalance decided at step {}", c.decided_at_step));
+    return Internal(fmt::format("rebalancer: rank 0's policy failed for the rebalance decided at step {} (rank 0 "
+                                "reports why); nothing installed", c.decided_at_step));
+  }
+  if (flag == 3)
+    return Unavailable(fmt::format("rebalancer: rank 0 did not compute the placement of the rebalance decided at step "
+                                   "{} within {} s; nothing installed", c.decided_at_step,
+                                   options_.ready_timeout_seconds));
+  return flag == 1;
+}
+
+Status Rebalancer::Adopt(int64_t decided_step, int64_t step, const ExpertLoad& load, double before, TriggerInput input,
+                         const PlacementPtr& candidate, double compute_seconds, BoundaryOutcome* outcome) {
+  auto next = BroadcastPlacement(comm_, 0, candidate);
+  if (!next.ok())
+    return Net(next.status()).WithContext(fmt::format("rebalancer: new placement at step {}", step));
+  if (!SameShape(**next, *live_))
+    return InvalidArgument(fmt::format("rebalancer: rank 0 computed a placement of {}, the live one has {}",
+                                       ShapeText(**next), ShapeText(*live_)));
+  const double after = WindowBalancedness(**next, load);
+  // The policy may keep the live placement (the load has not changed enough): nothing to do.
+  bool decide = !(**next == *live_);
+  if (decide && options_.trigger.mode == TriggerMode::kPayback) {
+    EPMOE_ASSIGN_OR_RETURN(const MovePlan plan,
+                           PlanMoves(*live_, **next, 0, live_->num_layers(), target_.expert_bytes()));
+    const CostModel& cost = options_.policy.cost;
+    input.predicted_saved_us_per_step =
+        1e6 * (SlowestRankSecondsPerStep(*live_, load, cost) - SlowestRankSecondsPerStep(**next, load, cost));
+    input.predicted_move_us = 1e6 * static_cast<double>(plan.total_bytes_moved()) / options_.move_bytes_per_second;
+    decide = trigger_.ShouldRebalance(input);
+  }
+  if (!decide) return Status::Ok();
+  trigger_.Rebalanced(decided_step);
+  EPMOE_RETURN_IF_ERROR(Begin(*next, decided_step, before, after, compute_seconds));
+  pending_->report.placement_ready_at_step = step;
+  outcome->started = true;
+  return Status::Ok();
 }
 
 Result<int> Rebalancer::Advance(int64_t step) {
@@ -328,11 +492,11 @@ Result<int> Rebalancer::AdvanceSync(int64_t step) {
       });
   // A rank whose exchange timed out cannot agree with the others any more; it ends here (the
   // others time out in the agreement below, or have timed out too).
-  if (!moved.ok() && moved.status().code() == StatusCode::kUnavailable) return moved.status().WithContext(where);
+  if (!moved.ok() && moved.status().code() == StatusCode::kUnavailable) return Net(moved.status()).WithContext(where);
   // Every rank says whether it staged its copies, so no rank installs a chunk another one lacks.
   std::vector<int64_t> flags(comm_.size());
   EPMOE_RETURN_IF_ERROR(
-      comm_.AllgatherInt64(std::vector<int64_t>{moved.ok() ? 0 : 1}, flags).WithContext(where + ", agreeing to install"));
+      Net(comm_.AllgatherInt64(std::vector<int64_t>{moved.ok() ? 0 : 1}, flags)).WithContext(where + ", agreeing to install"));
   if (!moved.ok()) return moved.status().WithContext(where);
   const std::string failed = FlaggedRanks(flags, 1);
   if (!failed.empty())
@@ -375,10 +539,10 @@ Result<int> Rebalancer::AdvanceAsync(int64_t step) {
                                           comm_.rank(), p.chunk_begin, p.chunk_end);
     // A local failure before the first exchange must still be agreed on, or the others would wait.
     const Status started = StartChunkTransfer();
-    if (!started.ok() && started.code() == StatusCode::kUnavailable) return started.WithContext(where);
+    if (!started.ok() && started.code() == StatusCode::kUnavailable) return Net(started).WithContext(where);
     std::vector<int64_t> flags(comm_.size());
     EPMOE_RETURN_IF_ERROR(
-        comm_.AllgatherInt64(std::vector<int64_t>{started.ok() ? 0 : 1}, flags).WithContext(where));
+        Net(comm_.AllgatherInt64(std::vector<int64_t>{started.ok() ? 0 : 1}, flags)).WithContext(where));
     if (!started.ok()) return started.WithContext(where);
     const std::string failed = FlaggedRanks(flags, 1);
     if (!failed.empty())
@@ -391,7 +555,8 @@ Result<int> Rebalancer::AdvanceAsync(int64_t step) {
   auto polled = p.transfer->Poll();
   const int64_t flag = !polled.ok() ? 2 : (*polled ? 0 : 1);
   std::vector<int64_t> flags(comm_.size());
-  EPMOE_RETURN_IF_ERROR(comm_.AllgatherInt64(std::vector<int64_t>{flag}, flags).WithContext(where + ", readiness"));
+  EPMOE_RETURN_IF_ERROR(
+      Net(comm_.AllgatherInt64(std::vector<int64_t>{flag}, flags)).WithContext(where + ", readiness"));
   if (!polled.ok()) return polled.status().WithContext(where);
   const std::string failed = FlaggedRanks(flags, 2);
   if (!failed.empty())
@@ -445,9 +610,10 @@ Status Rebalancer::FinishReport(int64_t step) {
   Pending& p = *pending_;
   p.report.installed_at_step = step;
   p.report.stall_seconds_this_rank = p.stall_seconds;
-  EPMOE_ASSIGN_OR_RETURN(int64_t stall_us,
-                         comm_.AllreduceMax(static_cast<int64_t>(std::llround(p.stall_seconds * 1e6))));
-  p.report.stall_seconds_max = static_cast<double>(stall_us) * 1e-6;
+  auto stall_us = comm_.AllreduceMax(static_cast<int64_t>(std::llround(p.stall_seconds * 1e6)));
+  if (!stall_us.ok())
+    return Net(stall_us.status()).WithContext(fmt::format("rank {}, step boundary {}, reporting the stall", comm_.rank(), step));
+  p.report.stall_seconds_max = static_cast<double>(*stall_us) * 1e-6;
   reports_.push_back(std::move(p.report));
   pending_.reset();
   return Status::Ok();

@@ -128,6 +128,7 @@ nlohmann::json EplbSession::Report() const {
   nlohmann::json list = nlohmann::json::array();
   for (const RebalanceReport& r : rebalancer_->reports()) {
     list.push_back({{"decided_at_step", r.decided_at_step},
+                    {"placement_ready_at_step", r.placement_ready_at_step},
                     {"installed_at_step", r.installed_at_step},
                     {"policy", r.policy},
                     {"chunks", r.chunks},
