@@ -156,11 +156,12 @@ TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
 }
 
 // Uneven counts, zero-pick experts, and sizes that are multiples of the format's block but not of
-// every vector or group width (avx512 then gives way to a lower instruction set, stated in
-// kernel_name).
+// the vector width: 16 channels per block for the AVX-512 kernels, which then give way to a lower
+// instruction set (stated in kernel_name); 4-bit sizes are multiples of 16 and 32 by format.
 TEST_P(KernelHarness, OddSizesAndUnevenCounts) {
   const auto [format, isa] = GetParam();
-  const int64_t hidden = 96, inter = 160;  // multiples of 32, not of 64 or 256
+  const bool four_bit = BlockSize(format) > 1;
+  const int64_t hidden = four_bit ? 96 : 40, inter = four_bit ? 160 : 24;
   const std::vector<ExpertWeights> experts = RandomExperts(5, hidden, inter, 3);
   const std::vector<int64_t> offsets = Offsets({3, 0, 17, 0, 40});
   std::mt19937 rng(5);
@@ -185,10 +186,15 @@ TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
   const auto pointers = Pointers(experts);
   auto nvfp4 = PackExperts(pointers, PackOptions{WeightFormat::kNvfp4, "avx512"});
   ASSERT_TRUE(nvfp4.ok());
-  EXPECT_EQ((*nvfp4)->kernel_name(), "nvfp4/avx2");
-  auto bf16 = PackExperts(pointers, PackOptions{WeightFormat::kBf16, "avx512"});
+  EXPECT_EQ((*nvfp4)->kernel_name(), "nvfp4/avx512");
+  auto mxfp4 = PackExperts(pointers, PackOptions{WeightFormat::kMxfp4, "avx512"});
+  ASSERT_TRUE(mxfp4.ok());
+  EXPECT_EQ((*mxfp4)->kernel_name(), "mxfp4/avx512");
+  const std::vector<ExpertWeights> odd = RandomExperts(1, 40, 24, 1);  // not whole 16-channel blocks
+  const auto odd_pointers = Pointers(odd);
+  auto bf16 = PackExperts(odd_pointers, PackOptions{WeightFormat::kBf16, "avx512"});
   ASSERT_TRUE(bf16.ok());
-  EXPECT_EQ((*bf16)->kernel_name(), "bf16/avx512");
+  EXPECT_EQ((*bf16)->kernel_name(), "bf16/avx2");
 }
 
 TEST(KernelChoice, RefusesWhatItCannotStore) {

@@ -67,10 +67,10 @@ class FormatTest : public ::testing::TestWithParam<WeightFormat> {};
 
 TEST_P(FormatTest, ExactBytesAndBoundedError) {
   const WeightFormat format = GetParam();
-  const Matrix m = RandomMatrix(24, 512, 1);
+  const Matrix m = RandomMatrix(32, 512, 1);
   auto q = Quantize(format, m);
   ASSERT_TRUE(q.ok()) << q.status().message();
-  EXPECT_EQ(q->bytes(), ByteCount(format, 24, 512));
+  EXPECT_EQ(q->bytes(), ByteCount(format, 32, 512));
   const Matrix back = Dequantize(*q);
   // Relative RMS error of the weights, by format (4-bit E2M1 is coarse).
   double err = 0, ref = 0;
@@ -83,11 +83,11 @@ TEST_P(FormatTest, ExactBytesAndBoundedError) {
                        : format == WeightFormat::kInt8 ? 2e-2
                                                        : 0.15;
   EXPECT_LE(std::sqrt(err / ref), bound);
-  for (auto layout : {kernels::PackLayout::kNatural, kernels::PackLayout::kGrouped256}) {
+  for (auto layout : {kernels::PackLayout::kNatural, kernels::PackLayout::kChannelBlocked}) {
     const kernels::PackedMatrix packed = kernels::PackMatrix(*q, layout);
-    EXPECT_EQ(packed.bytes(), ByteCount(format, 24, 512));
+    EXPECT_EQ(packed.bytes(), ByteCount(format, 32, 512));
     std::vector<float> row(512);
-    for (int64_t r = 0; r < 24; ++r) {
+    for (int64_t r = 0; r < 32; ++r) {
       kernels::DequantizePackedRow(packed, r, row.data());
       for (int64_t c = 0; c < 512; ++c) ASSERT_EQ(row[c], back.at(r, c)) << r << "," << c;
     }

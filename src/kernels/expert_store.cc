@@ -24,10 +24,12 @@ struct WorkItem {
   int64_t n_begin, n_end;
 };
 
-int64_t ChannelsPerItem(int64_t rows, int64_t weight_row_bytes, int64_t matrices) {
+// Channels of one work item: few in decode (so few experts still spread over every thread), a
+// multiple of the kernel's register tile that keeps the weights of an item in L2 in prefill.
+int64_t ChannelsPerItem(int64_t rows, int64_t weight_row_bytes, int64_t matrices, int64_t tile) {
   if (rows <= KernelExpertStore::kDecodeMaxRows) return kDecodeChannels;
   const int64_t fit = kWeightBlockBytes / std::max<int64_t>(1, weight_row_bytes * matrices);
-  return std::clamp<int64_t>(fit / 4 * 4, 16, 256);
+  return std::max(tile, std::min<int64_t>(fit, 256) / tile * tile);
 }
 
 int64_t RowsPerBlock(int64_t rows, int64_t act_row_bytes) {
@@ -36,12 +38,12 @@ int64_t RowsPerBlock(int64_t rows, int64_t act_row_bytes) {
 }
 
 std::vector<WorkItem> MakeItems(std::span<const int64_t> offsets, int64_t channels, int64_t weight_row_bytes,
-                                int64_t matrices) {
+                                int64_t matrices, int64_t tile) {
   std::vector<WorkItem> items;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
-    const int64_t step = ChannelsPerItem(rows, weight_row_bytes, matrices);
+    const int64_t step = ChannelsPerItem(rows, weight_row_bytes, matrices, tile);
     for (int64_t n = 0; n < channels; n += step)
       items.push_back({static_cast<int>(e), n, std::min(channels, n + step)});
   }
@@ -157,7 +159,7 @@ void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets,
 
   // Phase 2: silu(gate x) * (up x) for every row, in fp32.
   std::vector<float> mid(total * intermediate_);
-  const std::vector<WorkItem> gate_items = MakeItems(offsets, intermediate_, experts_[0].gate.row_bytes, 2);
+  const std::vector<WorkItem> gate_items = MakeItems(offsets, intermediate_, experts_[0].gate.row_bytes, 2, kernel.channel_tile());
   pool.ParallelFor(static_cast<int64_t>(gate_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = gate_items[i];
@@ -172,13 +174,9 @@ void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets,
         const uint8_t* acts = inputs.data() + (first + r0) * hidden_stride;
         kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width);
         kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width);
-        for (int64_t r = 0; r < n_rows; ++r) {
-          float* target = mid.data() + (first + r0 + r) * intermediate_ + item.n_begin;
-          for (int64_t c = 0; c < width; ++c) {
-            const float g = gate[r * width + c];
-            target[c] = g / (1.0f + std::exp(-g)) * up[r * width + c];
-          }
-        }
+        for (int64_t r = 0; r < n_rows; ++r)
+          kernel.SwiGlu(gate.data() + r * width, up.data() + r * width, width,
+                        mid.data() + (first + r0 + r) * intermediate_ + item.n_begin);
       }
     }
   });
@@ -191,7 +189,7 @@ void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets,
   });
 
   // Phase 4: down projection straight into the output rows.
-  const std::vector<WorkItem> down_items = MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1);
+  const std::vector<WorkItem> down_items = MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1, kernel.channel_tile());
   pool.ParallelFor(static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = down_items[i];

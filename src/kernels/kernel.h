@@ -14,16 +14,19 @@
 
 namespace epmoe::kernels {
 
-// How the values of a packed matrix are ordered inside each row.
+// How the values of a packed matrix are ordered.
 enum class PackLayout {
-  // Input features in order; 4-bit values two per byte, low nibble first (as in the block structs).
+  // Row by row, input features in order; 4-bit values two per byte, low nibble first (as in the
+  // block structs).
   kNatural,
-  // 4-bit formats for the AVX-512 VNNI kernel: each group of 256 inputs is 128 bytes; byte p of the
-  // first 64 holds v0[p] (low nibble) and v1[p] (high), byte p of the next 64 holds v2[p] and v3[p],
-  // where vj[4i + t] = input 16i + 4j + t of the group. So 32-bit lane i of every vector covers the
-  // 16 inputs 16i .. 16i+15, one NVFP4 block (half an MXFP4 block), and a lane's integer sum can run
-  // over a whole block before it is scaled.
-  kGrouped256,
+  // For the AVX-512 kernels: output channels (rows) in blocks of 16, one per 32-bit lane of a
+  // vector. Block b is one contiguous run of 64-byte vectors; vector g holds input group g (4 bytes:
+  // 1 fp32, 2 bf16 or 4 int8 values) of each of the block's 16 channels, lane c at bytes 4c..4c+3.
+  // 4-bit formats: for each block and chunk of 16 inputs, 128 bytes holding the chunk's 4 vectors
+  // of the int8 arrangement as nibbles (vector 2i in the low nibbles of bytes 64i..64i+63, vector
+  // 2i+1 in the high nibbles); the block scales are stored per block and scale block, 16 codes in
+  // lane order. rows must be a multiple of 16.
+  kChannelBlocked,
 };
 
 // One [rows x cols] weight matrix in a kernel's layout. The byte count equals ByteCount(format,
@@ -34,13 +37,15 @@ struct PackedMatrix {
   int64_t rows = 0;
   int64_t cols = 0;
   // fp32: floats; bf16: uint16; int8: offset binary (q + 128 as uint8, what VNNI's unsigned operand
-  // takes); 4-bit: E2M1 codes, two per byte, in `layout` order. Row r starts at r * row_bytes.
+  // takes); 4-bit: E2M1 codes, two per byte; in `layout` order.
   std::vector<uint8_t> values;
-  int64_t row_bytes = 0;
-  // int8: one fp32 per row; nvfp4: cols/16 E4M3 codes per row; mxfp4: cols/32 E8M0 codes per row.
+  int64_t row_bytes = 0;  // bytes of values per row (output channel)
+  // int8: one fp32 per row, in row order; nvfp4: cols/16 E4M3 codes per row; mxfp4: cols/32 E8M0
+  // codes per row; 4-bit codes in `layout` order.
   std::vector<uint8_t> scales;
   float tensor_scale = 1.0f;  // nvfp4: stored (4 bytes); others: unused and not stored
 
+  // Row r's values in the natural layout.
   const uint8_t* row(int64_t r) const { return values.data() + r * row_bytes; }
   int64_t bytes() const;
 };
@@ -57,17 +62,24 @@ class MatrixKernel {
   virtual Isa isa() const = 0;
   virtual WeightFormat format() const = 0;
   virtual PackLayout layout() const { return PackLayout::kNatural; }
-  // Whether this kernel runs matrices with `cols` input features (vector kernels need whole
-  // vectors or groups; the caller falls back to a lower instruction set otherwise).
-  virtual bool SupportsCols(int64_t cols) const = 0;
+  // Whether this kernel runs matrices with `size` rows or columns (vector kernels need whole
+  // channel blocks and input groups; the caller falls back to a lower instruction set otherwise).
+  virtual bool SupportsSize(int64_t size) const = 0;
+  // MatMul's channel ranges must start at a multiple of channel_block(); ranges that are multiples
+  // of channel_tile() run only full register tiles when there are many rows.
+  virtual int64_t channel_block() const { return 1; }
+  virtual int64_t channel_tile() const { return 1; }
   // Bytes of one activation row of `cols` features as QuantizeActivations writes it.
   virtual int64_t ActivationBytes(int64_t cols) const = 0;
   virtual void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const = 0;
   // out[r * out_stride + (n - n_begin)] = dot(weights row n, activation row r) for r in [0, rows)
   // and n in [n_begin, n_end); activation row r starts at acts + r * ActivationBytes(w.cols).
-  // Reads each weight row once for all `rows` (rows are tiled in registers, weights stay in L1).
+  // Reads each weight once from memory for all `rows` (rows are tiled in registers, weights are
+  // re-read from cache for further row tiles).
   virtual void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows,
                       float* out, int64_t out_stride) const = 0;
+  // out[i] = silu(gate[i]) * up[i] for i in [0, count).
+  virtual void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const;
 };
 
 // Base of the kernels that take fp32 activations as they are and run any input size (the AVX2 and
@@ -76,7 +88,7 @@ class Fp32ActivationKernel : public MatrixKernel {
  public:
   explicit Fp32ActivationKernel(WeightFormat format) : format_(format) {}
   WeightFormat format() const override { return format_; }
-  bool SupportsCols(int64_t) const override { return true; }
+  bool SupportsSize(int64_t) const override { return true; }
   int64_t ActivationBytes(int64_t cols) const override { return cols * static_cast<int64_t>(sizeof(float)); }
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
     std::memcpy(out, x, cols * sizeof(float));

@@ -1,3 +1,4 @@
+#include <cmath>
 #include <cstring>
 
 #include "kernels/kernel.h"
@@ -5,22 +6,46 @@
 namespace epmoe::kernels {
 namespace {
 
-// Position (byte, high nibble?) of input c of a row in the kGrouped256 layout.
-void Grouped256Position(int64_t c, int64_t* byte, bool* high) {
-  const int64_t group = c / 256;
-  const int64_t within = c % 256;
-  const int64_t lane = within / 16;
-  const int64_t vector = (within % 16) / 4;  // j
-  const int64_t t = within % 4;
-  *byte = group * 128 + (vector / 2) * 64 + lane * 4 + t;
+constexpr int64_t kBlockChannels = 16;  // channels per block in kChannelBlocked
+constexpr int64_t kGroupBytes = 4;      // bytes of one input group per lane
+
+int ValueBytes(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kFp32: return 4;
+    case WeightFormat::kBf16: return 2;
+    default: return 1;
+  }
+}
+
+// Byte offset of value (n, c) of an fp32, bf16 or int8 matrix in the kChannelBlocked layout.
+int64_t BlockedOffset(int64_t cols, int value_bytes, int64_t n, int64_t c) {
+  const int64_t groups = cols * value_bytes / kGroupBytes;
+  const int64_t byte = c * value_bytes;
+  return ((n / kBlockChannels) * groups + byte / kGroupBytes) * 64 + (n % kBlockChannels) * kGroupBytes +
+         byte % kGroupBytes;
+}
+
+// Position (byte, high nibble?) of 4-bit value (n, c) in the kChannelBlocked layout.
+void BlockedCodePosition(int64_t cols, int64_t n, int64_t c, int64_t* byte, bool* high) {
+  const int64_t chunk = c / 16, within = c % 16;
+  const int64_t vector = within / 4;
+  *byte = ((n / kBlockChannels) * (cols / 16) + chunk) * 128 + (vector / 2) * 64 + (n % kBlockChannels) * 4 +
+          within % 4;
   *high = (vector % 2) == 1;
 }
 
+// Index of the scale of (row n, scale block sb) among a 4-bit matrix's scales in `layout`.
+int64_t ScaleIndex(const PackedMatrix& w, int64_t n, int64_t sb) {
+  const int64_t per_row = w.cols / BlockSize(w.format);
+  if (w.layout == PackLayout::kNatural) return n * per_row + sb;
+  return ((n / kBlockChannels) * per_row + sb) * kBlockChannels + n % kBlockChannels;
+}
+
 uint8_t PackedCode(const PackedMatrix& w, int64_t n, int64_t c) {
-  int64_t byte = c / 2;
+  int64_t byte = n * w.row_bytes + c / 2;
   bool high = (c % 2) == 1;
-  if (w.layout == PackLayout::kGrouped256) Grouped256Position(c, &byte, &high);
-  const uint8_t v = w.row(n)[byte];
+  if (w.layout == PackLayout::kChannelBlocked) BlockedCodePosition(w.cols, n, c, &byte, &high);
+  const uint8_t v = w.values[byte];
   return high ? v >> 4 : v & 0xF;
 }
 
@@ -32,65 +57,68 @@ int64_t PackedMatrix::bytes() const {
 }
 
 PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout) {
+  EPMOE_CHECK(layout == PackLayout::kNatural || q.rows % kBlockChannels == 0);
   PackedMatrix w;
   w.format = q.format;
   w.layout = layout;
   w.rows = q.rows;
   w.cols = q.cols;
   const int64_t count = q.rows * q.cols;
+  const bool blocked = layout == PackLayout::kChannelBlocked;
   switch (q.format) {
     case WeightFormat::kFp32:
-      w.row_bytes = q.cols * 4;
-      w.values.resize(count * 4);
-      std::memcpy(w.values.data(), q.fp32.data(), w.values.size());
-      break;
     case WeightFormat::kBf16:
-      w.row_bytes = q.cols * 2;
-      w.values.resize(count * 2);
-      std::memcpy(w.values.data(), q.bf16.data(), w.values.size());
+    case WeightFormat::kInt8: {
+      const int value_bytes = ValueBytes(q.format);
+      w.row_bytes = q.cols * value_bytes;
+      w.values.resize(count * value_bytes);
+      // Natural bytes first: int8 as offset binary (q + 128).
+      std::vector<uint8_t> natural(count * value_bytes);
+      if (q.format == WeightFormat::kFp32) std::memcpy(natural.data(), q.fp32.data(), natural.size());
+      if (q.format == WeightFormat::kBf16) std::memcpy(natural.data(), q.bf16.data(), natural.size());
+      if (q.format == WeightFormat::kInt8) {
+        for (int64_t i = 0; i < count; ++i) natural[i] = static_cast<uint8_t>(static_cast<uint8_t>(q.int8[i]) ^ 0x80);
+        w.scales.resize(q.rows * sizeof(float));
+        std::memcpy(w.scales.data(), q.row_scales.data(), w.scales.size());
+      }
+      if (!blocked) {
+        w.values = std::move(natural);
+        break;
+      }
+      for (int64_t n = 0; n < q.rows; ++n) {
+        for (int64_t c = 0; c < q.cols; ++c)
+          std::memcpy(w.values.data() + BlockedOffset(q.cols, value_bytes, n, c),
+                      natural.data() + (n * q.cols + c) * value_bytes, value_bytes);
+      }
       break;
-    case WeightFormat::kInt8:
-      w.row_bytes = q.cols;
-      w.values.resize(count);
-      for (int64_t i = 0; i < count; ++i) w.values[i] = static_cast<uint8_t>(static_cast<uint8_t>(q.int8[i]) ^ 0x80);
-      w.scales.resize(q.rows * sizeof(float));
-      std::memcpy(w.scales.data(), q.row_scales.data(), w.scales.size());
-      break;
+    }
     case WeightFormat::kNvfp4:
     case WeightFormat::kMxfp4: {
       const int block = BlockSize(q.format);
       const int64_t blocks_per_row = q.cols / block;
       w.row_bytes = q.cols / 2;
       w.values.assign(count / 2, 0);
-      // The blocks' packed bytes, concatenated, are the natural layout already.
-      std::vector<uint8_t> natural(w.row_bytes);
-      std::vector<int64_t> byte_of(layout == PackLayout::kGrouped256 ? q.cols : 0);
-      std::vector<uint8_t> high_of(byte_of.size());
-      for (int64_t c = 0; c < static_cast<int64_t>(byte_of.size()); ++c) {
-        bool high = false;
-        Grouped256Position(c, &byte_of[c], &high);
-        high_of[c] = high;
-      }
-      for (int64_t r = 0; r < q.rows; ++r) {
-        for (int64_t b = 0; b < blocks_per_row; ++b) {
-          const uint8_t* packed = q.format == WeightFormat::kNvfp4 ? q.nvfp4[r * blocks_per_row + b].packed
-                                                                   : q.mxfp4[r * blocks_per_row + b].packed;
-          std::memcpy(natural.data() + b * block / 2, packed, block / 2);
-        }
-        uint8_t* row = w.values.data() + r * w.row_bytes;
-        if (layout == PackLayout::kNatural) {
-          std::memcpy(row, natural.data(), w.row_bytes);
-          continue;
-        }
-        for (int64_t c = 0; c < q.cols; ++c) {
-          const uint8_t code = (c % 2) ? natural[c / 2] >> 4 : natural[c / 2] & 0xF;
-          row[byte_of[c]] |= high_of[c] ? code << 4 : code;
-        }
-      }
       w.scales.resize(count / block);
-      for (int64_t b = 0; b < count / block; ++b)
-        w.scales[b] = q.format == WeightFormat::kNvfp4 ? q.nvfp4[b].scale_e4m3 : q.mxfp4[b].scale_e8m0;
       w.tensor_scale = q.tensor_scale;
+      for (int64_t n = 0; n < q.rows; ++n) {
+        for (int64_t b = 0; b < blocks_per_row; ++b) {
+          const int64_t index = n * blocks_per_row + b;
+          const bool nv = q.format == WeightFormat::kNvfp4;
+          const uint8_t* packed = nv ? q.nvfp4[index].packed : q.mxfp4[index].packed;
+          w.scales[ScaleIndex(w, n, b)] = nv ? q.nvfp4[index].scale_e4m3 : q.mxfp4[index].scale_e8m0;
+          if (!blocked) {
+            std::memcpy(w.values.data() + n * w.row_bytes + b * block / 2, packed, block / 2);
+            continue;
+          }
+          for (int i = 0; i < block; ++i) {
+            const uint8_t code = (i % 2) ? packed[i / 2] >> 4 : packed[i / 2] & 0xF;
+            int64_t byte = 0;
+            bool high = false;
+            BlockedCodePosition(q.cols, n, b * block + i, &byte, &high);
+            w.values[byte] |= high ? code << 4 : code;
+          }
+        }
+      }
       break;
     }
   }
@@ -98,51 +126,44 @@ PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout) {
 }
 
 void DequantizePackedRow(const PackedMatrix& w, int64_t n, float* out) {
+  const bool blocked = w.layout == PackLayout::kChannelBlocked;
   switch (w.format) {
-    case WeightFormat::kFp32: std::memcpy(out, w.row(n), w.cols * sizeof(float)); return;
-    case WeightFormat::kBf16: {
-      const uint8_t* row = w.row(n);
-      for (int64_t c = 0; c < w.cols; ++c) {
-        uint16_t bits;
-        std::memcpy(&bits, row + 2 * c, 2);
-        out[c] = FloatFromBf16(bits);
-      }
-      return;
-    }
+    case WeightFormat::kFp32:
+    case WeightFormat::kBf16:
     case WeightFormat::kInt8: {
-      float scale;
-      std::memcpy(&scale, w.scales.data() + n * sizeof(float), sizeof(float));
-      const uint8_t* row = w.row(n);
-      for (int64_t c = 0; c < w.cols; ++c) out[c] = static_cast<float>(static_cast<int>(row[c]) - 128) * scale;
+      const int value_bytes = ValueBytes(w.format);
+      float scale = 1;
+      if (w.format == WeightFormat::kInt8) std::memcpy(&scale, w.scales.data() + n * sizeof(float), sizeof(float));
+      for (int64_t c = 0; c < w.cols; ++c) {
+        const uint8_t* at =
+            w.values.data() + (blocked ? BlockedOffset(w.cols, value_bytes, n, c) : (n * w.cols + c) * value_bytes);
+        if (w.format == WeightFormat::kFp32) {
+          std::memcpy(&out[c], at, sizeof(float));
+        } else if (w.format == WeightFormat::kBf16) {
+          uint16_t bits;
+          std::memcpy(&bits, at, 2);
+          out[c] = FloatFromBf16(bits);
+        } else {
+          out[c] = static_cast<float>(static_cast<int>(*at) - 128) * scale;
+        }
+      }
       return;
     }
     case WeightFormat::kNvfp4:
     case WeightFormat::kMxfp4: {
       const int block = BlockSize(w.format);
-      const uint8_t* scales = w.scales.data() + n * (w.cols / block);
-      if (w.layout == PackLayout::kNatural) {
-        float values[16];
-        for (int code = 0; code < 16; ++code) values[code] = DecodeE2m1(static_cast<uint8_t>(code));
-        const uint8_t* row = w.row(n);
-        for (int64_t b = 0; b < w.cols / block; ++b) {
-          const float scale =
-              w.format == WeightFormat::kNvfp4 ? DecodeE4m3(scales[b]) * w.tensor_scale : DecodeE8m0(scales[b]);
-          for (int i = 0; i < block / 2; ++i) {
-            const uint8_t byte = row[b * block / 2 + i];
-            out[b * block + 2 * i] = values[byte & 0xF] * scale;
-            out[b * block + 2 * i + 1] = values[byte >> 4] * scale;
-          }
-        }
-        return;
-      }
       for (int64_t c = 0; c < w.cols; ++c) {
-        const float scale = w.format == WeightFormat::kNvfp4 ? DecodeE4m3(scales[c / block]) * w.tensor_scale
-                                                             : DecodeE8m0(scales[c / block]);
+        const uint8_t code = w.scales[ScaleIndex(w, n, c / block)];
+        const float scale = w.format == WeightFormat::kNvfp4 ? DecodeE4m3(code) * w.tensor_scale : DecodeE8m0(code);
         out[c] = DecodeE2m1(PackedCode(w, n, c)) * scale;
       }
       return;
     }
   }
+}
+
+void MatrixKernel::SwiGlu(const float* gate, const float* up, int64_t count, float* out) const {
+  for (int64_t i = 0; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
 std::unique_ptr<MatrixKernel> ChooseKernel(WeightFormat format, Isa highest, int64_t hidden, int64_t intermediate) {
@@ -154,7 +175,7 @@ std::unique_ptr<MatrixKernel> ChooseKernel(WeightFormat format, Isa highest, int
       case Isa::kAvx2: kernel = MakeAvx2Kernel(format); break;
       case Isa::kReference: kernel = MakeReferenceKernel(format); break;
     }
-    if (kernel->SupportsCols(hidden) && kernel->SupportsCols(intermediate)) return kernel;
+    if (kernel->SupportsSize(hidden) && kernel->SupportsSize(intermediate)) return kernel;
   }
   return MakeReferenceKernel(format);
 }

@@ -1,16 +1,20 @@
-// The AVX-512 matrix kernels (needs F, BW, VL, DQ, VNNI, BF16 and VBMI; see epmoe/cpu.h).
+// The AVX-512 matrix kernels (needs F, BW, VL, DQ, VNNI, BF16 and VBMI; see epmoe/cpu.h), on weights
+// in PackLayout::kChannelBlocked: 16 output channels per block, one per 32-bit lane, so a lane
+// accumulates one output and no horizontal sums are needed. Each step multiplies one 64-byte
+// weight vector (one input group of 16 channels) by the same input group of an activation row,
+// broadcast to every lane:
 //   fp32   fp32 activations, FMA.
-//   bf16   activations rounded to bf16, VDPBF16PS (fp32 accumulation).
+//   bf16   activations rounded to bf16, VDPBF16PS.
 //   int8   activations quantized to int8 per row (scale max|x|/127); weights stored offset binary
-//          (w + 128) so VPDPBUSD takes them as its unsigned operand; the offset is removed with
-//          the row's precomputed -128 * sum(q). Integer accumulation over the whole row.
-//   nvfp4, mxfp4  the same int8 activations, permuted to the kGrouped256 layout; E2M1 codes map
-//          through a table (VPERMB) to 2 * value + 12 (0..24, unsigned); the offset is removed
-//          with -12 * (sum of the lane's 16 activations), precomputed per row. Each 32-bit lane
-//          holds one 16-input block, summed in int32 then scaled by its block scale in fp32.
-// Every kernel tiles up to 4 activation rows x 4 (2 for 4-bit) weight rows in registers and walks
-// the inputs once, so a weight row is read from memory once per call and from L1 for further row
-// tiles.
+//          (w + 128, VPDPBUSD's unsigned operand); the offset is removed with -128 * sum(q) per row.
+//   nvfp4, mxfp4  the same int8 activations; VPERMB maps an E2M1 code to 2 * value + 12 (0..24,
+//          unsigned); the offset is removed with -12 * (sum of the scale block's activations) per
+//          row; each scale block (16 or 32 inputs) is summed in int32, then scaled per lane by its
+//          channel's block scale in fp32.
+// A register tile of R rows x B channel blocks takes B weight loads and R broadcasts for R x B
+// multiply-adds. Decode (few rows) streams every weight vector from memory once, the B blocks as B
+// sequential streams; prefill runs taller tiles over weights that stay in L2 (4-bit weights are
+// first expanded to int8 once per panel of channels, then shared by every row tile).
 // GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* inside shuffles and extracts) as
 // "used uninitialized" once inlined at -O3; the values are never read. Silence only that check.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -29,450 +33,502 @@
 namespace epmoe::kernels {
 namespace {
 
-// Where a tile reads and writes.
-struct TileArgs {
-  const PackedMatrix* weights;
-  int64_t channel;      // first weight row of the tile
-  const uint8_t* acts;  // first activation row of the tile
-  int64_t act_stride;   // bytes between activation rows
-  float* out;           // result of (first row, first channel)
-  int64_t out_stride;   // floats between output rows
-  // 4-bit prefill only: the tile's weights already expanded (see FourBit::Unpack).
-  const uint8_t* unpacked_values = nullptr;
-  const float* unpacked_scales = nullptr;
-};
-
-using TileFn = void (*)(const TileArgs&);
-
-template <template <int, int> class Tile, int kMaxRows, int kMaxChannels>
-struct TileTable {
-  template <int... I>
-  static constexpr std::array<TileFn, sizeof...(I)> Make(std::integer_sequence<int, I...>) {
-    return {&Tile<I / kMaxChannels + 1, I % kMaxChannels + 1>::Run...};
-  }
-  static constexpr std::array<TileFn, kMaxRows* kMaxChannels> kTable =
-      Make(std::make_integer_sequence<int, kMaxRows * kMaxChannels>{});
-};
-
-// Walks [n_begin, n_end) in channel tiles and, inside each, all rows in row tiles.
-template <template <int, int> class Tile, int kMaxRows, int kMaxChannels>
-void RunTiles(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t act_stride,
-              int64_t rows, float* out, int64_t out_stride) {
-  for (int64_t n = n_begin; n < n_end; n += kMaxChannels) {
-    const int channels = static_cast<int>(std::min<int64_t>(kMaxChannels, n_end - n));
-    for (int64_t r = 0; r < rows; r += kMaxRows) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
-      const TileArgs args{&w, n, acts + r * act_stride, act_stride, out + r * out_stride + (n - n_begin), out_stride};
-      TileTable<Tile, kMaxRows, kMaxChannels>::kTable[(tile_rows - 1) * kMaxChannels + (channels - 1)](args);
-    }
-  }
-}
-
-// Horizontal sums.
-float SumLanes(__m512 v) {
-  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-  __m128 s = _mm512_castps512_ps128(v);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-int32_t SumLanes(__m512i v) {
-  v = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-  v = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-  __m128i s = _mm512_castsi512_si128(v);
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
-
-// Weight rows of a matrix are contiguous, so the tile after next starts 2 tiles past this one.
-// Each tile prefetches that tile's weights at the pace it consumes its own: `bytes` (a multiple
-// of 64) starting `offset` bytes into it. Short rows split into several
-// streams over 4 KB pages defeat the hardware prefetchers; this keeps enough reads in flight.
-inline void PrefetchNextTile(const uint8_t* next_tile, int64_t offset, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(next_tile + offset + b), _MM_HINT_T0);
-}
+constexpr int64_t kLanes = 16;  // output channels per block
+// Rows up to which MatMul streams the weights once with short tiles; more rows run the taller
+// prefill tiles over cached weights.
+constexpr int64_t kStreamRows = 4;
+// How far ahead of its loads a streaming tile prefetches each weight stream: far enough to cover
+// memory latency at full bandwidth with every stream of both cores in flight.
+constexpr int64_t kPrefetchBytes = 1024;
 
 int64_t RoundUp(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-// ---- fp32 ----
+// The 4-byte input group at `at`, broadcast to all 16 lanes.
+inline __m512i BroadcastGroup(const uint8_t* at) {
+  int32_t group;
+  std::memcpy(&group, at, 4);
+  return _mm512_set1_epi32(group);
+}
 
-template <int R, int N>
-struct Fp32Tile {
-  static void Run(const TileArgs& a) {
-    const int64_t cols = a.weights->cols;
-    const float* w[N];
-    for (int j = 0; j < N; ++j) w[j] = reinterpret_cast<const float*>(a.weights->row(a.channel + j));
-    __m512 acc[R][N];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
-    const uint8_t* next_tile = a.weights->row(a.channel) + 2 * N * a.weights->row_bytes;
-    for (int64_t c = 0; c < cols; c += 16) {
-      PrefetchNextTile(next_tile, 4 * c * N, 64 * N);
-      __m512 wv[N];
-      for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_ps(w[j] + c);
-      for (int r = 0; r < R; ++r) {
-        const __m512 x = _mm512_loadu_ps(reinterpret_cast<const float*>(a.acts + r * a.act_stride) + c);
-        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], x, acc[r][j]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]);
-  }
+inline int32_t LoadInt32(const uint8_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+inline float LoadFloat(const uint8_t* at) {
+  float v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+// acc + the lane-wise sums of 4 products of unsigned w and signed x bytes (VPDPBUSD). Written in
+// assembly because GCC 12 copies the intrinsic's accumulator before and after every instruction,
+// which with a tile's 24 accumulators spills them to the stack on every iteration (half speed).
+inline __m512i DotAdd(__m512i acc, __m512i w, __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
+
+// Where a tile reads and writes.
+struct TileArgs {
+  const PackedMatrix* weights;
+  int64_t block;        // first channel block of the tile
+  const uint8_t* acts;  // first activation row of the tile
+  int64_t act_stride;   // bytes between activation rows
+  float* out;           // output of (first row, first channel of the tile)
+  int64_t out_stride;   // floats between output rows
+  // 4-bit prefill: the panel's weights expanded to int8 in the kChannelBlocked arrangement, and
+  // their block scales as fp32 (see FourBit::Expand), starting at channel block `panel_block`.
+  const uint8_t* expanded = nullptr;
+  const float* expanded_scales = nullptr;
+  int64_t panel_block = 0;
 };
 
-class Fp32Kernel final : public MatrixKernel {
- public:
-  Isa isa() const override { return Isa::kAvx512; }
-  WeightFormat format() const override { return WeightFormat::kFp32; }
-  bool SupportsCols(int64_t cols) const override { return cols % 16 == 0; }
-  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(cols * 4, 64); }
-  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
-    std::memcpy(out, x, cols * sizeof(float));
+using TileFn = void (*)(const TileArgs&);
+
+template <template <int, int> class Tile, int kMaxRows, int kMaxBlocks>
+struct TileTable {
+  template <int... I>
+  static constexpr std::array<TileFn, sizeof...(I)> Make(std::integer_sequence<int, I...>) {
+    return {&Tile<I / kMaxBlocks + 1, I % kMaxBlocks + 1>::Run...};
   }
-  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
-    RunTiles<Fp32Tile, 4, 4>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out, out_stride);
-  }
+  static constexpr std::array<TileFn, kMaxRows* kMaxBlocks> kTable =
+      Make(std::make_integer_sequence<int, kMaxRows * kMaxBlocks>{});
 };
 
-// ---- bf16 ----
-
-template <int R, int N>
-struct Bf16Tile {
-  static void Run(const TileArgs& a) {
-    const int64_t cols = a.weights->cols;
-    const uint8_t* w[N];
-    for (int j = 0; j < N; ++j) w[j] = a.weights->row(a.channel + j);
-    __m512 acc[R][N];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
-    const uint8_t* next_tile = w[0] + 2 * N * a.weights->row_bytes;
-    for (int64_t c = 0; c < cols; c += 32) {
-      PrefetchNextTile(next_tile, 2 * c * N, 64 * N);
-      __m512i wv[N];
-      for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w[j] + 2 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(a.acts + r * a.act_stride + 2 * c);
-        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)x, (__m512bh)wv[j]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]);
-  }
-};
-
-class Bf16Kernel final : public MatrixKernel {
- public:
-  Isa isa() const override { return Isa::kAvx512; }
-  WeightFormat format() const override { return WeightFormat::kBf16; }
-  bool SupportsCols(int64_t cols) const override { return cols % 32 == 0; }
-  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(cols * 2, 64); }
-  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint16_t bits = Bf16FromFloat(x[c]);
-      std::memcpy(out + 2 * c, &bits, 2);
+// Runs channel blocks [block_begin, block_end) for `rows` rows in tiles of up to kMaxRows x
+// kMaxBlocks: a column of row tiles per group of blocks, so each group's weights are read from
+// memory by the first row tile and from cache by the others. `base` points at block_begin, row 0.
+template <template <int, int> class Tile, int kMaxRows, int kMaxBlocks>
+void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
+  for (int64_t b = block_begin; b < block_end; b += kMaxBlocks) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, block_end - b));
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
+      TileArgs a = base;
+      a.block = b;
+      a.acts = base.acts + r * base.act_stride;
+      a.out = base.out + r * base.out_stride + (b - block_begin) * kLanes;
+      TileTable<Tile, kMaxRows, kMaxBlocks>::kTable[(tile_rows - 1) * kMaxBlocks + (blocks - 1)](a);
     }
   }
-  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
-    RunTiles<Bf16Tile, 4, 4>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out, out_stride);
-  }
-};
+}
 
-// ---- int8 activations shared by the int8 and 4-bit kernels ----
+// ---- int8 activations, shared by the int8 and 4-bit kernels ----
 
-// Symmetric per-row quantization: returns the scale (1 for an all-zero row) and writes q.
+// Symmetric per-row quantization: returns the scale (1 for an all-zero row) and writes q (cols a
+// multiple of 16).
 float QuantizeRowInt8(const float* x, int64_t cols, int8_t* q) {
-  float amax = 0;
-  for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(x[c]));
-  const float scale = amax > 0 ? amax / 127.0f : 1.0f;
-  const float inverse = 1.0f / scale;
-  for (int64_t c = 0; c < cols; ++c)
-    q[c] = static_cast<int8_t>(std::clamp(std::nearbyint(x[c] * inverse), -127.0f, 127.0f));
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t c = 0; c < cols; c += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + c)));
+  const float max = _mm512_reduce_max_ps(amax);
+  const float scale = max > 0 ? max / 127.0f : 1.0f;
+  const __m512 inverse = _mm512_set1_ps(1.0f / scale);
+  for (int64_t c = 0; c < cols; c += 16) {
+    // Round to nearest even, as std::nearbyint; |x| / scale <= 127 so no clamping is needed beyond
+    // the saturating narrowing.
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm512_cvtsepi32_epi8(v));
+  }
   return scale;
 }
 
-// int8 activation row: cols int8 values, padded to 64 bytes, then fp32 scale and int32 -128*sum(q).
-template <int R, int N>
-struct Int8Tile {
+// Sum of `count` int8 values (count a multiple of 16).
+int32_t SumInt8(const int8_t* q, int64_t count) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < count; c += 16)
+    sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c))));
+  return _mm512_reduce_add_epi32(sum);
+}
+
+// ---- fp32, bf16 and int8: one tile over all input groups ----
+
+// What differs between the three: the multiply-add and how an accumulator becomes 16 outputs.
+struct Fp32Dot {
+  using Acc = __m512;
+  static constexpr int kValueBytes = 4;
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static Acc MultiplyAdd(Acc acc, __m512i w, __m512i x) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_castsi512_ps(x), acc);
+  }
+  static __m512 Finish(const TileArgs&, const uint8_t*, int, Acc acc) { return acc; }
+};
+
+struct Bf16Dot {
+  using Acc = __m512;
+  static constexpr int kValueBytes = 2;
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static Acc MultiplyAdd(Acc acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+  static __m512 Finish(const TileArgs&, const uint8_t*, int, Acc acc) { return acc; }
+};
+
+// int8 activation row: cols int8 values, padded to 64 bytes, then the fp32 scale and the int32
+// -128 * sum(q).
+struct Int8Dot {
+  using Acc = __m512i;
+  static constexpr int kValueBytes = 1;
+  static Acc Zero() { return _mm512_setzero_si512(); }
+  static Acc MultiplyAdd(Acc acc, __m512i w, __m512i x) { return DotAdd(acc, w, x); }
+  static __m512 Finish(const TileArgs& a, const uint8_t* row, int block, Acc acc) {
+    const int64_t tail = RoundUp(a.weights->cols, 64);
+    const __m512i dot = _mm512_add_epi32(acc, _mm512_set1_epi32(LoadInt32(row + tail + 4)));
+    const __m512 weight_scales = _mm512_loadu_ps(reinterpret_cast<const float*>(a.weights->scales.data()) +
+                                                 (a.block + block) * kLanes);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(weight_scales, _mm512_set1_ps(LoadFloat(row + tail))));
+  }
+};
+
+template <class Dot, bool kStream, int R, int B>
+struct DenseTile {
   static void Run(const TileArgs& a) {
-    const int64_t cols = a.weights->cols;
-    const uint8_t* w[N];
-    for (int j = 0; j < N; ++j) w[j] = a.weights->row(a.channel + j);
-    __m512i acc[R][N];
+    const PackedMatrix& m = *a.weights;
+    const int64_t groups = m.cols * Dot::kValueBytes / 4;
+    const uint8_t* w = m.values.data() + a.block * groups * 64;
+    typename Dot::Acc acc[R][B];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_si512();
-    const uint8_t* next_tile = w[0] + 2 * N * a.weights->row_bytes;
-    for (int64_t c = 0; c < cols; c += 64) {
-      PrefetchNextTile(next_tile, c * N, 64 * N);
-      __m512i wv[N];
-      for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w[j] + c);
+      for (int j = 0; j < B; ++j) acc[r][j] = Dot::Zero();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i wv[B];
+      for (int j = 0; j < B; ++j) {
+        const uint8_t* at = w + (j * groups + g) * 64;
+        if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
+        wv[j] = _mm512_loadu_si512(at);
+      }
       for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(a.acts + r * a.act_stride + c);
-        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], x);
+        const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
+        for (int j = 0; j < B; ++j) acc[r][j] = Dot::MultiplyAdd(acc[r][j], wv[j], x);
       }
     }
-    const int64_t tail = RoundUp(cols, 64);
     for (int r = 0; r < R; ++r) {
       const uint8_t* row = a.acts + r * a.act_stride;
-      float act_scale;
-      int32_t correction;
-      std::memcpy(&act_scale, row + tail, 4);
-      std::memcpy(&correction, row + tail + 4, 4);
-      for (int j = 0; j < N; ++j) {
-        float weight_scale;
-        std::memcpy(&weight_scale, a.weights->scales.data() + (a.channel + j) * 4, 4);
-        const int32_t dot = SumLanes(acc[r][j]) + correction;
-        a.out[r * a.out_stride + j] = static_cast<float>(dot) * (weight_scale * act_scale);
-      }
+      for (int j = 0; j < B; ++j) _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]));
     }
   }
 };
 
-class Int8Kernel final : public MatrixKernel {
+template <class Dot>
+struct DenseTiles {
+  template <int R, int B>
+  using Stream = DenseTile<Dot, true, R, B>;
+  template <int R, int B>
+  using Cached = DenseTile<Dot, false, R, B>;
+};
+
+// The prefill tile: 8 rows x 3 blocks = 24 accumulators, 3 weight vectors and a broadcast.
+constexpr int kPrefillRows = 8, kPrefillBlocks = 3;
+// The decode tile: up to 4 rows x 4 blocks, 4 parallel weight streams.
+constexpr int kStreamBlocks = 4;
+
+template <class Dot, WeightFormat kFormat>
+class DenseKernel final : public MatrixKernel {
  public:
   Isa isa() const override { return Isa::kAvx512; }
-  WeightFormat format() const override { return WeightFormat::kInt8; }
-  bool SupportsCols(int64_t cols) const override { return cols % 64 == 0; }
-  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(cols, 64) + 64; }
+  WeightFormat format() const override { return kFormat; }
+  PackLayout layout() const override { return PackLayout::kChannelBlocked; }
+  bool SupportsSize(int64_t size) const override { return size % kLanes == 0; }
+  int64_t channel_block() const override { return kLanes; }
+  int64_t channel_tile() const override { return kLanes * kPrefillBlocks; }
+  int64_t ActivationBytes(int64_t cols) const override {
+    return RoundUp(cols * Dot::kValueBytes, 64) + (kFormat == WeightFormat::kInt8 ? 64 : 0);
+  }
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
-    int8_t* q = reinterpret_cast<int8_t*>(out);
-    const float scale = QuantizeRowInt8(x, cols, q);
-    int32_t sum = 0;
-    for (int64_t c = 0; c < cols; ++c) sum += q[c];
-    const int32_t correction = -128 * sum;
-    std::memcpy(out + RoundUp(cols, 64), &scale, 4);
-    std::memcpy(out + RoundUp(cols, 64) + 4, &correction, 4);
+    if constexpr (kFormat == WeightFormat::kFp32) {
+      std::memcpy(out, x, cols * sizeof(float));
+    } else if constexpr (kFormat == WeightFormat::kBf16) {
+      // Round to nearest even, as Bf16FromFloat; cols is a multiple of 16.
+      int64_t c = 0;
+      for (; c + 32 <= cols; c += 32) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c));
+        _mm512_storeu_si512(out + 2 * c, (__m512i)pair);
+      }
+      if (c < cols) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + c)));
+    } else {
+      int8_t* q = reinterpret_cast<int8_t*>(out);
+      const float scale = QuantizeRowInt8(x, cols, q);
+      const int32_t correction = -128 * SumInt8(q, cols);
+      std::memcpy(out + RoundUp(cols, 64), &scale, 4);
+      std::memcpy(out + RoundUp(cols, 64) + 4, &correction, 4);
+    }
   }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride) const override {
-    RunTiles<Int8Tile, 4, 4>(w, n_begin, n_end, acts, ActivationBytes(w.cols), rows, out, out_stride);
+    EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
+    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
+    if (rows <= kStreamRows) {
+      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows, kStreamBlocks>(base, n_begin / kLanes, n_end / kLanes,
+                                                                             rows);
+    } else {
+      RunTiles<DenseTiles<Dot>::template Cached, kPrefillRows, kPrefillBlocks>(base, n_begin / kLanes, n_end / kLanes,
+                                                                               rows);
+    }
   }
+  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override;
 };
+
+// ---- SwiGLU ----
+
+// exp(x) for x <= 0 (silu needs exp(-|g|) only): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
+// degree-6 polynomial (relative error < 2e-7); underflows to 0 below -87.
+inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g * sigmoid(g) * u, sigmoid from exp(-|g|) so nothing overflows.
+void SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));  // sigmoid(|g|)
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);  // g < 0: e / (1 + e)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+  }
+  for (; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+template <class Dot, WeightFormat kFormat>
+void DenseKernel<Dot, kFormat>::SwiGlu(const float* gate, const float* up, int64_t count, float* out) const {
+  SwiGluAvx512(gate, up, count, out);
+}
 
 // ---- 4-bit (nvfp4, mxfp4) ----
 
-// 4-bit activation row (cols a multiple of 256): cols int8 values in kGrouped256 order, then
-// cols/16 int32 lane corrections (-12 * sum of the lane's 16 values), then the fp32 scale.
+// 4-bit activation row: cols int8 values in input order (padded to 64 bytes), then one int32 per
+// scale block (-12 * the block's sum), then the fp32 scale.
 int64_t FourBitCorrectionOffset(int64_t cols) {
-  return cols;
-}
-int64_t FourBitScaleOffset(int64_t cols) {
-  return cols + cols / 16 * 4;
-}
-
-// Lane scales of group g for one weight row: 16 fp32, lane i scaling inputs 16i .. 16i+15.
-template <WeightFormat kFormat>
-__m512 LaneScales(const uint8_t* row_scales, int64_t group) {
-  if constexpr (kFormat == WeightFormat::kNvfp4) {
-    // E4M3 (non-negative, never NaN here) -> fp32: place exponent and mantissa bits, then scale by
-    // 2^(127 - 7) to rebias; subnormal codes come out right as fp32 subnormals times 2^120.
-    const __m512i codes =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + group * 16)));
-    const __m512 raw = _mm512_castsi512_ps(_mm512_slli_epi32(codes, 20));
-    return _mm512_mul_ps(raw, _mm512_set1_ps(0x1p120f));
-  } else {
-    // E8M0 -> fp32: the code is the fp32 exponent field. One code covers lanes 2i and 2i+1.
-    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row_scales + group * 8));
-    const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(eight, eight));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(codes, 23));
-  }
+  return RoundUp(cols, 64);
 }
 
 template <WeightFormat kFormat>
 struct FourBit {
-  // One group of 256 inputs of R rows against N channels' expanded values and block scales: per row
-  // and channel 4 VPDPBUSD, a conversion and an FMA. Shared by the decode and prefill tiles.
-  template <int R, int N>
-  static inline __attribute__((always_inline)) void AccumulateGroup(const TileArgs& a, int64_t cols, int64_t g,
-                                                                    const __m512i (&v)[N][4], const __m512 (&scale)[N],
-                                                                    __m512 (&acc)[R][N]) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* x = a.acts + r * a.act_stride;
-      const __m512i correction = _mm512_loadu_si512(x + FourBitCorrectionOffset(cols) + g * 64);
-      const __m512i x0 = _mm512_loadu_si512(x + g * 256);
-      const __m512i x1 = _mm512_loadu_si512(x + g * 256 + 64);
-      const __m512i x2 = _mm512_loadu_si512(x + g * 256 + 128);
-      const __m512i x3 = _mm512_loadu_si512(x + g * 256 + 192);
-      for (int j = 0; j < N; ++j) {
-        __m512i t = _mm512_dpbusd_epi32(correction, v[j][0], x0);
-        t = _mm512_dpbusd_epi32(t, v[j][1], x1);
-        t = _mm512_dpbusd_epi32(t, v[j][2], x2);
-        t = _mm512_dpbusd_epi32(t, v[j][3], x3);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[j], acc[r][j]);
-      }
+  static constexpr int kScaleBlock = kFormat == WeightFormat::kNvfp4 ? 16 : 32;  // inputs per block scale
+  static constexpr int kGroupsPerScale = kScaleBlock / 4;
+
+  static int64_t ScaleOffset(int64_t cols) { return FourBitCorrectionOffset(cols) + cols / kScaleBlock * 4; }
+  // What LaneScales' values are multiplied by to give the block scales.
+  static constexpr float kScaleFactor = kFormat == WeightFormat::kNvfp4 ? 0x1p120f : 1.0f;
+
+  // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), repeated in each 16 bytes: VPERMB
+  // (AVX512_VBMI) then ignores index bits 4-5, so neither nibble needs masking.
+  static __m512i Table() {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  }
+
+  // The 4 int8 weight vectors (input groups 4i..4i+3 of 16 channels) of one 128-byte chunk.
+  __attribute__((target("avx512vbmi"))) static inline void ExpandChunk(const uint8_t* chunk, __m512i table,
+                                                                       __m512i (&v)[4]) {
+    const __m512i p0 = _mm512_loadu_si512(chunk);
+    const __m512i p1 = _mm512_loadu_si512(chunk + 64);
+    v[0] = _mm512_permutexvar_epi8(p0, table);
+    v[1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p0, 4), table);
+    v[2] = _mm512_permutexvar_epi8(p1, table);
+    v[3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p1, 4), table);
+  }
+
+  // The 16 channels' scales of one scale block, as fp32 (lane c: channel c of the block).
+  static inline __m512 LaneScales(const uint8_t* codes) {
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    if constexpr (kFormat == WeightFormat::kNvfp4) {
+      // E4M3 (non-negative, never NaN here) -> fp32 times 2^-120 (kScaleFactor): the exponent and
+      // mantissa bits placed as they are, so the exponent keeps E4M3's bias 7 instead of 127.
+      // Subnormal codes come out exactly as fp32 subnormals, which FMA takes at full speed here.
+      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 20));
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 23));  // E8M0: the code is the fp32 exponent
     }
   }
 
-  // Writes an R x N tile. The lookup table doubled the values: halve here, with the activation and
-  // tensor scales.
-  template <int R, int N>
-  static inline __attribute__((always_inline)) void StoreTile(const TileArgs& a, const PackedMatrix& m,
-                                                              const __m512 (&acc)[R][N]) {
-    const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
+  // Writes an R x B tile. The lookup table doubled the values: halve here, with the activation,
+  // tensor and lane scale factors.
+  template <int R, int B>
+  static inline __attribute__((always_inline)) void StoreTile(const TileArgs& a, const __m512 (&acc)[R][B]) {
+    const float tensor = kFormat == WeightFormat::kNvfp4 ? a.weights->tensor_scale : 1.0f;
     for (int r = 0; r < R; ++r) {
-      float act_scale;
-      std::memcpy(&act_scale, a.acts + r * a.act_stride + FourBitScaleOffset(m.cols), 4);
-      for (int j = 0; j < N; ++j) a.out[r * a.out_stride + j] = SumLanes(acc[r][j]) * (0.5f * act_scale * tensor);
+      const float act_scale = LoadFloat(a.acts + r * a.act_stride + ScaleOffset(a.weights->cols));
+      const __m512 factor = _mm512_set1_ps(0.5f * act_scale * tensor);
+      // acc first, which is small by kScaleFactor (so factor * kScaleFactor cannot overflow).
+      for (int j = 0; j < B; ++j)
+        _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes,
+                         _mm512_mul_ps(_mm512_mul_ps(acc[r][j], _mm512_set1_ps(kScaleFactor)), factor));
     }
   }
 
-  template <int R, int N>
-  struct Tile {
-    // VPERMB (AVX512_VBMI) looks codes up in a 64-entry table holding the 16 values 4 times, so
-    // neither nibble needs masking: the index's bits 4-5 (the neighbouring nibble) are ignored.
+  // Decode: expands the weights in registers as they stream by, once for all R rows.
+  template <int R, int B>
+  struct StreamTile {
     __attribute__((target("avx512vbmi"))) static void Run(const TileArgs& a) {
       const PackedMatrix& m = *a.weights;
-      const int64_t cols = m.cols;
-      const int64_t groups = cols / 256;
-      const int64_t scales_per_row = cols / BlockSize(kFormat);
-      // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), repeated in each 16 bytes.
-      const __m512i table =
-          _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-      const uint8_t* w[N];
-      const uint8_t* s[N];
-      for (int j = 0; j < N; ++j) {
-        w[j] = m.row(a.channel + j);
-        s[j] = m.scales.data() + (a.channel + j) * scales_per_row;
+      const int64_t chunks = m.cols / 16, scale_blocks = m.cols / kScaleBlock;
+      const __m512i table = Table();
+      const uint8_t* w[B];
+      const uint8_t* s[B];
+      for (int j = 0; j < B; ++j) {
+        w[j] = m.values.data() + (a.block + j) * chunks * 128;
+        s[j] = m.scales.data() + (a.block + j) * scale_blocks * kLanes;
       }
-      __m512 acc[R][N];
+      __m512 acc[R][B];
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
-      const uint8_t* next_tile = w[0] + 2 * N * m.row_bytes;
-      const uint8_t* next_scales = s[0] + 2 * N * scales_per_row;
-      for (int64_t g = 0; g < groups; ++g) {
-        PrefetchNextTile(next_tile, g * 128 * N, 128 * N);
-        if (g % 4 == 0) PrefetchNextTile(next_scales, g * (256 / BlockSize(kFormat)) * N, 64);
-        __m512i v[N][4];
-        __m512 scale[N];
-        for (int j = 0; j < N; ++j) {
-          const __m512i p0 = _mm512_loadu_si512(w[j] + g * 128);
-          const __m512i p1 = _mm512_loadu_si512(w[j] + g * 128 + 64);
-          v[j][0] = _mm512_permutexvar_epi8(p0, table);
-          v[j][1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p0, 4), table);
-          v[j][2] = _mm512_permutexvar_epi8(p1, table);
-          v[j][3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(p1, 4), table);
-          scale[j] = LaneScales<kFormat>(s[j], g);
+        for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t sb = 0; sb < scale_blocks; ++sb) {
+        __m512i sum[R][B];
+        for (int r = 0; r < R; ++r) {
+          const __m512i correction =
+              _mm512_set1_epi32(LoadInt32(a.acts + r * a.act_stride + FourBitCorrectionOffset(m.cols) + 4 * sb));
+          for (int j = 0; j < B; ++j) sum[r][j] = correction;
         }
-        AccumulateGroup<R, N>(a, cols, g, v, scale, acc);
+        for (int chunk = 0; chunk < kScaleBlock / 16; ++chunk) {
+          const int64_t c = sb * (kScaleBlock / 16) + chunk;
+          __m512i v[B][4];
+          for (int j = 0; j < B; ++j) {
+            _mm_prefetch(reinterpret_cast<const char*>(w[j] + c * 128 + kPrefetchBytes), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(w[j] + c * 128 + kPrefetchBytes + 64), _MM_HINT_T0);
+            ExpandChunk(w[j] + c * 128, table, v[j]);
+          }
+          for (int r = 0; r < R; ++r) {
+            for (int i = 0; i < 4; ++i) {
+              const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + c * 16 + 4 * i);
+              for (int j = 0; j < B; ++j) sum[r][j] = DotAdd(sum[r][j], v[j][i], x);
+            }
+          }
+        }
+        for (int j = 0; j < B; ++j) {
+          const __m512 scale = LaneScales(s[j] + sb * kLanes);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][j]), scale, acc[r][j]);
+        }
       }
-      StoreTile<R, N>(a, m, acc);
+      StoreTile<R, B>(a, acc);
     }
   };
 
-  // Prefill: expands `channels` weight rows starting at `channel` once into L1-sized buffers, as
-  // unsigned values (4 vectors of 64 per group of 256 inputs) and fp32 lane scales (16 per group),
-  // so that every row tile reuses them without unpacking again.
-  __attribute__((target("avx512vbmi"))) static void Unpack(const PackedMatrix& m, int64_t channel, int channels,
+  // Prefill: expands channel blocks [block, block + blocks) once into int8 vectors in the
+  // kChannelBlocked arrangement (cols / 4 vectors per block) and fp32 lane scales (cols /
+  // kScaleBlock vectors per block), so that every row tile reuses them.
+  __attribute__((target("avx512vbmi"))) static void Expand(const PackedMatrix& m, int64_t block, int64_t blocks,
                                                            uint8_t* values, float* scales) {
-    const int64_t groups = m.cols / 256;
-    const int64_t scales_per_row = m.cols / BlockSize(kFormat);
-    const __m512i table =
-        _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    for (int j = 0; j < channels; ++j) {
-      const uint8_t* w = m.row(channel + j);
-      const uint8_t* s = m.scales.data() + (channel + j) * scales_per_row;
-      for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* target = values + (j * groups + g) * 256;
-        const __m512i p0 = _mm512_loadu_si512(w + g * 128);
-        const __m512i p1 = _mm512_loadu_si512(w + g * 128 + 64);
-        _mm512_storeu_si512(target, _mm512_permutexvar_epi8(p0, table));
-        _mm512_storeu_si512(target + 64, _mm512_permutexvar_epi8(_mm512_srli_epi16(p0, 4), table));
-        _mm512_storeu_si512(target + 128, _mm512_permutexvar_epi8(p1, table));
-        _mm512_storeu_si512(target + 192, _mm512_permutexvar_epi8(_mm512_srli_epi16(p1, 4), table));
-        _mm512_storeu_ps(scales + (j * groups + g) * 16, LaneScales<kFormat>(s, g));
+    const int64_t chunks = m.cols / 16, scale_blocks = m.cols / kScaleBlock;
+    const __m512i table = Table();
+    for (int64_t j = 0; j < blocks; ++j) {
+      const uint8_t* w = m.values.data() + (block + j) * chunks * 128;
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512i v[4];
+        ExpandChunk(w + c * 128, table, v);
+        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(values + ((j * chunks + c) * 4 + i) * 64, v[i]);
       }
+      const uint8_t* s = m.scales.data() + (block + j) * scale_blocks * kLanes;
+      for (int64_t sb = 0; sb < scale_blocks; ++sb)
+        _mm512_storeu_ps(scales + (j * scale_blocks + sb) * kLanes, LaneScales(s + sb * kLanes));
     }
   }
 
-  // Prefill tile over expanded weights: per group, the N channels' values and scales are loaded
-  // into registers once for all R rows; per row, channel and group of 256 inputs there are 4
-  // VPDPBUSD, a conversion and an FMA.
-  template <int R, int N>
-  struct UnpackedTile {
+  // Prefill tile over expanded weights: per scale block, R x B int32 sums, then one conversion and
+  // FMA each.
+  template <int R, int B>
+  struct CachedTile {
     static void Run(const TileArgs& a) {
       const PackedMatrix& m = *a.weights;
-      const int64_t cols = m.cols;
-      const int64_t groups = cols / 256;
-      __m512 acc[R][N];
+      const int64_t groups = m.cols / 4, scale_blocks = m.cols / kScaleBlock;
+      const int64_t first = a.block - a.panel_block;
+      const uint8_t* w = a.expanded + first * groups * 64;
+      const float* s = a.expanded_scales + first * scale_blocks * kLanes;
+      __m512 acc[R][B];
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512i v[N][4];
-        __m512 scale[N];
-        for (int j = 0; j < N; ++j) {
-          const uint8_t* values = a.unpacked_values + (j * groups + g) * 256;
-          for (int i = 0; i < 4; ++i) v[j][i] = _mm512_loadu_si512(values + 64 * i);
-          scale[j] = _mm512_loadu_ps(a.unpacked_scales + (j * groups + g) * 16);
+        for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t sb = 0; sb < scale_blocks; ++sb) {
+        __m512i sum[R][B];
+        for (int r = 0; r < R; ++r) {
+          const __m512i correction =
+              _mm512_set1_epi32(LoadInt32(a.acts + r * a.act_stride + FourBitCorrectionOffset(m.cols) + 4 * sb));
+          for (int j = 0; j < B; ++j) sum[r][j] = correction;
         }
-        AccumulateGroup<R, N>(a, cols, g, v, scale, acc);
+        for (int64_t g = sb * kGroupsPerScale; g < (sb + 1) * kGroupsPerScale; ++g) {
+          __m512i wv[B];
+          for (int j = 0; j < B; ++j) wv[j] = _mm512_loadu_si512(w + (j * groups + g) * 64);
+          for (int r = 0; r < R; ++r) {
+            const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
+            for (int j = 0; j < B; ++j) sum[r][j] = DotAdd(sum[r][j], wv[j], x);
+          }
+        }
+        for (int j = 0; j < B; ++j) {
+          const __m512 scale = _mm512_loadu_ps(s + (j * scale_blocks + sb) * kLanes);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][j]), scale, acc[r][j]);
+        }
       }
-      StoreTile<R, N>(a, m, acc);
+      StoreTile<R, B>(a, acc);
     }
   };
 };
 
+// 4-bit tiles: decode up to 4 rows x 2 blocks (8 sums, 8 accumulators, 8 expanded vectors);
+// prefill 6 rows x 2 blocks (12 sums, 12 accumulators).
+constexpr int kFourBitStreamBlocks = 2, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
+// Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
+constexpr int64_t kFourBitPanelBlocks = 4;
+
 template <WeightFormat kFormat>
 class FourBitKernel final : public MatrixKernel {
- public:
-  // Up to this many rows the weights are unpacked in registers as they stream by; more rows
-  // amortize expanding them once per channel tile.
-  static constexpr int64_t kStreamRows = 4;
+  using Ops = FourBit<kFormat>;
 
+ public:
   Isa isa() const override { return Isa::kAvx512; }
   WeightFormat format() const override { return kFormat; }
-  PackLayout layout() const override { return PackLayout::kGrouped256; }
-  bool SupportsCols(int64_t cols) const override { return cols % 256 == 0; }
-  int64_t ActivationBytes(int64_t cols) const override { return FourBitScaleOffset(cols) + 64; }
+  PackLayout layout() const override { return PackLayout::kChannelBlocked; }
+  bool SupportsSize(int64_t size) const override { return size % kLanes == 0 && size % Ops::kScaleBlock == 0; }
+  int64_t channel_block() const override { return kLanes; }
+  int64_t channel_tile() const override { return kLanes * kFourBitPanelBlocks; }
+  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(Ops::ScaleOffset(cols) + 4, 64); }
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
-    std::vector<int8_t> q(cols);
-    const float scale = QuantizeRowInt8(x, cols, q.data());
-    int8_t* permuted = reinterpret_cast<int8_t*>(out);
-    for (int64_t g = 0; g < cols / 256; ++g) {
-      for (int lane = 0; lane < 16; ++lane) {
-        int32_t sum = 0;
-        for (int k = 0; k < 16; ++k) {
-          const int vector = k / 4, t = k % 4;
-          const int8_t value = q[g * 256 + lane * 16 + k];
-          permuted[g * 256 + vector * 64 + lane * 4 + t] = value;
-          sum += value;
-        }
-        const int32_t correction = -12 * sum;
-        std::memcpy(out + FourBitCorrectionOffset(cols) + (g * 16 + lane) * 4, &correction, 4);
-      }
+    int8_t* q = reinterpret_cast<int8_t*>(out);
+    const float scale = QuantizeRowInt8(x, cols, q);
+    for (int64_t sb = 0; sb < cols / Ops::kScaleBlock; ++sb) {
+      const int32_t correction = -12 * SumInt8(q + sb * Ops::kScaleBlock, Ops::kScaleBlock);
+      std::memcpy(out + FourBitCorrectionOffset(cols) + 4 * sb, &correction, 4);
     }
-    std::memcpy(out + FourBitScaleOffset(cols), &scale, 4);
+    std::memcpy(out + Ops::ScaleOffset(cols), &scale, 4);
   }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride) const override {
-    const int64_t stride = ActivationBytes(w.cols);
+    EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
+    TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
+    const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows <= kStreamRows) {
-      // Decode: unpack in registers while streaming the weights once.
-      RunTiles<FourBit<kFormat>::template Tile, 4, 2>(w, n_begin, n_end, acts, stride, rows, out, out_stride);
+      RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
       return;
     }
-    // Prefill: expand kChannels weight rows once (L1), then run every row tile over them.
-    constexpr int kChannels = 2, kRows = 4;
-    std::vector<uint8_t> values(kChannels * w.cols);
-    std::vector<float> scales(kChannels * (w.cols / 16));
-    for (int64_t n = n_begin; n < n_end; n += kChannels) {
-      const int channels = static_cast<int>(std::min<int64_t>(kChannels, n_end - n));
-      FourBit<kFormat>::Unpack(w, n, channels, values.data(), scales.data());
-      for (int64_t r = 0; r < rows; r += kRows) {
-        const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-        TileArgs args{
-            &w,           n, acts + r * stride, stride, out + r * out_stride + (n - n_begin), out_stride, values.data(),
-            scales.data()};
-        TileTable<FourBit<kFormat>::template UnpackedTile, kRows, kChannels>::kTable[(tile_rows - 1) * kChannels +
-                                                                                     (channels - 1)](args);
-      }
+    // Grow-only per-thread panel buffers: MatMul runs on pool threads, many times per step.
+    thread_local std::vector<uint8_t> values;
+    thread_local std::vector<float> scales;
+    values.resize(kFourBitPanelBlocks * kLanes * w.cols);
+    scales.resize(kFourBitPanelBlocks * kLanes * (w.cols / Ops::kScaleBlock));
+    for (int64_t b = block_begin; b < block_end; b += kFourBitPanelBlocks) {
+      const int64_t blocks = std::min(kFourBitPanelBlocks, block_end - b);
+      Ops::Expand(w, b, blocks, values.data(), scales.data());
+      TileArgs panel = base;
+      panel.out = out + (b - block_begin) * kLanes;
+      panel.expanded = values.data();
+      panel.expanded_scales = scales.data();
+      panel.panel_block = b;
+      RunTiles<Ops::template CachedTile, kFourBitPrefillRows, kFourBitPrefillBlocks>(panel, b, b + blocks, rows);
     }
+  }
+  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
+    SwiGluAvx512(gate, up, count, out);
   }
 };
 
@@ -480,9 +536,9 @@ class FourBitKernel final : public MatrixKernel {
 
 std::unique_ptr<MatrixKernel> MakeAvx512Kernel(WeightFormat format) {
   switch (format) {
-    case WeightFormat::kFp32: return std::make_unique<Fp32Kernel>();
-    case WeightFormat::kBf16: return std::make_unique<Bf16Kernel>();
-    case WeightFormat::kInt8: return std::make_unique<Int8Kernel>();
+    case WeightFormat::kFp32: return std::make_unique<DenseKernel<Fp32Dot, WeightFormat::kFp32>>();
+    case WeightFormat::kBf16: return std::make_unique<DenseKernel<Bf16Dot, WeightFormat::kBf16>>();
+    case WeightFormat::kInt8: return std::make_unique<DenseKernel<Int8Dot, WeightFormat::kInt8>>();
     case WeightFormat::kNvfp4: return std::make_unique<FourBitKernel<WeightFormat::kNvfp4>>();
     case WeightFormat::kMxfp4: return std::make_unique<FourBitKernel<WeightFormat::kMxfp4>>();
   }
