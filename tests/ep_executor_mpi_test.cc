@@ -9,6 +9,7 @@
 #include "epmoe/layer.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe {
 namespace {
@@ -50,11 +51,13 @@ ModelConfig TinyModel(int shared) {
 // The expected output of every row: MoeLayer's routed sum on the rows as they travel (decoded),
 // plus the shared experts on `shared_rows` (the original rows when the shared expert is a copy).
 Matrix Expected(const ModelConfig& model, int layer, const Matrix& rows, const Picks& picks, RowFormat format,
-                bool shared_on_travelled_rows) {
+                bool shared_on_travelled_rows, WeightFormat weights_format = WeightFormat::kFp32) {
+  PackOptions pack;
+  pack.format = weights_format;
   MoeLayerWeights weights = MakeSyntheticLayer(model, layer, kSeed);
   std::vector<ExpertWeights> shared = std::move(weights.shared);
   weights.shared.clear();
-  auto routed = MoeLayer::Create(model, weights, PackOptions{});
+  auto routed = MoeLayer::Create(model, weights, pack);
   EPMOE_CHECK(routed.ok());
   Matrix travelled(rows.rows, rows.cols);
   std::vector<uint8_t> encoded(RowBytes(format, rows.cols));
@@ -70,7 +73,7 @@ Matrix Expected(const ModelConfig& model, int layer, const Matrix& rows, const P
   if (!shared.empty() && rows.rows > 0) {
     std::vector<const ExpertWeights*> pointers;
     for (const ExpertWeights& s : shared) pointers.push_back(&s);
-    auto store = PackExperts(pointers, PackOptions{});
+    auto store = PackExperts(pointers, pack);
     EPMOE_CHECK(store.ok());
     const int64_t n = rows.rows, count = static_cast<int64_t>(shared.size());
     Matrix in(n * count, model.hidden), result(n * count, model.hidden);
@@ -106,6 +109,7 @@ struct Case {
   int shared = 1;
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PlacementPtr placement;
+  WeightFormat weights = WeightFormat::kFp32;
 };
 
 Case CaseOf(EpOption option) {
@@ -126,6 +130,7 @@ ExecutorOptions OptionsFor(const Case& c, int ranks) {
   o.max_buffer_bytes = c.max_buffer_bytes;
   o.seed = kSeed;
   o.placement = c.placement;
+  o.pack.format = c.weights;
   if (c.option == EpOption::kHybrid) o.tp_in_ep = ranks % 2 == 0 ? 2 : 1;
   return o;
 }
@@ -155,7 +160,7 @@ StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, con
     const Matrix all_rows = SyntheticRows(kSeed, model, step, 0, total);
     for (int layer = 0; layer < 2; ++layer) {
       const Picks all_picks = forced_picks ? *forced_picks : UniformPicks(model, total, kSeed + step * 10 + layer);
-      const Matrix expected = Expected(model, layer, all_rows, all_picks, c.dispatch, shared_sliced);
+      const Matrix expected = Expected(model, layer, all_rows, all_picks, c.dispatch, shared_sliced, c.weights);
       Matrix out;
       Status status;
       if (tensor_parallel) {
@@ -326,6 +331,31 @@ TEST(Executor, MemoryBoundRunsSkewInRounds) {
     EXPECT_GT(st.rounds, 1);
     EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
     EXPECT_GT(st.peak_buffer_bytes, 0);
+  }
+}
+
+// dwdp moves packed experts (values and scales) and imports them, so with a quantized weight format
+// it equals the single-process layer packed in the same format, bit for bit; a bound that holds
+// only a few experts makes every layer arrive in pieces, still bit for bit.
+TEST(Executor, DwdpMovesPackedExpertsInPieces) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  for (WeightFormat format : {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4}) {
+    SCOPED_TRACE(WeightFormatName(format));
+    const int64_t expert = ExpertByteCount(format, model.hidden, model.expert_intermediate);
+    for (int64_t piece_experts : {int64_t{100}, int64_t{3}, int64_t{1}}) {
+      Case c = CaseOf(EpOption::kDwdp);
+      c.weights = format;
+      c.max_buffer_bytes = 3 * piece_experts * expert;
+      const int64_t lacking = model.num_experts - model.num_experts / g;
+      const StepStats st = RunAndCheck(c, EvenishRows(2 * g + 1), nullptr, 2);
+      if (g == 1) continue;
+      const int64_t per_piece = std::min(piece_experts, lacking);
+      EXPECT_EQ(st.rounds, (lacking + per_piece - 1) / per_piece);
+      EXPECT_EQ(st.peak_buffer_bytes, 3 * per_piece * expert);
+      EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
+      EXPECT_EQ(st.bytes_received, lacking * expert);  // exactly the packed bytes, once
+    }
   }
 }
 

@@ -10,12 +10,14 @@
 //           one per pick (the home rank sums a row's k outputs in pick order j = 0..k-1), or
 //           summed per rank (combine_partial_sums: one row back per rank a row visited);
 //   dwdp    traveling weights: rows stay, every rank reads the experts it lacks from their owners
-//           with one-sided reads, one layer ahead, into a double buffer.
+//           with one-sided reads of their packed bytes (values and scales), one layer ahead, into
+//           a double buffer (in pieces of a layer when a layer's lacking experts exceed the bound).
 // Rows start data-parallel (rank r holds rows [RowBegin(T,G,r), RowBegin(T,G,r+1)) of the batch)
 // or tensor-parallel (every rank holds all T rows and gets all T outputs).
 //
-// Results equal the single-process MoeLayer on the same inputs: bit-exact for a2a and dwdp with
-// fp32 rows and fp32 combine (the math is the same, pick by pick); for rows traveling in bf16/q8/q4
+// Results equal the single-process MoeLayer on the same inputs (and weight format): bit-exact for
+// a2a with fp32 rows and fp32 combine and for dwdp in every weight format (the math is the same,
+// pick by pick); for rows traveling in bf16/q8/q4
 // equal to MoeLayer on the decoded rows; for sliced, whole and hybrid to fp32 rounding (partial sums
 // are added across ranks in the transport's order).
 //
@@ -74,8 +76,9 @@ struct ExecutorOptions {
   bool combine_partial_sums = false;
   SharedMode shared = SharedMode::kDefault;
   // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
-  // double buffer). A step that would exceed it runs in rounds; one that cannot fit even one row
-  // per peer is refused.
+  // double buffer and the staging area its reads land in). A step that would exceed it runs in
+  // rounds (dwdp: reads each layer in pieces); one that cannot fit even one row per peer (dwdp:
+  // three packed experts) is refused.
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PackOptions pack;
   uint64_t seed = 1;
@@ -92,9 +95,10 @@ struct ExecutorOptions {
 // One rank's figures for one Forward (or their sum over layers, see Add).
 struct StepStats {
   double route_us = 0;     // filled by the caller, who routes
-  double pack_us = 0;      // layout, counting sort, encoding rows (a2a: also weighting and encoding
-                           // outputs for their return; dwdp: packing the fetched experts)
-  double dispatch_us = 0;  // row exchange (count exchange included); dwdp: waiting for weights
+  double pack_us = 0;      // layout, counting sort, encoding rows (a2a: also decoding them into
+                           // expert order, weighting and encoding outputs for their return)
+  double dispatch_us = 0;  // row exchange (count exchange included); dwdp: waiting for weights (and,
+                           // without a helper thread, importing them)
   double experts_us = 0;   // grouped expert FFN
   double combine_us = 0;   // output exchange (reduce-scatter / all-reduce / return alltoallv)
   double unpack_us = 0;    // decoding outputs and summing each row's picks
@@ -107,7 +111,8 @@ struct StepStats {
   int64_t bytes_sent = 0;        // to other ranks (not to itself)
   int64_t bytes_received = 0;    // from other ranks (dwdp: weights read)
   int64_t peak_buffer_bytes = 0; // largest exchange buffers held at once
-  int rounds = 0;                // exchange rounds (more than 1 when the memory bound applied)
+  int rounds = 0;                // exchange rounds (more than 1 when the memory bound applied; dwdp:
+                                 // pieces each layer's lacking experts are read in)
 
   double total_us() const {
     return route_us + pack_us + dispatch_us + experts_us + combine_us + unpack_us + shared_us;
@@ -122,7 +127,8 @@ class MoeExecutor {
   virtual EpOption option() const = 0;
   // "a2a (bf16 rows, bf16 combine)" and the like.
   virtual std::string description() const = 0;
-  // Bytes of expert weights this rank holds resident (dwdp: owned plus the double buffer).
+  // Bytes of expert weights this rank holds resident (dwdp: owned, their copy in the window, the
+  // double buffer and its staging area).
   virtual int64_t resident_weight_bytes() const = 0;
 
   // Runs MoE layer `layer` on this rank's rows (see RowOrigin) with their picks; out gets one

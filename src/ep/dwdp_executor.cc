@@ -1,12 +1,23 @@
-// Option 5, traveling weights (DWDP). Rank g owns experts [g*E/G, (g+1)*E/G) of every layer, kept
-// in fp32 in a one-sided window. Rows never move: before a layer runs, every rank reads the experts
-// it lacks from their owners into one half of a double buffer; while layer l computes, the reads of
-// the next layer fill the other half. Where the transport allows concurrent threads the reads, and
-// packing the arrived experts into the kernel's format, run on a helper thread (overlapped with the
-// layer's compute); otherwise the reads are started (MPI_Rget) before the layer computes and
-// completed, then packed, when the next layer needs them. Owned experts were packed once. Each pick is computed exactly as the
-// single-process layer computes it, so results are bit-exact with MoeLayer.
+// Option 5, traveling weights (DWDP). Rank g owns experts [g*E/G, (g+1)*E/G) of every layer, packed
+// once in the kernel's format; their packed bytes (values and every scale, ExpertStore::
+// ExportExpert) sit in a one-sided window. Rows never move: every rank reads the experts it lacks
+// from their owners, as packed bytes, and imports them (ExpertStore::ImportExpert, a copy) into one
+// half of a double buffer, so the traffic is exactly the experts' stored bytes and nothing is
+// repacked. While one half computes, the reads of the next piece fill the other half.
+//
+// The double buffer is bounded by ExecutorOptions::max_buffer_bytes: two stores of P experts each
+// plus a staging area of P experts that the reads land in (3 P expert_bytes in all). When a layer's
+// lacking experts do not fit in P, the layer is fetched in pieces of P experts, one piece ahead of
+// use (the next layer's first piece is read while the current layer's last piece computes); when
+// they fit, that is one piece per layer, read one layer ahead.
+//
+// Where the transport allows concurrent threads the reads and the imports run on a helper thread,
+// overlapped with compute; otherwise the reads are started (MPI_Rget) before the compute and
+// completed, then imported, when the piece is needed. Each pick is computed by the same packed
+// bytes and kernel as the single-process layer with the same weight format, and the sum runs in pick
+// order, so results are bit-exact with MoeLayer.
 #include <algorithm>
+#include <functional>
 #include <future>
 
 #include <fmt/format.h>
@@ -36,39 +47,70 @@ class DwdpExecutor : public MoeExecutor {
   }
 
   Status Init() {
-    const int me = comm_.rank();
-    const int e_count = model_.num_experts;
-    const int64_t hi = model_.hidden * static_cast<int64_t>(model_.expert_intermediate);
-    expert_floats_ = 3 * hi;
+    const int me = comm_.rank(), g = comm_.size();
     own_begin_ = OwnerBegin(me);
     own_end_ = OwnerBegin(me + 1);
     const int owned = own_end_ - own_begin_;
-    EPMOE_ASSIGN_OR_RETURN(window_, comm_.AllocateWindow(options_.num_layers * owned * expert_floats_ * 4));
-    float* base = static_cast<float*>(window_->local());
+    lacking_ = model_.num_experts - owned;
     const ExpertSource routed = RoutedSource(model_, options_);
     owned_.resize(options_.num_layers);
-    for (int layer = 0; layer < options_.num_layers; ++layer) {
+    for (int layer = 0; layer < options_.num_layers && owned > 0; ++layer) {
       std::vector<ExpertWeights> local;
-      for (int e = own_begin_; e < own_end_; ++e) {
-        ExpertWeights w = routed(layer, e, 0, model_.expert_intermediate);
-        float* at = base + (static_cast<int64_t>(layer) * owned + (e - own_begin_)) * expert_floats_;
-        std::copy(w.gate.data.begin(), w.gate.data.end(), at);
-        std::copy(w.up.data.begin(), w.up.data.end(), at + hi);
-        std::copy(w.down.data.begin(), w.down.data.end(), at + 2 * hi);
-        local.push_back(std::move(w));
-      }
-      if (!local.empty()) {
-        EPMOE_ASSIGN_OR_RETURN(owned_[layer], Pack(local, options_.pack));
+      for (int e = own_begin_; e < own_end_; ++e) local.push_back(routed(layer, e, 0, model_.expert_intermediate));
+      EPMOE_ASSIGN_OR_RETURN(owned_[layer], Pack(local, options_.pack));
+    }
+    // Bytes of one packed expert; every expert of every rank must have the same size and layout
+    // (same format, shape and kernel), or the bytes read would not fit the importing store.
+    expert_bytes_ = ExpertByteCount(options_.pack.format, model_.hidden, model_.expert_intermediate);
+    if (owned > 0) expert_bytes_ = owned_[0]->expert_bytes(0);
+    const std::string kernel = owned > 0 ? owned_[0]->kernel_name() : std::string();
+    const int64_t mine[2] = {owned > 0 ? expert_bytes_ : -1,
+                             owned > 0 ? static_cast<int64_t>(std::hash<std::string>{}(kernel) >> 1) : -1};
+    std::vector<int64_t> all(2 * g);
+    EPMOE_RETURN_IF_ERROR(comm_.AllgatherInt64(mine, all));
+    int reference = -1;
+    for (int r = 0; r < g; ++r) {
+      if (all[2 * r] < 0) continue;
+      if (reference < 0) reference = r;
+      if (all[2 * r] != all[2 * reference] || all[2 * r + 1] != all[2 * reference + 1])
+        return FailedPrecondition(fmt::format("dwdp: rank {} packs experts into {} bytes ({}), rank {} into {} bytes; "
+                                              "every rank must use the same weight format and kernel (--isa)",
+                                              r, all[2 * r], r == me ? kernel : "another kernel", reference,
+                                              all[2 * reference]));
+    }
+    if (reference >= 0) expert_bytes_ = all[2 * reference];
+
+    // The window: this rank's packed experts of every layer, layer-major.
+    EPMOE_ASSIGN_OR_RETURN(window_, comm_.AllocateWindow(static_cast<int64_t>(options_.num_layers) * owned * expert_bytes_));
+    std::byte* base = static_cast<std::byte*>(window_->local());
+    for (int layer = 0; layer < options_.num_layers && owned > 0; ++layer) {
+      for (int i = 0; i < owned; ++i) {
+        std::span<std::byte> at(base + (static_cast<int64_t>(layer) * owned + i) * expert_bytes_, expert_bytes_);
+        EPMOE_RETURN_IF_ERROR(owned_[layer]->ExportExpert(i, at));
       }
     }
     EPMOE_RETURN_IF_ERROR(comm_.Barrier());  // every window is written before anyone reads
-    for (Buffer& b : buffers_) {
-      b.experts.resize(e_count - owned);
-      for (ExpertWeights& w : b.experts) {
-        w.gate = Matrix(model_.expert_intermediate, model_.hidden);
-        w.up = Matrix(model_.expert_intermediate, model_.hidden);
-        w.down = Matrix(model_.hidden, model_.expert_intermediate);
+
+    if (lacking_ > 0) {
+      piece_experts_ = static_cast<int>(std::min<int64_t>(lacking_, options_.max_buffer_bytes / (3 * expert_bytes_)));
+      if (piece_experts_ < 1)
+        return OutOfRange(fmt::format("dwdp: rank {}: one expert takes {} bytes and the double buffer with its staging "
+                                      "needs three, over the buffer bound of {} bytes", me, expert_bytes_,
+                                      options_.max_buffer_bytes));
+      pieces_per_layer_ = (lacking_ + piece_experts_ - 1) / piece_experts_;
+      // The halves are stores of piece_experts_ experts in the kernel's format, packed once from one
+      // expert's weights (each slot is overwritten by ImportExpert before it is used).
+      const ExpertWeights filler = routed(0, 0, 0, model_.expert_intermediate);
+      const std::vector<const ExpertWeights*> fillers(piece_experts_, &filler);
+      for (Buffer& b : buffers_) {
+        EPMOE_ASSIGN_OR_RETURN(b.store, PackExperts(fillers, options_.pack));
+        const int64_t kernel_hash = static_cast<int64_t>(std::hash<std::string>{}(b.store->kernel_name()) >> 1);
+        if (b.store->expert_bytes(0) != expert_bytes_ || (reference >= 0 && kernel_hash != all[2 * reference + 1]))
+          return FailedPrecondition(fmt::format("dwdp: rank {} packs experts into {} bytes ({}), the owners into {} "
+                                                "bytes; every rank must use the same weight format and kernel (--isa)",
+                                                me, b.store->expert_bytes(0), b.store->kernel_name(), expert_bytes_));
       }
+      staging_.resize(static_cast<size_t>(piece_experts_) * expert_bytes_);
     }
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     threaded_ = comm_.concurrent_windows();
@@ -77,12 +119,12 @@ class DwdpExecutor : public MoeExecutor {
 
   EpOption option() const override { return EpOption::kDwdp; }
   std::string description() const override {
-    return fmt::format("dwdp: fp32 weights read one layer ahead ({}), shared expert copied",
-                       threaded_ ? "helper thread" : "nonblocking reads");
+    return fmt::format("dwdp: packed {} experts read ahead, {} piece{} of up to {} experts per layer ({}), shared "
+                       "expert copied", WeightFormatName(options_.pack.format), pieces_per_layer_,
+                       pieces_per_layer_ == 1 ? "" : "s", piece_experts_, threaded_ ? "helper thread" : "nonblocking reads");
   }
   int64_t resident_weight_bytes() const override {
-    int64_t bytes = window_ ? window_->local_bytes() : 0;
-    for (const Buffer& b : buffers_) bytes += static_cast<int64_t>(b.experts.size()) * expert_floats_ * 4;
+    int64_t bytes = (window_ ? window_->local_bytes() : 0) + BufferBytes();
     for (const auto* list : {&owned_, &shared_}) {
       for (const auto& store : *list) {
         if (store == nullptr) continue;
@@ -99,128 +141,138 @@ class DwdpExecutor : public MoeExecutor {
     StepStats st;
     Stopwatch watch;
 
-    // This layer's experts: from the prefetch started by the previous Forward, else read now.
-    int current = -1;
-    for (int b = 0; b < 2; ++b) {
-      if (buffers_[b].layer == layer) current = b;
-    }
-    if (current < 0) {
-      current = buffers_[0].layer < 0 ? 0 : 1;
-      if (buffers_[current].layer >= 0) EPMOE_RETURN_IF_ERROR(Complete(buffers_[current]));
-      EPMOE_RETURN_IF_ERROR(StartFetch(layer, buffers_[current]));
-    }
-    EPMOE_RETURN_IF_ERROR(Complete(buffers_[current]));
-    st.bytes_received += FetchBytes();
-    st.dispatch_us += watch.Lap();
-    // The next layer's experts, into the other half, while this layer computes.
-    Buffer& other = buffers_[1 - current];
-    if (other.layer >= 0) EPMOE_RETURN_IF_ERROR(Complete(other));
-    EPMOE_RETURN_IF_ERROR(StartFetch((layer + 1) % options_.num_layers, other));
-    const ExpertStore* fetched = buffers_[current].store.get();
-
     // Rows stay: data-parallel rows are this rank's; tensor-parallel rows are split as if they were.
     const bool tensor_parallel = options_.origin == RowOrigin::kTensorParallel;
     const int64_t first = tensor_parallel ? RowBegin(rows.rows, g, me) : 0;
     const int64_t n = tensor_parallel ? RowBegin(rows.rows, g, me + 1) - first : rows.rows;
     st.rows = n;
-    // Fetched experts are numbered first (0..E-owned-1, in expert order), owned ones after, so
-    // each store's rows are one contiguous run of the permuted rows.
-    const int owned = own_end_ - own_begin_, lacking = e_count - owned;
+    // Lacking experts are numbered first (0..lacking-1, in expert order), owned ones after, so each
+    // piece's rows and the owned store's rows are contiguous runs of the permuted rows.
+    const int owned = own_end_ - own_begin_;
     Picks relabeled{n, k, std::vector<int32_t>(n * k), std::vector<float>(picks.weights.begin() + first * k,
                                                                           picks.weights.begin() + (first + n) * k)};
     for (int64_t i = 0; i < n * k; ++i) {
       const int32_t e = picks.experts[first * k + i];
-      relabeled.experts[i] = e >= own_end_ ? e - owned : e >= own_begin_ ? lacking + (e - own_begin_) : e;
+      relabeled.experts[i] = e >= own_end_ ? e - owned : e >= own_begin_ ? lacking_ + (e - own_begin_) : e;
     }
     Matrix mine(n, h);
     std::copy(rows.row(first), rows.row(first) + n * h, mine.data.begin());
     const PermutedPicks permuted = PermuteByExpert(relabeled, e_count);
+    const std::vector<int64_t>& offsets = permuted.offsets;
     Matrix gathered, expert_out(n * k, h);
     GatherPermutedRows(mine, permuted, k, &gathered);
     st.pack_us += watch.Lap();
-    const std::span<const int64_t> all(permuted.offsets);
-    if (fetched != nullptr && permuted.offsets[lacking] > 0)
-      fetched->Run(gathered.data.data(), all.subspan(0, lacking + 1), expert_out.data.data(), pool_);
-    if (owned_[layer] != nullptr && permuted.offsets[e_count] > permuted.offsets[lacking]) {
-      // The owned store's offsets start at zero: shift the tail of the offsets.
-      std::vector<int64_t> tail(all.begin() + lacking, all.end());
+
+    // Owned experts first: the first piece may still be arriving.
+    if (owned_[layer] != nullptr && offsets[e_count] > offsets[lacking_]) {
+      std::vector<int64_t> tail(offsets.begin() + lacking_, offsets.end());
       const int64_t base = tail[0];
       for (int64_t& t : tail) t -= base;
       owned_[layer]->Run(gathered.row(base), tail, expert_out.row(base), pool_);
     }
-    for (int e = 0; e < e_count; ++e) {
-      if (permuted.offsets[e + 1] == permuted.offsets[e]) continue;
-      st.expert_bytes_read += e < lacking ? fetched->expert_bytes(e) : owned_[layer]->expert_bytes(e - lacking);
+    for (int i = 0; i < owned; ++i) {
+      if (offsets[lacking_ + i + 1] > offsets[lacking_ + i]) st.expert_bytes_read += owned_[layer]->expert_bytes(i);
+    }
+    st.experts_us += watch.Lap();
+
+    std::vector<int64_t> piece_offsets(piece_experts_ + 1);
+    for (int piece = 0; piece < pieces_per_layer_; ++piece) {
+      // This piece: from the read started one piece ago, else read now.
+      int current = -1;
+      for (int b = 0; b < 2; ++b) {
+        if (buffers_[b].layer == layer && buffers_[b].piece == piece) current = b;
+      }
+      if (current < 0) {
+        for (Buffer& b : buffers_) EPMOE_RETURN_IF_ERROR(Complete(b));  // a read for another piece: unused
+        current = 0;
+        EPMOE_RETURN_IF_ERROR(StartFetch(layer, piece, buffers_[current]));
+      }
+      EPMOE_RETURN_IF_ERROR(Complete(buffers_[current]));
+      st.bytes_received += PieceSize(piece) * expert_bytes_;
+      st.dispatch_us += watch.Lap();
+      // The next piece (of this layer, or the next layer's first) into the other half.
+      Buffer& other = buffers_[1 - current];
+      EPMOE_RETURN_IF_ERROR(Complete(other));
+      const bool last = piece + 1 == pieces_per_layer_;
+      EPMOE_RETURN_IF_ERROR(
+          StartFetch(last ? (layer + 1) % options_.num_layers : layer, last ? 0 : piece + 1, other));
+
+      const int begin = piece * piece_experts_, count = PieceSize(piece);
+      for (int i = 0; i <= piece_experts_; ++i) piece_offsets[i] = offsets[begin + std::min(i, count)] - offsets[begin];
+      const ExpertStore& store = *buffers_[current].store;
+      if (piece_offsets[piece_experts_] > 0)
+        store.Run(gathered.row(offsets[begin]), piece_offsets, expert_out.row(offsets[begin]), pool_);
+      for (int i = 0; i < count; ++i) {
+        if (piece_offsets[i + 1] > piece_offsets[i]) st.expert_bytes_read += store.expert_bytes(i);
+      }
+      buffers_[current].layer = -1;  // used: the next reads may reuse this half
+      st.experts_us += watch.Lap();
     }
     st.picks = n * k;
-    st.experts_us += watch.Lap();
     Matrix my_out;
     CombinePermutedRows(expert_out, permuted, relabeled, &my_out);
     st.unpack_us += watch.Lap();
     st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), mine, &my_out, pool_);
     st.shared_us += watch.Lap();
-    buffers_[current].layer = -1;  // used: the next layers' reads may reuse this half
-    buffers_[current].store.reset();
 
     if (tensor_parallel) {
       *out = Matrix(rows.rows, h);
       std::vector<int64_t> bytes(g);
       for (int r = 0; r < g; ++r) bytes[r] = (RowBegin(rows.rows, g, r + 1) - RowBegin(rows.rows, g, r)) * h * 4;
-      const auto offsets = PrefixOffsets(bytes);
+      const auto row_offsets = PrefixOffsets(bytes);
       EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(my_out.data.data(), bytes[me], out->data.data(), bytes,
-                                             std::span<const int64_t>(offsets.data(), g)));
+                                             std::span<const int64_t>(row_offsets.data(), g)));
       st.bytes_sent += bytes[me] * (g - 1);
-      st.bytes_received += offsets[g] - bytes[me];
+      st.bytes_received += row_offsets[g] - bytes[me];
       st.combine_us += watch.Lap();
     } else {
       *out = std::move(my_out);
     }
-    // Both halves: the fp32 experts as read and their packed copies.
-    st.peak_buffer_bytes = 2 * static_cast<int64_t>(lacking) *
-                           (expert_floats_ * 4 + ExpertByteCount(options_.pack.format, model_.hidden, model_.expert_intermediate));
-    st.rounds = 1;
+    st.peak_buffer_bytes = BufferBytes();
+    st.rounds = pieces_per_layer_ > 0 ? pieces_per_layer_ : 1;
     if (stats != nullptr) *stats = st;
     return Status::Ok();
   }
 
  private:
-  // One half of the double buffer: the lacking experts of `layer`, complete or being read, and
-  // once complete, packed.
+  // One half of the double buffer: a store of piece_experts_ experts and which piece it holds or is
+  // reading (layer -1: free).
   struct Buffer {
     int layer = -1;
+    int piece = 0;
     bool pending = false;
-    std::future<Status> fetch;  // threaded reads and packing
-    std::vector<ExpertWeights> experts;
-    std::unique_ptr<ExpertStore> store;  // null until complete (or when nothing is lacking)
+    std::future<Status> fetch;  // threaded reads and imports
+    std::unique_ptr<ExpertStore> store;
   };
 
   int OwnerBegin(int rank) const {
     return static_cast<int>(static_cast<int64_t>(rank) * model_.num_experts / comm_.size());
   }
-  int64_t FetchBytes() const { return static_cast<int64_t>(buffers_[0].experts.size()) * expert_floats_ * 4; }
+  int PieceSize(int piece) const { return std::min(piece_experts_, lacking_ - piece * piece_experts_); }
+  // Two stores and the staging area.
+  int64_t BufferBytes() const { return lacking_ > 0 ? 3 * static_cast<int64_t>(piece_experts_) * expert_bytes_ : 0; }
 
-  // Starts the one-sided reads of every lacking expert of `layer` into b.
-  Status StartFetch(int layer, Buffer& b) {
+  // Starts the one-sided reads of a piece's experts into the staging area (and, threaded, their
+  // import into b).
+  Status StartFetch(int layer, int piece, Buffer& b) {
     b.layer = layer;
+    b.piece = piece;
     b.pending = true;
-    auto issue = [this, layer, &b]() -> Status {
-      const int g = comm_.size();
-      const int64_t hi = expert_floats_ / 3;
-      int index = 0;
-      for (int owner = 0; owner < g; ++owner) {
-        const int begin = OwnerBegin(owner), end = OwnerBegin(owner + 1);
-        if (owner == comm_.rank()) continue;
-        for (int e = begin; e < end; ++e, ++index) {
-          const int64_t at = (static_cast<int64_t>(layer) * (end - begin) + (e - begin)) * expert_floats_ * 4;
-          ExpertWeights& w = b.experts[index];
-          EPMOE_RETURN_IF_ERROR(window_->Get(owner, at, hi * 4, w.gate.data.data()));
-          EPMOE_RETURN_IF_ERROR(window_->Get(owner, at + hi * 4, hi * 4, w.up.data.data()));
-          EPMOE_RETURN_IF_ERROR(window_->Get(owner, at + 2 * hi * 4, hi * 4, w.down.data.data()));
-        }
+    auto issue = [this, layer, piece, &b]() -> Status {
+      const int begin = piece * piece_experts_, count = PieceSize(piece);
+      for (int i = 0; i < count; ++i) {
+        // Lacking expert begin + i: the experts of the ranks before and after this one.
+        const int lacking_index = begin + i;
+        const int e = lacking_index < own_begin_ ? lacking_index : lacking_index + (own_end_ - own_begin_);
+        int owner = 0;
+        while (OwnerBegin(owner + 1) <= e) ++owner;
+        const int64_t owner_experts = OwnerBegin(owner + 1) - OwnerBegin(owner);
+        const int64_t at = (static_cast<int64_t>(layer) * owner_experts + (e - OwnerBegin(owner))) * expert_bytes_;
+        EPMOE_RETURN_IF_ERROR(window_->Get(owner, at, expert_bytes_, staging_.data() + i * expert_bytes_));
       }
       if (!threaded_) return Status::Ok();
       EPMOE_RETURN_IF_ERROR(window_->Flush());
-      return PackArrived(b);
+      return ImportArrived(piece, b);
     };
     if (threaded_) {
       b.fetch = std::async(std::launch::async, issue);
@@ -229,18 +281,20 @@ class DwdpExecutor : public MoeExecutor {
     return issue();
   }
 
-  // Waits for b's reads (and packing).
+  // Waits for b's reads (and imports).
   Status Complete(Buffer& b) {
     if (!b.pending) return Status::Ok();
     b.pending = false;
     if (threaded_) return b.fetch.get();
     EPMOE_RETURN_IF_ERROR(window_->Flush());
-    return PackArrived(b);
+    return ImportArrived(b.piece, b);
   }
 
-  Status PackArrived(Buffer& b) {
-    if (b.experts.empty()) return Status::Ok();
-    EPMOE_ASSIGN_OR_RETURN(b.store, Pack(b.experts, options_.pack));
+  Status ImportArrived(int piece, Buffer& b) {
+    for (int i = 0; i < PieceSize(piece); ++i) {
+      EPMOE_RETURN_IF_ERROR(b.store->ImportExpert(
+          i, std::span<const std::byte>(staging_.data() + i * expert_bytes_, static_cast<size_t>(expert_bytes_))));
+    }
     return Status::Ok();
   }
 
@@ -248,12 +302,16 @@ class DwdpExecutor : public MoeExecutor {
   ModelConfig model_;
   ExecutorOptions options_;
   ThreadPool& pool_;
-  int64_t expert_floats_ = 0;
   int own_begin_ = 0, own_end_ = 0;
+  int lacking_ = 0;               // experts of a layer this rank reads from others
+  int piece_experts_ = 0;         // experts per piece (per half of the double buffer)
+  int pieces_per_layer_ = 0;
+  int64_t expert_bytes_ = 0;      // one packed expert, values and scales
   bool threaded_ = false;
   std::unique_ptr<Window> window_;
   std::vector<std::unique_ptr<ExpertStore>> owned_;   // per layer; null when a rank owns none
   Buffer buffers_[2];
+  std::vector<std::byte> staging_;                    // where a piece's reads land before import
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
 };
 
