@@ -26,8 +26,12 @@ const std::string kShape =
     " --model olmoe-1b-7b --hidden 64 --intermediate 32 --tokens 24 --steps 12 --layers 2 --no-progress"
     " --dispatch-format fp32 --combine-format fp32 --weight-format fp32 --check";
 
-nlohmann::json RunJson(const std::string& args) {
-  const CommandResult run = RunCommand(kMpirun + EpmoeBinary() + " run --format json" + kShape + args, false);
+// `steps` replaces the shape's 12 steps (async runs need more: a placement computed on rank 0's
+// helper thread switches a few of these millisecond steps after its look, or after the run).
+nlohmann::json RunJson(const std::string& args, int steps = 12) {
+  std::string shape = kShape;
+  shape.replace(shape.find("--steps 12"), 10, "--steps " + std::to_string(steps));
+  const CommandResult run = RunCommand(kMpirun + EpmoeBinary() + " run --format json" + shape + args, false);
   EXPECT_EQ(run.exit_code, 0) << run.out;
   if (run.exit_code != 0) return {};
   return nlohmann::json::parse(run.out);
@@ -61,12 +65,69 @@ TEST(RebalanceCli, RebalancingA2aRunMatchesTheFixedOneBitForBit) {
 }
 
 TEST(RebalanceCli, WholeAsyncChunkedMatchesTheSingleProcessLayer) {
-  const auto live = RunJson(" --option whole --eplb --eplb-interval 3 --eplb-async --eplb-layers-per-chunk 1");
+  const auto live = RunJson(" --option whole --eplb --eplb-interval 3 --eplb-async --eplb-layers-per-chunk 1", 40);
   ASSERT_FALSE(live.is_null());
   EXPECT_LE(live["options"][0]["max_normalized_error"].get<double>(), 1e-5);
   const auto& eplb = live["options"][0]["eplb"];
   ASSERT_GE(eplb["rebalances"].size(), 2u) << eplb.dump();
   for (const auto& r : eplb["rebalances"]) EXPECT_EQ(r["chunks"].get<int>(), 2);
+}
+
+// Async: rank 0 computes each placement on a helper thread while steps run; a2a stays exact.
+TEST(RebalanceCli, AsyncPlacementThreadA2aMatchesTheSingleProcessLayerExactly) {
+  const auto live = RunJson(" --option a2a --eplb --eplb-interval 3 --eplb-async --eplb-redundant 2"
+                            " --eplb-policy deepseek-guarded", 40);
+  ASSERT_FALSE(live.is_null());
+  EXPECT_EQ(live["options"][0]["max_normalized_error"].get<double>(), 0.0);
+  const auto& eplb = live["options"][0]["eplb"];
+  ASSERT_GE(eplb["rebalances"].size(), 1u) << eplb.dump();
+  for (const auto& r : eplb["rebalances"])
+    EXPECT_GT(r["placement_ready_at_step"].get<int64_t>(), r["decided_at_step"].get<int64_t>()) << r.dump();
+  EXPECT_EQ(eplb["wall_ms_per_step"].size(), 40u);
+}
+
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(RebalanceCli, PlotBalanceDrawsOneLinePerRun) {
+  const auto off = RunJson(" --option a2a --eplb --eplb-interval 1000");  // records, never rebalances
+  const auto on = RunJson(" --option a2a --eplb --eplb-interval 3");
+  ASSERT_FALSE(off.is_null());
+  ASSERT_FALSE(on.is_null());
+  EXPECT_EQ(off["options"][0]["eplb"]["rebalances"].size(), 0u);
+  const std::string off_path = WriteTemp("epmoe_plot_off.json", off.dump());
+  const std::string on_path = WriteTemp("epmoe_plot_on.json", on.dump());
+  const std::string svg = (std::filesystem::temp_directory_path() / "epmoe_plot_balance.svg").string();
+  const CommandResult run = RunCommand(EpmoeBinary() + " plot-balance " + svg + " --run 'EPLB off=" + off_path +
+                                           "' --run 'EPLB on=" + on_path + "' --smooth 4",
+                                       true);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find("EPLB off"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("12 steps"), std::string::npos) << run.out;
+  std::ifstream in(svg);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str().rfind("<svg", 0), 0u);
+  size_t lines = 0;
+  for (size_t at = text.str().find("<polyline"); at != std::string::npos; at = text.str().find("<polyline", at + 1))
+    ++lines;
+  EXPECT_EQ(lines, 2u);
+  EXPECT_NE(text.str().find(">EPLB on</text>"), std::string::npos);
+
+  CommandResult bad = RunCommand(EpmoeBinary() + " plot-balance " + svg + " --run " + on_path, true);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("expected LABEL=PATH"), std::string::npos) << bad.out;
+  bad = RunCommand(EpmoeBinary() + " plot-balance " + svg + " --run x=/nonexistent/run.json", true);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("/nonexistent/run.json: cannot open"), std::string::npos) << bad.out;
+  const std::string fixed_path = WriteTemp("epmoe_plot_fixed.json", RunJson(" --option a2a").dump());
+  bad = RunCommand(EpmoeBinary() + " plot-balance " + svg + " --run x=" + fixed_path, true);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("no option has an \"eplb\" object"), std::string::npos) << bad.out;
+  for (const auto& path : {off_path, on_path, fixed_path, svg}) std::remove(path.c_str());
 }
 
 TEST(RebalanceCli, TextOutputAndOneProcess) {

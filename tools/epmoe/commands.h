@@ -14,5 +14,6 @@ void AddRunCommand(CLI::App& app, int* exit_code);
 void AddBalanceCommand(CLI::App& app, int* exit_code);
 void AddTraceCommand(CLI::App& app, int* exit_code);
 void AddPlanCommand(CLI::App& app, int* exit_code);  // also `epmoe hardware`
+void AddPlotBalanceCommand(CLI::App& app, int* exit_code);  // `epmoe plot-balance`
 
 }  // namespace epmoe::cli

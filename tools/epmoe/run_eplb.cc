@@ -109,8 +109,11 @@ Status EplbSession::EndStep(int64_t steps_done, double step_seconds,
   const auto start = std::chrono::steady_clock::now();
   EPMOE_ASSIGN_OR_RETURN(BoundaryOutcome outcome, rebalancer_->AtStepBoundary(steps_done, *recorder_));
   if (outcome.layers_installed > 0) EPMOE_RETURN_IF_ERROR(recorder_->SetPlacement(rebalancer_->placement()));
-  const double boundary = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto end = std::chrono::steady_clock::now();
+  const double boundary = std::chrono::duration<double>(end - start).count();
   boundary_seconds_ += boundary;
+  wall_ms_.push_back(std::chrono::duration<double, std::milli>(end - last_step_end_).count());
+  last_step_end_ = end;
   balance_.push_back(picks_balancedness);
   if (metrics_) {
     auto stage_list = stages;
@@ -164,7 +167,8 @@ nlohmann::json EplbSession::Report() const {
           {"boundary_ms_this_rank", boundary_seconds_ * 1e3},
           {"balancedness_first_quarter", mean_of(0, std::min(quarter, balance_.size()))},
           {"balancedness_last_quarter", mean_of(balance_.size() - std::min(quarter, balance_.size()), balance_.size())},
-          {"balancedness_per_step", balance_}};
+          {"balancedness_per_step", balance_},
+          {"wall_ms_per_step", wall_ms_}};
 }
 
 void PrintEplbText(const nlohmann::json& e) {

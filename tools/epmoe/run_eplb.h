@@ -3,6 +3,7 @@
 // and metrics file). Used by cmd_run.cc only.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -55,7 +56,7 @@ class EplbSession {
   // seconds and the picks balancedness of the step (all ranks' figures). Collective.
   Status EndStep(int64_t steps_done, double step_seconds, const std::vector<std::pair<std::string, double>>& stages,
                  double picks_balancedness);
-  // {"rebalances": [...], "bytes_moved_total", "stall_ms_total", ...}
+  // {"rebalances": [...], "bytes_moved_total", "balancedness_per_step", "wall_ms_per_step", ...}
   nlohmann::json Report() const;
 
  private:
@@ -69,6 +70,10 @@ class EplbSession {
   double boundary_seconds_ = 0;               // this rank's time in step boundaries
   double windowed_balancedness_ = 1;          // at the trigger's last look
   std::vector<double> balance_;               // picks balancedness per step
+  // This rank's wall time from the end of one step's boundary to the end of the next (the step,
+  // its bookkeeping and the rebalancing boundary: what a caller waits per step).
+  std::chrono::steady_clock::time_point last_step_end_ = std::chrono::steady_clock::now();
+  std::vector<double> wall_ms_;
 };
 
 // Text lines for one option's "eplb" object.
