@@ -51,6 +51,14 @@ class ExpertStore {
   // offsets, non-decreasing, offsets[0] == 0). Writes each row's expert output to the same row of
   // out ([offsets[E] x hidden]). Experts with no rows are not read.
   virtual void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const = 0;
+  // Run in two halves, so rows can travel in the kernel's own input format: QuantizeRows writes
+  // `count` rows as the kernel takes them (activation_row_bytes() each: fp32, bf16, or int8 with
+  // the row's scale, see PackExperts), and RunQuantized(q, offsets, out) then gives exactly what
+  // Run(rows, offsets, out) gives, bit for bit.
+  virtual int64_t activation_row_bytes() const = 0;
+  virtual void QuantizeRows(const float* rows, int64_t count, std::byte* out, ThreadPool& pool) const = 0;
+  virtual void RunQuantized(const std::byte* rows, std::span<const int64_t> offsets, float* out,
+                            ThreadPool& pool) const = 0;
 
   // Live rebalancing (moving one packed expert to another rank's store of the same format, shape
   // and kernel). ExportExpert writes expert e as stored, expert_bytes(e) bytes: for gate, up and
@@ -65,9 +73,9 @@ struct PackOptions {
   WeightFormat format = WeightFormat::kFp32;
   // Highest instruction set the kernel may use: "auto" (best the CPU has), or a name from the
   // kernel list (e.g. "avx2", "reference") to force a lower one; EPMOE_ISA lowers both (cpu.h).
-  // A kernel that cannot run the shape (input sizes not a multiple of its vector or group width:
-  // avx512 needs 16 (fp32), 32 (bf16), 64 (int8), 256 (nvfp4, mxfp4)) gives way to the next lower
-  // instruction set; the reference runs every shape. kernel_name() says which one runs.
+  // A kernel that cannot run the shape (avx512 needs hidden and intermediate sizes that are
+  // multiples of 16, its channel block) gives way to the next lower instruction set; the reference
+  // runs every shape. kernel_name() says which one runs.
   std::string isa = "auto";
   // Optional: quantizes and packs the experts in parallel on this pool.
   ThreadPool* pool = nullptr;

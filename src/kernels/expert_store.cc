@@ -138,7 +138,31 @@ std::string KernelExpertStore::kernel_name() const {
   return fmt::format("{}/{}", WeightFormatName(format_), IsaName(kernel_->isa()));
 }
 
+int64_t KernelExpertStore::activation_row_bytes() const {
+  return kernel_->ActivationBytes(hidden_);
+}
+
+void KernelExpertStore::QuantizeRows(const float* rows, int64_t count, std::byte* out, ThreadPool& pool) const {
+  constexpr int64_t kQuantizeGrain = 8;
+  const int64_t stride = activation_row_bytes();
+  uint8_t* target = reinterpret_cast<uint8_t*>(out);
+  pool.ParallelFor(count, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) kernel_->QuantizeActivations(rows + r * hidden_, hidden_, target + r * stride);
+  });
+}
+
 void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const {
+  EPMOE_CHECK(static_cast<int>(offsets.size()) == num_experts() + 1);
+  const int64_t total = offsets.back();
+  if (total == 0) return;
+  // Phase 1: input rows in the kernel's activation format.
+  std::vector<std::byte> inputs(total * activation_row_bytes());
+  QuantizeRows(rows, total, inputs.data(), pool);
+  RunQuantized(inputs.data(), offsets, out, pool);
+}
+
+void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int64_t> offsets, float* out,
+                                     ThreadPool& pool) const {
   const int num = num_experts();
   EPMOE_CHECK(static_cast<int>(offsets.size()) == num + 1);
   EPMOE_CHECK(offsets[0] == 0);
@@ -149,13 +173,7 @@ void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets,
   const int64_t hidden_stride = kernel.ActivationBytes(hidden_);
   const int64_t mid_stride = kernel.ActivationBytes(intermediate_);
   constexpr int64_t kQuantizeGrain = 8;
-
-  // Phase 1: input rows in the kernel's activation format.
-  std::vector<uint8_t> inputs(total * hidden_stride);
-  pool.ParallelFor(total, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      kernel.QuantizeActivations(rows + r * hidden_, hidden_, inputs.data() + r * hidden_stride);
-  });
+  const uint8_t* inputs = reinterpret_cast<const uint8_t*>(rows);
 
   // Phase 2: silu(gate x) * (up x) for every row, in fp32.
   std::vector<float> mid(total * intermediate_);
@@ -171,7 +189,7 @@ void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets,
       std::vector<float> gate(block * width), up(block * width);
       for (int64_t r0 = 0; r0 < count; r0 += block) {
         const int64_t n_rows = std::min(block, count - r0);
-        const uint8_t* acts = inputs.data() + (first + r0) * hidden_stride;
+        const uint8_t* acts = inputs + (first + r0) * hidden_stride;
         kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width);
         kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width);
         for (int64_t r = 0; r < n_rows; ++r)

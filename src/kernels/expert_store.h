@@ -32,6 +32,10 @@ class KernelExpertStore final : public ExpertStore {
   int64_t expert_bytes(int expert) const override;
   std::string kernel_name() const override;
   void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const override;
+  int64_t activation_row_bytes() const override;
+  void QuantizeRows(const float* rows, int64_t count, std::byte* out, ThreadPool& pool) const override;
+  void RunQuantized(const std::byte* rows, std::span<const int64_t> offsets, float* out,
+                    ThreadPool& pool) const override;
   Status ExportExpert(int expert, std::span<std::byte> out) const override;
   Status ImportExpert(int expert, std::span<const std::byte> bytes) override;
 
