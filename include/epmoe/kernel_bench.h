@@ -36,7 +36,7 @@ struct KernelBenchOptions {
   int decode_min_tokens = 8;
   int decode_max_tokens = 16;
   int decode_ranks = 8;
-  int decode_repetitions = 3;
+  int decode_repetitions = 5;
   int64_t flush_bytes = int64_t{128} << 20;             // read before each timed run so weights come from DRAM
   int64_t bandwidth_buffer_bytes = int64_t{512} << 20;  // for MeasureMemoryBandwidth
 };
