@@ -4,12 +4,12 @@
 // output by its router weight and sends one output per pick back in the combine format; the home
 // rank sums a row's k outputs in pick order j = 0..k-1, as the single-process layer does. With
 // partial sums the expert side adds up a row's picks it ran and sends one row back per rank.
-// Counts are exchanged first (one alltoall of one value per peer, then the agreed round count, one
-// all-reduce) so receive buffers are sized exactly; when they would exceed the buffer bound the
+// Counts are exchanged first (one all-gather of G values per rank, overlapped with packing) so
+// receive buffers are sized exactly; when they would exceed the buffer bound the
 // exchange runs in rounds (every rank sends a fixed share of each destination's rows per round, so
 // both sides know every round's counts without another exchange).
 // The step copies as little as it can: records are packed straight into the send buffer (a rank's
-// own records straight into its receive buffer, so they never pass through MPI), received rows are
+// own records are read from there and never pass through MPI), received rows are
 // decoded straight into the expert-ordered input, weighted outputs are encoded straight into the
 // return buffer (this rank's own straight into where they are summed), and returned outputs are
 // summed where they landed. Buffers live across steps.
@@ -108,30 +108,102 @@ class A2aExecutor : public MoeExecutor {
   // Rows [first, first + count) of destination d's list in round `round` of `rounds`: both sides
   // split a pair's rows the same way, so no per-round counts travel.
   static int64_t RoundFirst(int64_t count, int64_t round, int64_t rounds) { return count * round / rounds; }
+  static int64_t RoundShare(int64_t count, int64_t rounds) { return (count + rounds - 1) / rounds; }
 
-  // The bytes this rank holds at once with `rounds` rounds (see Forward's memory model).
-  int64_t BytesHeld(int64_t rounds) const {
-    const int g = comm_.size(), me = comm_.rank();
-    int64_t bytes = returns_bytes_;
+  // Rows rank `from` sends to rank `to` this step (from the all-gathered count matrix).
+  int64_t Sent(int from, int to) const { return count_matrix_[static_cast<size_t>(from) * comm_.size() + to]; }
+
+  // The bytes `rank` holds at once with `rounds` rounds (see ForwardHome's memory model); every
+  // rank evaluates it for every rank from the count matrix, so all agree on the rounds.
+  int64_t BytesHeld(int rank, int64_t rounds) const {
+    const int g = comm_.size();
+    int64_t bytes = 0;
     for (int r = 0; r < g; ++r) {
-      const int64_t in = (recv_count_[r] + rounds - 1) / rounds, out = (send_count_[r] + rounds - 1) / rounds;
-      bytes += in * per_received_row_;
-      if (r != me) bytes += out * record_bytes_ + in * per_returned_row_;
+      const int64_t out = Sent(rank, r), in = Sent(r, rank);
+      bytes += out * (partial_ ? 1 : picks_per_row_) * return_bytes_;  // returns (an upper bound)
+      bytes += RoundShare(out, rounds) * record_bytes_ + RoundShare(in, rounds) * picks_per_row_ * 2 * hidden_ * 4;
+      if (r != rank) bytes += RoundShare(in, rounds) * (record_bytes_ + per_returned_row_);
     }
     return bytes;
+  }
+
+  // This step's buffer needs for `rounds` rounds; releases what is held beyond them first when
+  // holding both would exceed the bound, then reserves. Returns the bytes held.
+  int64_t ReserveBuffers(int64_t rounds) {
+    const int g = comm_.size(), me = comm_.rank();
+    int64_t send_cap = 0, recv_cap = 0, items_cap = 0, back_cap = 0;
+    for (int r = 0; r < g; ++r) {
+      const int64_t in = RoundShare(recv_count_[r], rounds);
+      send_cap += RoundShare(send_count_[r], rounds) * record_bytes_;
+      items_cap += in * picks_per_row_;
+      if (r != me) {
+        recv_cap += in * record_bytes_;
+        back_cap += in * per_returned_row_;
+      }
+    }
+    items_cap_ = items_cap;
+    const int64_t rows_bytes = items_cap * hidden_ * 4;
+    const int64_t needs[] = {returns_bytes_, send_cap, recv_cap, rows_bytes, rows_bytes, back_cap};
+    return Reserve(needs);
+  }
+  int64_t Reserve(std::span<const int64_t> needs) {
+    ScratchBuffer* buffers[] = {&returns_, &send_, &recv_, &work_in_, &work_out_, &back_send_};
+    int64_t held = 0;
+    for (int b = 0; b < 6; ++b) held += std::max(buffers[b]->capacity(), needs[b]);
+    for (int b = 0; b < 6; ++b) {
+      if (held > options_.max_buffer_bytes) buffers[b]->ShrinkTo(needs[b]);
+    }
+    held = 0;
+    for (int b = 0; b < 6; ++b) {
+      buffers[b]->Reserve(needs[b]);
+      held += buffers[b]->capacity();
+    }
+    return held;
+  }
+
+  // Packs round `round` of `rounds`: one record per (row, destination) straight into the send
+  // buffer (this rank's own records too; they are read from there, never sent), and where each
+  // destination's returns will land. Sets send_n_, send_bytes_, send_offsets_, back_recv_*.
+  void PackRound(int64_t round, int64_t rounds, const Matrix& rows, const Picks& picks) {
+    const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
+    const int64_t h = hidden_;
+    int64_t send_at = 0;
+    std::vector<int32_t>& slot_ids = slot_ids_;
+    for (int d = 0; d < g; ++d) {
+      const int64_t first = RoundFirst(send_count_[d], round, rounds);
+      const int64_t count = RoundFirst(send_count_[d], round + 1, rounds) - first;
+      send_n_[d] = count;
+      send_offsets_[d] = send_at;
+      send_bytes_[d] = d == me ? 0 : count * record_bytes_;
+      uint8_t* record = send_.data() + send_at;
+      send_at += count * record_bytes_;
+      const int64_t* row_list = send_rows_.data() + send_row_begin_[d] + first;
+      for (int64_t i = 0; i < count; ++i, record += record_bytes_) {
+        const int64_t r = row_list[i];
+        for (int j = 0; j < k; ++j) slot_ids[j] = pick_rank_[r * k + j] == d ? pick_slot_[r * k + j] : -1;
+        std::memcpy(record, slot_ids.data(), k * 4);
+        std::memcpy(record + k * 4, picks.weights.data() + r * k, k * 4);
+        EncodeRow(options_.dispatch_format, rows.row(r), h, record + k * 8);
+      }
+      const int64_t* return_at = send_return_at_.data() + send_row_begin_[d] + d;
+      back_recv_offsets_[d] = region_[d] + return_at[first] * return_bytes_;
+      back_recv_bytes_[d] = d == me ? 0 : (return_at[first + count] - return_at[first]) * return_bytes_;
+    }
   }
 
   // Memory model of one step (what max_buffer_bytes bounds), per rank:
   //   returns: every output coming back for this rank's rows, held for the whole step (one per
   //            pick, or one per row and destination with partial sums), so the home rank sums
   //            straight from where they landed, in pick order;
-  //   per round: the records sent to other ranks; the records received (this rank's own records
-  //            are packed straight into the receive buffer and never pass through MPI); the
-  //            expert-ordered input and output rows (at most min(k, slots) picks per record);
+  //   per round: the records packed (this rank's own records among them: they are read where they
+  //            were packed and never pass through MPI); the records received from other ranks;
+  //            the expert-ordered input and output rows (at most min(k, slots) picks per record);
   //            the weighted outputs going back to other ranks (this rank's own go straight into
   //            returns).
   // Buffers are kept across steps and reused; when a step needs a different mix whose total would
   // exceed the bound, the oversized ones are released first, so what is held never exceeds it.
+  // The count matrix is all-gathered while the first round is packed (when this rank's own part
+  // of a one-round step fits the bound), so the count exchange costs no extra wait.
   Status ForwardHome(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
     const int64_t h = model_.hidden, n = rows.rows;
@@ -140,9 +212,13 @@ class A2aExecutor : public MoeExecutor {
     const ExpertStore& store = *stores_[layer];
     const RowFormat dispatch_format = options_.dispatch_format, combine_format = options_.combine_format;
     const bool partial = options_.combine_partial_sums;
-    const int64_t row_bytes = RowBytes(dispatch_format, h);
-    record_bytes_ = k * 8 + row_bytes;
-    const int64_t return_bytes = RowBytes(combine_format, h);
+    hidden_ = h;
+    partial_ = partial;
+    record_bytes_ = k * 8 + RowBytes(dispatch_format, h);
+    return_bytes_ = RowBytes(combine_format, h);
+    picks_per_row_ = std::min(k, slots);
+    per_returned_row_ = (partial ? 1 : picks_per_row_) * return_bytes_;
+    const int64_t return_bytes = return_bytes_;
     StepStats st;
     st.rows = n;
     Stopwatch watch;
@@ -171,9 +247,9 @@ class A2aExecutor : public MoeExecutor {
     // Pass 2: each destination's rows in row order, the returns they bring (prefix per row), and
     // where each pick's returned output will lie in the returns buffer.
     send_row_begin_ = PrefixOffsets(send_count_);
-    std::vector<int64_t> region(g + 1, 0);  // returns of destination d: [region[d], region[d+1])
-    for (int d = 0; d < g; ++d) region[d + 1] = region[d] + (partial ? send_count_[d] : picks_to[d]) * return_bytes;
-    returns_bytes_ = region[g];
+    region_.assign(g + 1, 0);  // returns of destination d: [region_[d], region_[d+1])
+    for (int d = 0; d < g; ++d) region_[d + 1] = region_[d] + (partial ? send_count_[d] : picks_to[d]) * return_bytes;
+    returns_bytes_ = region_[g];
     send_rows_.resize(send_row_begin_[g]);
     send_return_at_.resize(send_row_begin_[g] + g);  // per destination: count + 1 prefix values
     pick_return_.resize(n * k);
@@ -192,155 +268,140 @@ class A2aExecutor : public MoeExecutor {
           pick_return_[r * k + j] = -1;  // summed on the expert side into the row's first pick to d
           continue;
         }
-        pick_return_[r * k + j] = region[d] + returned[d] * return_bytes;
+        pick_return_[r * k + j] = region_[d] + returned[d] * return_bytes;
         ++returned[d];
       }
     }
     for (int d = 0; d < g; ++d) send_return_at_[send_row_begin_[d + 1] + d] = returned[d];
-    st.pack_us += watch.Lap();
+    slot_ids_.resize(k);
+    send_n_.assign(g, 0);
+    send_bytes_.assign(g, 0);
+    send_offsets_.assign(g, 0);
+    back_recv_bytes_.assign(g, 0);
+    back_recv_offsets_.assign(g, 0);
 
-    // Counts: one small alltoall; then the rounds every rank agrees on (the most any rank needs).
+    // Counts: every rank's row counts to every rank, all-gathered (G values per rank) so that every
+    // rank computes every rank's need and all agree on the rounds without a second exchange. While
+    // they travel, the records of a one-round step are packed when this rank's own share fits.
+    count_matrix_.assign(static_cast<size_t>(g) * g, 0);
+    std::vector<int64_t> gather_bytes(g, g * 8), gather_offsets(g);
+    for (int r = 0; r < g; ++r) gather_offsets[r] = r * g * 8;
+    EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Request> counting,
+                           comm_.StartAllgatherv(send_count_.data(), g * 8, count_matrix_.data(), gather_bytes,
+                                                 gather_offsets));
+    int64_t own_send = 0;
+    for (int d = 0; d < g; ++d) own_send += send_count_[d] * record_bytes_;
+    bool packed = false;
+    if (returns_bytes_ + own_send <= options_.max_buffer_bytes) {
+      const int64_t needs[] = {returns_bytes_, own_send, 0, 0, 0, 0};
+      Reserve(needs);
+      PackRound(0, 1, rows, picks);
+      packed = true;
+    }
+    st.pack_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(counting->Wait());
+    st.dispatch_us += watch.Lap();
+
     recv_count_.assign(g, 0);
-    EPMOE_RETURN_IF_ERROR(comm_.ExchangeCounts(send_count_, recv_count_));
-    const int64_t picks_per_row = std::min(k, slots);
-    per_received_row_ = record_bytes_ + picks_per_row * 2 * h * 4;
-    per_returned_row_ = (partial ? 1 : picks_per_row) * return_bytes;
-    int64_t max_count = 1;
-    for (int r = 0; r < g; ++r) max_count = std::max({max_count, send_count_[r], recv_count_[r]});
-    int64_t need = 1;
-    if (BytesHeld(max_count) > options_.max_buffer_bytes) {
-      need = kRefused + me;  // not even one row per peer and round fits: every rank must refuse
-    } else {
+    for (int r = 0; r < g; ++r) recv_count_[r] = Sent(r, me);
+    int64_t rounds = 1;
+    for (int rank = 0; rank < g; ++rank) {
+      int64_t max_count = 1;
+      for (int r = 0; r < g; ++r) max_count = std::max({max_count, Sent(rank, r), Sent(r, rank)});
+      if (BytesHeld(rank, max_count) > options_.max_buffer_bytes) {
+        if (rank == me)
+          return OutOfRange(fmt::format("a2a: rank {} needs {} bytes even with one row per peer and round ({} rounds), "
+                                        "over the buffer bound of {} bytes", me, BytesHeld(me, max_count), max_count,
+                                        options_.max_buffer_bytes));
+        return OutOfRange(fmt::format("a2a: rank {} cannot fit one row per peer and round in the buffer bound of {} "
+                                      "bytes", rank, options_.max_buffer_bytes));
+      }
       int64_t lo = 1, hi = max_count;  // BytesHeld does not grow with more rounds
       while (lo < hi) {
         const int64_t mid = (lo + hi) / 2;
-        if (BytesHeld(mid) <= options_.max_buffer_bytes) {
+        if (BytesHeld(rank, mid) <= options_.max_buffer_bytes) {
           hi = mid;
         } else {
           lo = mid + 1;
         }
       }
-      need = lo;
-    }
-    EPMOE_ASSIGN_OR_RETURN(const int64_t rounds, comm_.AllreduceMax(need));
-    st.dispatch_us += watch.Lap();
-    if (rounds >= kRefused) {
-      const int refusing = static_cast<int>(rounds - kRefused);
-      if (refusing == me)
-        return OutOfRange(fmt::format("a2a: rank {} needs {} bytes even with one row per peer and round ({} rounds), "
-                                      "over the buffer bound of {} bytes", me, BytesHeld(max_count), max_count,
-                                      options_.max_buffer_bytes));
-      return OutOfRange(fmt::format("a2a: rank {} cannot fit one row per peer and round in the buffer bound of {} "
-                                    "bytes", refusing, options_.max_buffer_bytes));
+      rounds = std::max(rounds, lo);
     }
     st.rounds = static_cast<int>(rounds);
-
-    // Buffers for the largest round (no round's share of a pair's rows exceeds ceil(count / rounds)).
-    int64_t send_cap = 0, recv_cap = 0, items_cap = 0, back_cap = 0;
-    for (int r = 0; r < g; ++r) {
-      const int64_t in = (recv_count_[r] + rounds - 1) / rounds, out_rows = (send_count_[r] + rounds - 1) / rounds;
-      recv_cap += in * record_bytes_;
-      items_cap += in * picks_per_row;
-      if (r != me) {
-        send_cap += out_rows * record_bytes_;
-        back_cap += in * per_returned_row_;
-      }
-    }
-    const int64_t rows_cap_bytes = items_cap * h * 4;
-    ScratchBuffer* buffers[] = {&returns_, &send_, &recv_, &work_in_, &work_out_, &back_send_};
-    const int64_t needs[] = {returns_bytes_, send_cap, recv_cap, rows_cap_bytes, rows_cap_bytes, back_cap};
-    int64_t held = 0;
-    for (int b = 0; b < 6; ++b) held += std::max(buffers[b]->capacity(), needs[b]);
-    for (int b = 0; b < 6; ++b) {
-      if (held > options_.max_buffer_bytes) buffers[b]->ShrinkTo(needs[b]);
-      buffers[b]->Reserve(needs[b]);
-    }
-    int64_t peak = 0;
-    for (const ScratchBuffer* b : buffers) peak += b->capacity();
-    st.peak_buffer_bytes = peak;
+    if (rounds > 1) packed = false;  // packed for one round: pack again, round by round
+    st.peak_buffer_bytes = ReserveBuffers(rounds);
     if (partial) partial_row_.resize(h);
     st.pack_us += watch.Lap();
 
-    std::vector<int64_t> send_bytes(g), send_offsets(g), recv_bytes(g), recv_offsets(g), recv_first(g + 1);
-    std::vector<int64_t> back_send_bytes(g), back_send_offsets(g), back_recv_bytes(g), back_recv_offsets(g);
+    std::vector<int64_t> recv_bytes(g), recv_offsets(g), recv_n(g), source_first(g + 1);
+    std::vector<int64_t> back_send_bytes(g), back_send_offsets(g);
     std::vector<int64_t> slot_offsets(slots + 1), slot_cursor(slots);
-    std::vector<int32_t> slot_ids(k);
+    std::vector<const uint8_t*> source_records(g);
     uint8_t* const returns = returns_.data();
     for (int64_t round = 0; round < rounds; ++round) {
-      // Pack: one record per (row, destination) straight into the send buffer, or for this rank
-      // into its place in the receive buffer.
-      int64_t send_at = 0, recv_at = 0;
-      for (int r = 0; r < g; ++r) {
-        const int64_t in = RoundFirst(recv_count_[r], round + 1, rounds) - RoundFirst(recv_count_[r], round, rounds);
-        recv_first[r] = recv_at / record_bytes_;
-        recv_offsets[r] = recv_at;
-        recv_bytes[r] = r == me ? 0 : in * record_bytes_;
-        recv_at += in * record_bytes_;
+      if (!packed) PackRound(round, rounds, rows, picks);
+      packed = false;
+      int64_t recv_at = 0;
+      for (int s = 0; s < g; ++s) {
+        recv_n[s] = RoundFirst(recv_count_[s], round + 1, rounds) - RoundFirst(recv_count_[s], round, rounds);
+        recv_offsets[s] = recv_at;
+        recv_bytes[s] = s == me ? 0 : recv_n[s] * record_bytes_;
+        recv_at += recv_bytes[s];
       }
-      recv_first[g] = recv_at / record_bytes_;
-      for (int d = 0; d < g; ++d) {
-        const int64_t first = RoundFirst(send_count_[d], round, rounds);
-        const int64_t count = RoundFirst(send_count_[d], round + 1, rounds) - first;
-        send_offsets[d] = send_at;
-        send_bytes[d] = d == me ? 0 : count * record_bytes_;
-        uint8_t* record = d == me ? recv_.data() + recv_offsets[me] : send_.data() + send_at;
-        if (d != me) send_at += count * record_bytes_;
-        const int64_t* row_list = send_rows_.data() + send_row_begin_[d] + first;
-        for (int64_t i = 0; i < count; ++i, record += record_bytes_) {
-          const int64_t r = row_list[i];
-          for (int j = 0; j < k; ++j) slot_ids[j] = pick_rank_[r * k + j] == d ? pick_slot_[r * k + j] : -1;
-          std::memcpy(record, slot_ids.data(), k * 4);
-          std::memcpy(record + k * 4, picks.weights.data() + r * k, k * 4);
-          EncodeRow(dispatch_format, rows.row(r), h, record + k * 8);
-        }
-        // What comes back from d this round: the returns of these rows, at their place.
-        const int64_t* return_at = send_return_at_.data() + send_row_begin_[d] + d;
-        back_recv_offsets[d] = region[d] + return_at[first] * return_bytes;
-        back_recv_bytes[d] = d == me ? 0 : (return_at[first + count] - return_at[first]) * return_bytes;
-        st.row_copies += count;
-      }
+      for (int d = 0; d < g; ++d) st.row_copies += send_n_[d];
       st.pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(send_.data(), send_bytes, send_offsets, recv_.data(), recv_bytes, recv_offsets));
+      EPMOE_RETURN_IF_ERROR(
+          comm_.Alltoallv(send_.data(), send_bytes_, send_offsets_, recv_.data(), recv_bytes, recv_offsets));
       st.dispatch_us += watch.Lap();
       for (int r = 0; r < g; ++r) {
-        st.bytes_sent += send_bytes[r];
+        st.bytes_sent += send_bytes_[r];
         st.bytes_received += recv_bytes[r];
       }
 
       // Expert side: group the received picks by local slot (counting sort) and decode each row
-      // straight into its places in the expert-ordered input.
-      const int64_t received = recv_first[g];
-      const uint8_t* const records = recv_.data();
+      // straight into its places in the expert-ordered input. Records are numbered q in source
+      // order; this rank's own are read where they were packed.
+      for (int s = 0; s < g; ++s) {
+        source_records[s] = s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s];
+        source_first[s + 1] = source_first[s] + recv_n[s];
+      }
+      const int64_t received = source_first[g];
       std::fill(slot_offsets.begin(), slot_offsets.end(), 0);
-      for (int64_t q = 0; q < received; ++q) {
-        std::memcpy(slot_ids.data(), records + q * record_bytes_, k * 4);
-        for (int j = 0; j < k; ++j) {
-          const int32_t slot = slot_ids[j];
-          if (slot < -1 || slot >= slots)
-            return Internal(fmt::format("a2a: rank {} received a pick for slot {} (it holds {})", me, slot, slots));
-          if (slot >= 0) ++slot_offsets[slot + 1];
+      for (int s = 0; s < g; ++s) {
+        for (int64_t i = 0; i < recv_n[s]; ++i) {
+          std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
+          for (int j = 0; j < k; ++j) {
+            const int32_t slot = slot_ids_[j];
+            if (slot < -1 || slot >= slots)
+              return Internal(fmt::format("a2a: rank {} received a pick for slot {} from rank {} (it holds {})", me,
+                                          slot, s, slots));
+            if (slot >= 0) ++slot_offsets[slot + 1];
+          }
         }
       }
       for (int s = 0; s < slots; ++s) slot_offsets[s + 1] += slot_offsets[s];
       const int64_t items = slot_offsets[slots];
-      EPMOE_CHECK(items <= items_cap);
+      EPMOE_CHECK(items <= items_cap_);
       std::copy(slot_offsets.begin(), slot_offsets.end() - 1, slot_cursor.begin());
       position_.resize(received * k);
       float* const work_in = work_in_.floats();
-      for (int64_t q = 0; q < received; ++q) {
-        const uint8_t* record = records + q * record_bytes_;
-        std::memcpy(slot_ids.data(), record, k * 4);
-        const float* decoded = nullptr;
-        for (int j = 0; j < k; ++j) {
-          const int32_t slot = slot_ids[j];
-          position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
-          if (slot < 0) continue;
-          float* to = work_in + position_[q * k + j] * h;
-          if (decoded == nullptr) {
-            DecodeRow(dispatch_format, record + k * 8, h, to);
-            decoded = to;
-          } else {
-            std::memcpy(to, decoded, h * 4);
+      for (int s = 0; s < g; ++s) {
+        for (int64_t i = 0; i < recv_n[s]; ++i) {
+          const int64_t q = source_first[s] + i;
+          const uint8_t* record = source_records[s] + i * record_bytes_;
+          std::memcpy(slot_ids_.data(), record, k * 4);
+          const float* decoded = nullptr;
+          for (int j = 0; j < k; ++j) {
+            const int32_t slot = slot_ids_[j];
+            position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
+            if (slot < 0) continue;
+            float* to = work_in + position_[q * k + j] * h;
+            if (decoded == nullptr) {
+              DecodeRow(dispatch_format, record + k * 8, h, to);
+              decoded = to;
+            } else {
+              std::memcpy(to, decoded, h * 4);
+            }
           }
         }
       }
@@ -358,7 +419,7 @@ class A2aExecutor : public MoeExecutor {
       int64_t back_at = 0;
       for (int s = 0; s < g; ++s) {
         int64_t count = 0;
-        for (int64_t q = recv_first[s]; q < recv_first[s + 1]; ++q) {
+        for (int64_t q = source_first[s]; q < source_first[s + 1]; ++q) {
           if (partial) {
             ++count;
             continue;
@@ -371,9 +432,10 @@ class A2aExecutor : public MoeExecutor {
       }
       const float* const work_out = work_out_.floats();
       for (int s = 0; s < g; ++s) {
-        uint8_t* to = s == me ? returns + back_recv_offsets[me] : back_send_.data() + back_send_offsets[s];
-        for (int64_t q = recv_first[s]; q < recv_first[s + 1]; ++q) {
-          const uint8_t* weights = records + q * record_bytes_ + k * 4;
+        uint8_t* to = s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s];
+        for (int64_t i = 0; i < recv_n[s]; ++i) {
+          const int64_t q = source_first[s] + i;
+          const uint8_t* weights = source_records[s] + i * record_bytes_ + k * 4;
           if (partial) {
             std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
             for (int j = 0; j < k; ++j) {
@@ -400,11 +462,11 @@ class A2aExecutor : public MoeExecutor {
       }
       st.pack_us += watch.Lap();
       EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(back_send_.data(), back_send_bytes, back_send_offsets, returns,
-                                            back_recv_bytes, back_recv_offsets));
+                                            back_recv_bytes_, back_recv_offsets_));
       st.combine_us += watch.Lap();
       for (int r = 0; r < g; ++r) {
         st.bytes_sent += back_send_bytes[r];
-        st.bytes_received += back_recv_bytes[r];
+        st.bytes_received += back_recv_bytes_[r];
       }
     }
 
@@ -449,8 +511,6 @@ class A2aExecutor : public MoeExecutor {
     int64_t capacity_ = 0;
   };
 
-  // A rank's need of rounds at or above this says that rank cannot fit one row per peer.
-  static constexpr int64_t kRefused = int64_t{1} << 62;
 
   Communicator& comm_;
   ModelConfig model_;
@@ -463,14 +523,21 @@ class A2aExecutor : public MoeExecutor {
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
-  int64_t record_bytes_ = 0, returns_bytes_ = 0, per_received_row_ = 0, per_returned_row_ = 0;
+  int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;
+  int64_t picks_per_row_ = 0, items_cap_ = 0;
+  bool partial_ = false;
   std::vector<int32_t> pick_rank_, pick_slot_;     // per pick of this rank's rows
   std::vector<int64_t> pick_return_;               // per pick: byte offset of its output in returns_ (-1: none)
   std::vector<int64_t> nth_;                       // per expert: picks dealt so far this step
   std::vector<int64_t> send_count_, recv_count_;   // rows to / from each rank this step
+  std::vector<int64_t> count_matrix_;              // rows rank s sends rank d, at s * G + d
   std::vector<int64_t> send_row_begin_, send_rows_;  // rows per destination, in row order
   std::vector<int64_t> send_return_at_;            // per destination: returns before each of its rows
+  std::vector<int64_t> region_;                    // per destination: where its returns start
+  std::vector<int64_t> send_n_, send_bytes_, send_offsets_;     // this round's records per destination
+  std::vector<int64_t> back_recv_bytes_, back_recv_offsets_;    // this round's returns per destination
   std::vector<int64_t> position_;                  // per received pick: its row in the expert-ordered input
+  std::vector<int32_t> slot_ids_;
   std::vector<float> partial_row_;
   ScratchBuffer returns_, send_, recv_, work_in_, work_out_, back_send_;
 };
