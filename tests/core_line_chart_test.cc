@@ -38,6 +38,9 @@ TEST(LineChart, MarkersOffAndYMinMoveTheLine) {
   chart.y_min = 0.5;  // now y = 0.5 is the bottom edge
   const std::string from_half = LineChartSvg(chart, 0);
   EXPECT_NE(from_half.find("60.0,270.0 "), std::string::npos) << from_half;
+  chart.y_max = 2.5;  // and y = 1.0 a quarter of the way up
+  const std::string to_top = LineChartSvg(chart, 0);
+  EXPECT_NE(to_top.find("420.0,210.0 "), std::string::npos) << to_top;
 }
 
 TEST(LineChart, EmptyChartSaysNoDataAndDocumentHoldsEveryChart) {

@@ -19,7 +19,9 @@ struct LineChart {
   std::string title, x_label, y_label;
   bool log_x = false;    // base-2 logarithmic x axis (when every x > 0)
   bool markers = true;   // a dot at every point (off for long series)
-  double y_min = 0;      // bottom of the y axis; the top is 8% above the largest y
+  double y_min = 0;      // bottom of the y axis
+  double y_max = 0;      // top of the y axis when above y_min; else 8% above the largest y (the
+                         // legend sits in the top left corner: leave room there)
   std::vector<LineSeries> series;
 };
 

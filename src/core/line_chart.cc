@@ -75,7 +75,7 @@ std::string LineChartSvg(const LineChart& chart, double x0) {
     return kLeft + (hi > lo ? (x - lo) / (hi - lo) : 0.5) * plot_w;
   };
   const double ybottom = chart.y_min;
-  const double ytop = ymax > ybottom ? ymax * 1.08 : ybottom + 1.0;
+  const double ytop = chart.y_max > ybottom ? chart.y_max : ymax > ybottom ? ymax * 1.08 : ybottom + 1.0;
   auto fy = [&](double y) { return kTop + plot_h - (y - ybottom) / (ytop - ybottom) * plot_h; };
   // Axes: ticks and labels.
   std::vector<double> xticks;
