@@ -235,6 +235,17 @@ TEST(Executor, A2aRowsTravelInEveryFormat) {
   RunAndCheck(c, EvenishRows(7), nullptr, 1);
 }
 
+// The expert side puts each received row in the kernel's input format once (QuantizeRows) and runs
+// the picks on copies of it (RunQuantized): bit for bit the single-process layer in every format.
+TEST(Executor, A2aIsExactInEveryWeightFormat) {
+  for (WeightFormat format : {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4}) {
+    SCOPED_TRACE(WeightFormatName(format));
+    Case c;
+    c.weights = format;
+    RunAndCheck(c, EvenishRows(2 * World().size() + 3), nullptr, 1);
+  }
+}
+
 TEST(Executor, A2aPartialSumsSendFewerBytesBack) {
   const int g = World().size();
   for (RowOrigin origin : {RowOrigin::kDataParallel, RowOrigin::kTensorParallel}) {

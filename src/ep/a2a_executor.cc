@@ -105,6 +105,11 @@ class A2aExecutor : public MoeExecutor {
 
 
  private:
+  // The step's buffers: returns, records sent and received, received rows decoded and in the
+  // kernel's input format, expert-ordered inputs (kernel format) and outputs (fp32), outputs going
+  // back.
+  static constexpr int kBuffers = 8;
+
   // Rows [first, first + count) of destination d's list in round `round` of `rounds`: both sides
   // split a pair's rows the same way, so no per-round counts travel.
   static int64_t RoundFirst(int64_t count, int64_t round, int64_t rounds) { return count * round / rounds; }
@@ -121,7 +126,9 @@ class A2aExecutor : public MoeExecutor {
     for (int r = 0; r < g; ++r) {
       const int64_t out = Sent(rank, r), in = Sent(r, rank);
       bytes += out * (partial_ ? 1 : picks_per_row_) * return_bytes_;  // returns (an upper bound)
-      bytes += RoundShare(out, rounds) * record_bytes_ + RoundShare(in, rounds) * picks_per_row_ * 2 * hidden_ * 4;
+      // Received rows decoded and in the kernel's input format, then one input (kernel format,
+      // bounded by fp32: the kernel may differ between ranks) and one fp32 output per pick.
+      bytes += RoundShare(out, rounds) * record_bytes_ + RoundShare(in, rounds) * (picks_per_row_ + 1) * 2 * hidden_ * 4;
       if (r != rank) bytes += RoundShare(in, rounds) * (record_bytes_ + per_returned_row_);
     }
     return bytes;
@@ -131,30 +138,32 @@ class A2aExecutor : public MoeExecutor {
   // holding both would exceed the bound, then reserves. Returns the bytes held.
   int64_t ReserveBuffers(int64_t rounds) {
     const int g = comm_.size(), me = comm_.rank();
-    int64_t send_cap = 0, recv_cap = 0, items_cap = 0, back_cap = 0;
+    int64_t send_cap = 0, recv_cap = 0, items_cap = 0, back_cap = 0, received_cap = 0;
     for (int r = 0; r < g; ++r) {
       const int64_t in = RoundShare(recv_count_[r], rounds);
       send_cap += RoundShare(send_count_[r], rounds) * record_bytes_;
       items_cap += in * picks_per_row_;
+      received_cap += in;
       if (r != me) {
         recv_cap += in * record_bytes_;
         back_cap += in * per_returned_row_;
       }
     }
     items_cap_ = items_cap;
-    const int64_t rows_bytes = items_cap * hidden_ * 4;
-    const int64_t needs[] = {returns_bytes_, send_cap, recv_cap, rows_bytes, rows_bytes, back_cap};
+    const int64_t needs[kBuffers] = {returns_bytes_, send_cap, recv_cap, received_cap * hidden_ * 4,
+                                     received_cap * activation_bytes_, items_cap * activation_bytes_,
+                                     items_cap * hidden_ * 4, back_cap};
     return Reserve(needs);
   }
-  int64_t Reserve(std::span<const int64_t> needs) {
-    ScratchBuffer* buffers[] = {&returns_, &send_, &recv_, &work_in_, &work_out_, &back_send_};
+  int64_t Reserve(std::span<const int64_t, kBuffers> needs) {
+    ScratchBuffer* buffers[kBuffers] = {&returns_, &send_, &recv_, &decoded_, &quantized_, &work_in_, &work_out_, &back_send_};
     int64_t held = 0;
-    for (int b = 0; b < 6; ++b) held += std::max(buffers[b]->capacity(), needs[b]);
-    for (int b = 0; b < 6; ++b) {
+    for (int b = 0; b < kBuffers; ++b) held += std::max(buffers[b]->capacity(), needs[b]);
+    for (int b = 0; b < kBuffers; ++b) {
       if (held > options_.max_buffer_bytes) buffers[b]->ShrinkTo(needs[b]);
     }
     held = 0;
-    for (int b = 0; b < 6; ++b) {
+    for (int b = 0; b < kBuffers; ++b) {
       buffers[b]->Reserve(needs[b]);
       held += buffers[b]->capacity();
     }
@@ -217,6 +226,7 @@ class A2aExecutor : public MoeExecutor {
     record_bytes_ = k * 8 + RowBytes(dispatch_format, h);
     return_bytes_ = RowBytes(combine_format, h);
     picks_per_row_ = std::min(k, slots);
+    activation_bytes_ = store.activation_row_bytes();
     per_returned_row_ = (partial ? 1 : picks_per_row_) * return_bytes_;
     const int64_t return_bytes = return_bytes_;
     StepStats st;
@@ -293,7 +303,7 @@ class A2aExecutor : public MoeExecutor {
     for (int d = 0; d < g; ++d) own_send += send_count_[d] * record_bytes_;
     bool packed = false;
     if (returns_bytes_ + own_send <= options_.max_buffer_bytes) {
-      const int64_t needs[] = {returns_bytes_, own_send, 0, 0, 0, 0};
+      const int64_t needs[kBuffers] = {returns_bytes_, own_send, 0, 0, 0, 0, 0, 0};
       Reserve(needs);
       PackRound(0, 1, rows, picks);
       packed = true;
@@ -383,30 +393,36 @@ class A2aExecutor : public MoeExecutor {
       const int64_t items = slot_offsets[slots];
       EPMOE_CHECK(items <= items_cap_);
       std::copy(slot_offsets.begin(), slot_offsets.end() - 1, slot_cursor.begin());
+      // Each received row is decoded once and put in the kernel's input format once
+      // (QuantizeRows); its picks then take copies of those smaller rows, and RunQuantized gives
+      // what Run would on the decoded rows, bit for bit.
       position_.resize(received * k);
-      float* const work_in = work_in_.floats();
+      float* const decoded = decoded_.floats();
+      for (int s = 0; s < g; ++s) {
+        for (int64_t i = 0; i < recv_n[s]; ++i) {
+          DecodeRow(dispatch_format, source_records[s] + i * record_bytes_ + k * 8, h,
+                    decoded + (source_first[s] + i) * h);
+        }
+      }
+      const int64_t act = activation_bytes_;
+      std::byte* const quantized = reinterpret_cast<std::byte*>(quantized_.data());
+      std::byte* const work_in = reinterpret_cast<std::byte*>(work_in_.data());
+      st.pack_us += watch.Lap();
+      if (received > 0) store.QuantizeRows(decoded, received, quantized, pool_);
+      st.experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
       for (int s = 0; s < g; ++s) {
         for (int64_t i = 0; i < recv_n[s]; ++i) {
           const int64_t q = source_first[s] + i;
-          const uint8_t* record = source_records[s] + i * record_bytes_;
-          std::memcpy(slot_ids_.data(), record, k * 4);
-          const float* decoded = nullptr;
+          std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
           for (int j = 0; j < k; ++j) {
             const int32_t slot = slot_ids_[j];
             position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
-            if (slot < 0) continue;
-            float* to = work_in + position_[q * k + j] * h;
-            if (decoded == nullptr) {
-              DecodeRow(dispatch_format, record + k * 8, h, to);
-              decoded = to;
-            } else {
-              std::memcpy(to, decoded, h * 4);
-            }
+            if (slot >= 0) std::memcpy(work_in + position_[q * k + j] * act, quantized + q * act, act);
           }
         }
       }
       st.pack_us += watch.Lap();
-      if (items > 0) store.Run(work_in, slot_offsets, work_out_.floats(), pool_);
+      if (items > 0) store.RunQuantized(work_in, slot_offsets, work_out_.floats(), pool_);
       for (int s = 0; s < slots; ++s) {
         if (slot_offsets[s + 1] > slot_offsets[s]) st.expert_bytes_read += store.expert_bytes(s);
       }
@@ -524,7 +540,7 @@ class A2aExecutor : public MoeExecutor {
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
   int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;
-  int64_t picks_per_row_ = 0, items_cap_ = 0;
+  int64_t picks_per_row_ = 0, items_cap_ = 0, activation_bytes_ = 0;
   bool partial_ = false;
   std::vector<int32_t> pick_rank_, pick_slot_;     // per pick of this rank's rows
   std::vector<int64_t> pick_return_;               // per pick: byte offset of its output in returns_ (-1: none)
@@ -539,7 +555,7 @@ class A2aExecutor : public MoeExecutor {
   std::vector<int64_t> position_;                  // per received pick: its row in the expert-ordered input
   std::vector<int32_t> slot_ids_;
   std::vector<float> partial_row_;
-  ScratchBuffer returns_, send_, recv_, work_in_, work_out_, back_send_;
+  ScratchBuffer returns_, send_, recv_, decoded_, quantized_, work_in_, work_out_, back_send_;
 };
 
 }  // namespace
