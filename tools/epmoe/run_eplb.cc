@@ -38,6 +38,10 @@ void AddEplbOptions(CLI::App* cmd, EplbRunOptions* o) {
       ->check(kNonNegative)->capture_default_str();
   cmd->add_option("--eplb-move-gbps", o->move_gbps, "payback trigger: GB/s the weight move is priced at")
       ->check(kPositive)->capture_default_str();
+  cmd->add_option("--eplb-roll-call-seconds", o->roll_call_seconds,
+                  "After a rebalancing exchange timed out (--comm-timeout): how long rank 0 waits for the other ranks "
+                  "to answer the roll call that names the ones that stopped")
+      ->check(kPositive)->capture_default_str();
   cmd->add_option("--metrics-file", o->metrics_file,
                   "With --eplb: rewrite this Prometheus text file (atomically) after every step (rank 0)");
 }
@@ -80,6 +84,7 @@ Result<std::unique_ptr<EplbSession>> EplbSession::Create(Communicator& comm, con
   ro.layers_per_chunk = o.layers_per_chunk;
   ro.async = o.async;
   ro.move_bytes_per_second = o.move_gbps * 1e9;
+  ro.roll_call_seconds = o.roll_call_seconds;
   EPMOE_ASSIGN_OR_RETURN(session->rebalancer_, Rebalancer::Create(comm, *target, initial, ro));
   RecorderOptions rec;
   rec.window_steps = static_cast<int>(o.window > 0 ? o.window : std::min<int64_t>(o.interval, 100000));

@@ -33,6 +33,7 @@ struct EplbRunOptions {
   std::string policy = "deepseek";
   int redundant = 0;
   double move_gbps = 10;            // payback: bytes moved per second, in GB/s
+  double roll_call_seconds = 10;    // after a timed-out exchange: rank 0's wait for the others' answers
   std::string metrics_file;
 };
 
