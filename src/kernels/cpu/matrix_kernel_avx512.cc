@@ -480,6 +480,11 @@ struct FourBit {
 constexpr int kFourBitStreamBlocks = 2, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
+// Up to this many rows, 4-bit weights are expanded in registers as they stream, once per tile of 4
+// rows (from memory for the first, from cache for the others): expanding a panel first does not
+// overlap the memory reads with arithmetic, which costs more than expanding again until the rows
+// are many.
+constexpr int64_t kFourBitStreamMaxRows = 16;
 
 template <WeightFormat kFormat>
 class FourBitKernel final : public MatrixKernel {
@@ -507,7 +512,7 @@ class FourBitKernel final : public MatrixKernel {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
-    if (rows <= kStreamRows) {
+    if (rows <= kFourBitStreamMaxRows) {
       RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
       return;
     }
