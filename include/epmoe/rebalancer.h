@@ -16,7 +16,9 @@
 // timed out cannot tell what the others did: the caller must then abort the job, Communicator::Abort).
 // When an exchange times out, the ranks that noticed hold a roll call (bounded, over private
 // two-rank communicators made at Create) and the error names the rank(s) that did not answer.
-// Not thread-safe: one Rebalancer per rank, driven by the thread that runs the steps.
+// Not thread-safe: one Rebalancer per rank, driven by the thread that runs the steps (with async,
+// rank 0's policy runs on a helper thread the Rebalancer starts; it reads only its own copies of the
+// window and the live placement, and a thread still running when the Rebalancer goes is detached).
 #pragma once
 
 #include <cstddef>
@@ -106,7 +108,7 @@ class Rebalancer {
  public:
   // `initial` is the placement the target runs now. The communicator and target must outlive the
   // Rebalancer. Collective (every rank, same options): refuses, on every rank, targets whose
-  // expert_bytes() differ between ranks.
+  // expert_bytes() differ between ranks; makes the roll call's size - 1 two-rank communicators.
   static Result<std::unique_ptr<Rebalancer>> Create(Communicator& comm, RebalanceTarget& target,
                                                     PlacementPtr initial, const RebalancerOptions& options);
   ~Rebalancer();
