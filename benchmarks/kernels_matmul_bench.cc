@@ -82,11 +82,13 @@ void BM_Read(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kMatrixBytes);
 }
 
-// The prefill regime: a panel of weights that stays in L2, 192 rows in one MatMul, so the figure
-// is the register tile's arithmetic rate; compare GOP/s with BM_Peak of the format's path.
+// Weights that stay in L2 (192 channels): with 192 rows the figure is the prefill register tile's
+// arithmetic rate (compare GOP/s with BM_Peak of the format's path); with 1 row it is the decode
+// tile's instruction cost per weight byte, with no memory in the way (bytes_per_second).
 void BM_MatMulCached(benchmark::State& state) {
   const auto format = static_cast<WeightFormat>(state.range(0));
-  constexpr int64_t kChannels = 192, kRows = 192;
+  const int64_t kRows = state.range(1);
+  constexpr int64_t kChannels = 192;
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, BestSupportedIsa(), kCols, kCols);
   Matrix m(kChannels, kCols);
   std::mt19937 rng(3);
@@ -105,6 +107,7 @@ void BM_MatMulCached(benchmark::State& state) {
     kernel->MatMul(weights, 0, kChannels, acts.data(), kRows, out.data(), kChannels);
     benchmark::DoNotOptimize(out.data());
   }
+  state.SetBytesProcessed(state.iterations() * weights.bytes());
   state.counters["GOP/s"] = benchmark::Counter(2.0 * kRows * kChannels * kCols * state.iterations(),
                                                benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
   state.SetLabel(std::string(WeightFormatName(format)) + "/" + IsaName(kernel->isa()));
@@ -131,7 +134,9 @@ void MatMulArguments(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMul)->Apply(MatMulArguments)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_MatMulCached)->DenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MatMulCached)
+    ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1), {1, 192}})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Peak)->DenseRange(0, 2)->Unit(benchmark::kMillisecond);
 
 }  // namespace

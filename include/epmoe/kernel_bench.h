@@ -59,8 +59,11 @@ struct KernelBenchPoint {
   double us = 0;      // median time of the layer's routed experts
   int64_t bytes = 0;  // expert weight bytes read (touched experts, scales included)
   double gbps = 0;
-  double read_gbps_used = 0;      // bandwidth measured next to this format's points
-  double peak_used = 0;           // peak of the kernel's arithmetic path, measured likewise
+  // The run's medians (MachineFigures): bandwidth, and the peak of the kernel's arithmetic path.
+  // Medians, not the figures measured next to the format: on a virtual machine one measurement
+  // can land on faster memory (1.6x seen) and would misjudge that format alone.
+  double read_gbps_used = 0;
+  double peak_used = 0;
   double bandwidth_fraction = 0;  // gbps / read_gbps_used
   double operations = 0;          // 2 * picks * 3 * hidden * intermediate
   double gflops = 0;

@@ -37,9 +37,11 @@ constexpr int64_t kLanes = 16;  // output channels per block
 // Rows up to which MatMul streams the weights once with short tiles; more rows run the taller
 // prefill tiles over cached weights.
 constexpr int64_t kStreamRows = 4;
-// How far ahead of its loads a streaming tile prefetches each weight stream: far enough to cover
-// memory latency at full bandwidth with every stream of both cores in flight.
-constexpr int64_t kPrefetchBytes = 1024;
+// How far ahead of its loads a streaming tile prefetches each weight stream, into L2 (not L1,
+// whose few miss buffers would then limit the reads in flight): 4 KB per stream covers memory
+// latency at full bandwidth (one thread, 4-bit decode: 1 KB into L1 read 16 GB/s, 4 KB into L2
+// 24 GB/s, a plain read 20 GB/s).
+constexpr int64_t kPrefetchBytes = 4096;
 
 int64_t RoundUp(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
@@ -50,6 +52,15 @@ inline __m512i BroadcastGroup(const uint8_t* at) {
   int32_t group;
   std::memcpy(&group, at, 4);
   return _mm512_set1_epi32(group);
+}
+
+// Where a streaming tile prefetches: `ahead` bytes past its current position in block j of the B
+// contiguous blocks (each `block_bytes`) that start at `tile`. Past the end of its block, stream j
+// prefetches the start of block j of the next tile, so every stream of the next tile starts warm
+// (prefetching past the end of the matrix is harmless: a prefetch never faults).
+inline void PrefetchStream(const uint8_t* tile, int j, int blocks, int64_t block_bytes, int64_t ahead) {
+  const int64_t offset = j * block_bytes + ahead + (ahead >= block_bytes ? (blocks - 1) * block_bytes : 0);
+  _mm_prefetch(reinterpret_cast<const char*>(tile + offset), _MM_HINT_T1);
 }
 
 inline int32_t LoadInt32(const uint8_t* at) {
@@ -193,9 +204,8 @@ struct DenseTile {
     for (int64_t g = 0; g < groups; ++g) {
       __m512i wv[B];
       for (int j = 0; j < B; ++j) {
-        const uint8_t* at = w + (j * groups + g) * 64;
-        if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
-        wv[j] = _mm512_loadu_si512(at);
+        if constexpr (kStream) PrefetchStream(w, j, B, groups * 64, g * 64 + kPrefetchBytes);
+        wv[j] = _mm512_loadu_si512(w + (j * groups + g) * 64);
       }
       for (int r = 0; r < R; ++r) {
         const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
@@ -216,6 +226,11 @@ struct DenseTiles {
   template <int R, int B>
   using Cached = DenseTile<Dot, false, R, B>;
 };
+
+// Up to this many rows the prefill tiles still prefetch their weights from memory: with few row
+// tiles per channel tile, each weight vector is read from memory by the first and from cache by
+// the rest, so the first should not wait for it.
+constexpr int64_t kStreamTallRows = 16;
 
 // The prefill tile: 8 rows x 3 blocks = 24 accumulators, 3 weight vectors and a broadcast.
 constexpr int kPrefillRows = 8, kPrefillBlocks = 3;
@@ -260,6 +275,9 @@ class DenseKernel final : public MatrixKernel {
     if (rows <= kStreamRows) {
       RunTiles<DenseTiles<Dot>::template Stream, kStreamRows, kStreamBlocks>(base, n_begin / kLanes, n_end / kLanes,
                                                                              rows);
+    } else if (rows <= kStreamTallRows) {
+      RunTiles<DenseTiles<Dot>::template Stream, kPrefillRows, kPrefillBlocks>(base, n_begin / kLanes, n_end / kLanes,
+                                                                               rows);
     } else {
       RunTiles<DenseTiles<Dot>::template Cached, kPrefillRows, kPrefillBlocks>(base, n_begin / kLanes, n_end / kLanes,
                                                                                rows);
@@ -397,8 +415,8 @@ struct FourBit {
           const int64_t c = sb * (kScaleBlock / 16) + chunk;
           __m512i v[B][4];
           for (int j = 0; j < B; ++j) {
-            _mm_prefetch(reinterpret_cast<const char*>(w[j] + c * 128 + kPrefetchBytes), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(w[j] + c * 128 + kPrefetchBytes + 64), _MM_HINT_T0);
+            PrefetchStream(w[0], j, B, chunks * 128, c * 128 + kPrefetchBytes);
+            PrefetchStream(w[0], j, B, chunks * 128, c * 128 + kPrefetchBytes + 64);
             ExpandChunk(w[j] + c * 128, table, v[j]);
           }
           for (int r = 0; r < R; ++r) {
@@ -427,6 +445,9 @@ struct FourBit {
     for (int64_t j = 0; j < blocks; ++j) {
       const uint8_t* w = m.values.data() + (block + j) * chunks * 128;
       for (int64_t c = 0; c < chunks; ++c) {
+        // The panel's blocks are contiguous: one stream, read ahead into the next block or panel.
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * 128 + kPrefetchBytes), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * 128 + kPrefetchBytes + 64), _MM_HINT_T1);
         __m512i v[4];
         ExpandChunk(w + c * 128, table, v);
         for (int i = 0; i < 4; ++i) _mm512_storeu_si512(values + ((j * chunks + c) * 4 + i) * 64, v[i]);
