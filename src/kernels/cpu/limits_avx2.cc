@@ -7,6 +7,9 @@ namespace epmoe::kernels {
 uint64_t ReadSumAvx2(const uint8_t* data, int64_t bytes) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < bytes; i += 128) {
+    // 4 KB ahead into L2, as in ReadSumAvx512.
+    _mm_prefetch(reinterpret_cast<const char*>(data + i + 4096), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(data + i + 4096 + 64), _MM_HINT_T1);
     a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + i)));
     a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + i + 32)));
     a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + i + 64)));
