@@ -442,6 +442,20 @@ TEST(PlanSeedTest, DwdpLosesDecodeAndPrefillAtEightGpus) {
   EXPECT_NE(r.winners[0].option, PlanOption::kTravelingWeights);
 }
 
+TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
+  const ModelConfig m = Preset("qwen3-30b-a3b");
+  PlanConfig config;
+  config.batches = {64};
+  config.gpus = {2};
+  config.samples = 2;
+  HardwareProfile gpus = Profile("h100x8");
+  const OptionCost overlapped = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  EXPECT_DOUBLE_EQ(overlapped.layer_us, std::max(overlapped.kernel_us, overlapped.comm_us));
+  gpus.ranks_share_device = true;  // now the same cores and memory fetch and compute
+  const OptionCost shared = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  EXPECT_NEAR(shared.layer_us, shared.kernel_us + shared.comm_us, 1e-6 * shared.layer_us);
+}
+
 TEST(PlanSeedTest, TravelingRowsWinPrefillOnEightB300) {
   // Seed section 6: traveling rows are the fastest option for prefill on 8 B300 (82,000 against
   // 60,200 tokens per second for slices), mostly from moving fewer rows.

@@ -286,7 +286,9 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
     case PlanOption::kTravelingWeights:
       cost.comm = TransferUs(c.hw, gpus,
                              static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus)));
-      cost.layer = std::max(cost.kernel, cost.comm);  // fetches start ahead and overlap the kernel
+      // Fetches start ahead and overlap the kernel on GPUs (copy engines); where the ranks share a
+      // device (a CPU server) the copies take the same cores and memory as the kernel and add up.
+      cost.layer = c.hw.ranks_share_device ? cost.kernel + cost.comm : std::max(cost.kernel, cost.comm);
       break;
   }
   return cost;
@@ -365,7 +367,8 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
   const double ranks_per_device = c.hw.ranks_share_device ? std::min(gpus, c.hw.gpus_per_node) : 1;
   out.fits = out.memory_bytes <= c.hw.memory_capacity_gb * 1e9 / ranks_per_device;
   // What dominates: the largest share of the slowest rank's layer time.
-  const double exposed_comm = option == PlanOption::kTravelingWeights ? std::max(0.0, out.comm_us - out.kernel_us) : out.comm_us;
+  const bool overlapped = option == PlanOption::kTravelingWeights && !c.hw.ranks_share_device;
+  const double exposed_comm = overlapped ? std::max(0.0, out.comm_us - out.kernel_us) : out.comm_us;
   const std::pair<double, const char*> parts[] = {{out.read_us, "reading weights"},
                                                   {out.arith_us, "arithmetic"},
                                                   {exposed_comm, "communication"},
