@@ -454,6 +454,10 @@ TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
   gpus.ranks_share_device = true;  // now the same cores and memory fetch and compute
   const OptionCost shared = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
   EXPECT_NEAR(shared.layer_us, shared.kernel_us + shared.comm_us, 1e-6 * shared.layer_us);
+  // Fetches are one-sided reads: at a measured quarter of the collectives' rate they take 4x as long.
+  gpus.intra_node.one_sided_efficiency = gpus.intra_node.efficiency / 4;
+  const OptionCost slow_reads = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  EXPECT_NEAR(slow_reads.comm_us, 4 * shared.comm_us, 1e-6 * slow_reads.comm_us);
 }
 
 TEST(PlanSeedTest, TravelingRowsWinPrefillOnEightB300) {

@@ -114,6 +114,23 @@ TEST(PlanHardwareTest, NegativeOrOutOfRangeFieldsAreNamed) {
   j = B300();
   j["sources"] = json::array();
   ExpectRefused(j, {"sources"});
+  j = B300();
+  j["intra_node"]["one_sided_efficiency"] = -0.5;
+  ExpectRefused(j, {"intra_node.one_sided_efficiency", "must not be negative"});
+}
+
+// One-sided reads (DWDP) get their own share of the link when measured, and collectives' otherwise.
+TEST(PlanHardwareTest, OneSidedEfficiencyIsOptional) {
+  json j = B300();
+  ASSERT_FALSE(j["intra_node"].contains("one_sided_efficiency"));
+  auto plain = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_DOUBLE_EQ(plain->intra_node.one_sided_bytes_per_second(), plain->intra_node.bytes_per_second());
+  j["intra_node"]["one_sided_efficiency"] = 0.25;
+  auto measured = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(measured.ok()) << measured.status().message();
+  EXPECT_DOUBLE_EQ(measured->intra_node.one_sided_bytes_per_second(), measured->intra_node.bandwidth_gbs * 1e9 * 0.25);
+  EXPECT_EQ(json::parse(HardwareToJson(*measured))["intra_node"]["one_sided_efficiency"], 0.25);
 }
 
 TEST(PlanHardwareTest, UnknownFieldsAndBadTextAreRefused) {

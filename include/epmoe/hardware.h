@@ -42,8 +42,14 @@ struct LinkSpec {
   double bandwidth_gbs = 0;  // GB/s (10^9 bytes) per rank and direction, data sheet
   double efficiency = 0;     // share of bandwidth_gbs reached by collectives, (0, 1]
   double latency_us = 0;     // fixed cost of one collective step (>= 0)
+  // Share of bandwidth_gbs reached by one-sided reads (DWDP's weight fetches), when measured
+  // (`epmoe calibrate --links`); 0: as collectives.
+  double one_sided_efficiency = 0;
 
   double bytes_per_second() const { return bandwidth_gbs * 1e9 * efficiency; }
+  double one_sided_bytes_per_second() const {
+    return bandwidth_gbs * 1e9 * (one_sided_efficiency > 0 ? one_sided_efficiency : efficiency);
+  }
 };
 
 // A measured expert-kernel line: time = fixed_us + us_per_gb x (GB of weights read).

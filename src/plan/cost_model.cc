@@ -70,12 +70,16 @@ struct KernelParts {
 
 // Time to move `bytes` out of (or into) one rank spread evenly over its G-1 peers: the intra- and
 // inter-node shares travel in parallel on their own links.
-double TransferUs(const HardwareProfile& hw, int gpus, double bytes) {
+// `one_sided`: the bytes are read from the peers (DWDP) rather than sent by collectives.
+double TransferUs(const HardwareProfile& hw, int gpus, double bytes, bool one_sided = false) {
   if (gpus <= 1 || bytes <= 0) return 0;
   const int local = std::min(gpus, hw.gpus_per_node);
   const double to_other_nodes = static_cast<double>(gpus - local) / (gpus - 1);
-  const double intra = bytes * (1 - to_other_nodes) / (hw.intra_node.bytes_per_second() * 1e-6);
-  const double inter = bytes * to_other_nodes / (hw.inter_node.bytes_per_second() * 1e-6);
+  auto rate = [one_sided](const LinkSpec& link) {
+    return (one_sided ? link.one_sided_bytes_per_second() : link.bytes_per_second()) * 1e-6;
+  };
+  const double intra = bytes * (1 - to_other_nodes) / rate(hw.intra_node);
+  const double inter = bytes * to_other_nodes / rate(hw.inter_node);
   return std::max(intra, inter);
 }
 
@@ -285,7 +289,8 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
     }
     case PlanOption::kTravelingWeights:
       cost.comm = TransferUs(c.hw, gpus,
-                             static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus)));
+                             static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus)),
+                             /*one_sided=*/true);
       // Fetches start ahead and overlap the kernel on GPUs (copy engines); where the ranks share a
       // device (a CPU server) the copies take the same cores and memory as the kernel and add up.
       cost.layer = c.hw.ranks_share_device ? cost.kernel + cost.comm : std::max(cost.kernel, cost.comm);

@@ -64,13 +64,15 @@ Status ValidateLink(std::string_view source, const std::string& prefix, const Li
   EPMOE_RETURN_IF_ERROR(Positive(source, (prefix + ".bandwidth_gbs").c_str(), link.bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(Fraction(source, (prefix + ".efficiency").c_str(), link.efficiency));
   EPMOE_RETURN_IF_ERROR(NonNegative(source, (prefix + ".latency_us").c_str(), link.latency_us));
-  return Status::Ok();
+  return NonNegative(source, (prefix + ".one_sided_efficiency").c_str(), link.one_sided_efficiency);
 }
 
 Status ReadLink(const json& j, std::string_view source, const std::string& prefix, LinkSpec* link) {
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".bandwidth_gbs", &link->bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".efficiency", &link->efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".latency_us", &link->latency_us));
+  if (const auto it = j.find(prefix); it != j.end() && it->is_object() && it->contains("one_sided_efficiency"))
+    EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".one_sided_efficiency", &link->one_sided_efficiency));
   return Status::Ok();
 }
 
@@ -180,9 +182,11 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "gemm_efficiency", &p.gemm_efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "kernel_fixed_us", &p.kernel_fixed_us));
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "intra_node", &p.intra_node));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["intra_node"], source, "intra_node.", {"bandwidth_gbs", "efficiency", "latency_us"}));
+  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["intra_node"], source, "intra_node.",
+                                       {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency"}));
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "inter_node", &p.inter_node));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["inter_node"], source, "inter_node.", {"bandwidth_gbs", "efficiency", "latency_us"}));
+  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["inter_node"], source, "inter_node.",
+                                       {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency"}));
   if (auto lines = j.find("kernel_lines"); lines != j.end()) {
     if (!lines->is_array()) return InvalidArgument(fmt::format("{}: field 'kernel_lines' must be an array", source));
     for (size_t i = 0; i < lines->size(); ++i) {
@@ -210,7 +214,9 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
 
 std::string HardwareToJson(const HardwareProfile& p) {
   auto link = [](const LinkSpec& l) {
-    return json{{"bandwidth_gbs", l.bandwidth_gbs}, {"efficiency", l.efficiency}, {"latency_us", l.latency_us}};
+    json out{{"bandwidth_gbs", l.bandwidth_gbs}, {"efficiency", l.efficiency}, {"latency_us", l.latency_us}};
+    if (l.one_sided_efficiency > 0) out["one_sided_efficiency"] = l.one_sided_efficiency;
+    return out;
   };
   json lines = json::array();
   for (const auto& l : p.kernel_lines)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <memory>
@@ -136,6 +137,27 @@ Result<double> TimeAllgather(Communicator& comm, int64_t bytes, int repetitions)
   return Median(times);
 }
 
+// Median over repetitions of the slowest rank's time to read `bytes` from the next rank's window
+// (one-sided, as DWDP fetches experts), in us.
+Result<double> TimeWindowRead(Communicator& comm, int64_t bytes, int repetitions) {
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Window> window, comm.AllocateWindow(bytes));
+  std::memset(window->local(), 1, bytes);
+  std::vector<uint8_t> into(bytes);
+  const int peer = (comm.rank() + 1) % comm.size();
+  std::vector<double> times;
+  for (int rep = 0; rep < repetitions + 2; ++rep) {
+    EPMOE_RETURN_IF_ERROR(comm.Barrier());
+    const auto start = std::chrono::steady_clock::now();
+    EPMOE_RETURN_IF_ERROR(window->Get(peer, 0, bytes, into.data()));
+    EPMOE_RETURN_IF_ERROR(window->Flush());
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    EPMOE_ASSIGN_OR_RETURN(int64_t slowest, comm.AllreduceMax(ns));
+    if (rep >= 2) times.push_back(slowest / 1e3);  // the first two warm up
+  }
+  EPMOE_RETURN_IF_ERROR(comm.Barrier());  // no rank frees the window while another still reads it
+  return Median(times);
+}
+
 // Latency and per-rank bandwidth of collectives between the ranks of this job: a small all-gather
 // gives the fixed cost, large ones the bandwidth of the bytes each rank sends to its G-1 peers.
 Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator& comm) {
@@ -149,12 +171,21 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   }
   if (rates.empty()) return Internal("calibrate: the large all-gathers were not slower than the small one");
   const double bandwidth = Median(rates);
-  p->intra_node = {bandwidth, 1.0, small_us};
+  // One-sided reads (DWDP's fetches) can run at another rate than collectives: read the next
+  // rank's window at the same sizes.
+  std::vector<double> read_rates;
+  for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
+    EPMOE_ASSIGN_OR_RETURN(double us, TimeWindowRead(comm, bytes, 5));
+    read_rates.push_back(static_cast<double>(bytes) / (us * 1e3));  // GB/s
+  }
+  const double one_sided = Median(read_rates);
+  p->intra_node = {bandwidth, 1.0, small_us, one_sided / bandwidth};
   p->inter_node = p->intra_node;
   p->sources.push_back(fmt::format(
       "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), {:.2f} GB/s per rank "
-      "(median over 1 MB..{} MB per rank); inter_node = intra_node (one host)",
-      Today(), comm.description(), small_us, bandwidth, f.max_link_bytes >> 20));
+      "(median over 1 MB..{} MB per rank); one-sided window reads {:.2f} GB/s (one_sided_efficiency); "
+      "inter_node = intra_node (one host)",
+      Today(), comm.description(), small_us, bandwidth, f.max_link_bytes >> 20, one_sided));
   return Status::Ok();
 }
 
