@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "epmoe/thread_pool.h"
@@ -147,7 +146,8 @@ void KernelExpertStore::QuantizeRows(const float* rows, int64_t count, std::byte
   const int64_t stride = activation_row_bytes();
   uint8_t* target = reinterpret_cast<uint8_t*>(out);
   pool.ParallelFor(count, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) kernel_->QuantizeActivations(rows + r * hidden_, hidden_, target + r * stride);
+    for (int64_t r = begin; r < end; ++r)
+      kernel_->QuantizeActivations(rows + r * hidden_, hidden_, target + r * stride);
   });
 }
 
@@ -177,7 +177,8 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
 
   // Phase 2: silu(gate x) * (up x) for every row, in fp32.
   std::vector<float> mid(total * intermediate_);
-  const std::vector<WorkItem> gate_items = MakeItems(offsets, intermediate_, experts_[0].gate.row_bytes, 2, kernel.channel_tile());
+  const std::vector<WorkItem> gate_items =
+      MakeItems(offsets, intermediate_, experts_[0].gate.row_bytes, 2, kernel.channel_tile());
   pool.ParallelFor(static_cast<int64_t>(gate_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = gate_items[i];
@@ -207,7 +208,8 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   });
 
   // Phase 4: down projection straight into the output rows.
-  const std::vector<WorkItem> down_items = MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1, kernel.channel_tile());
+  const std::vector<WorkItem> down_items =
+      MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1, kernel.channel_tile());
   pool.ParallelFor(static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = down_items[i];

@@ -214,7 +214,8 @@ struct DenseTile {
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* row = a.acts + r * a.act_stride;
-      for (int j = 0; j < B; ++j) _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]));
+      for (int j = 0; j < B; ++j)
+        _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]));
     }
   }
 };
@@ -259,7 +260,10 @@ class DenseKernel final : public MatrixKernel {
         const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c));
         _mm512_storeu_si512(out + 2 * c, (__m512i)pair);
       }
-      if (c < cols) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + c)));
+      if (c < cols) {
+        const __m256bh last = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c), (__m256i)last);
+      }
     } else {
       int8_t* q = reinterpret_cast<int8_t*>(out);
       const float scale = QuantizeRowInt8(x, cols, q);
