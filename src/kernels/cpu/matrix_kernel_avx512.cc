@@ -233,19 +233,63 @@ struct DenseTiles {
 // the rest, so the first should not wait for it.
 constexpr int64_t kStreamTallRows = 16;
 
+// ---- SwiGLU ----
+
+// exp(x) for x <= 0 (silu needs exp(-|g|) only): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
+// degree-6 polynomial (relative error < 2e-7); underflows to 0 below -87.
+inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g * sigmoid(g) * u, sigmoid from exp(-|g|) so nothing overflows.
+void SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));  // sigmoid(|g|)
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);  // g < 0: e / (1 + e)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+  }
+  for (; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// What every AVX-512 kernel shares: the instruction set, the 16-channel-block layout and SwiGLU.
+template <WeightFormat kFormat>
+class Avx512Kernel : public MatrixKernel {
+ public:
+  Isa isa() const override { return Isa::kAvx512; }
+  WeightFormat format() const override { return kFormat; }
+  PackLayout layout() const override { return PackLayout::kChannelBlocked; }
+  int64_t channel_block() const override { return kLanes; }
+  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
+    SwiGluAvx512(gate, up, count, out);
+  }
+};
+
 // The prefill tile: 8 rows x 3 blocks = 24 accumulators, 3 weight vectors and a broadcast.
 constexpr int kPrefillRows = 8, kPrefillBlocks = 3;
 // The decode tile: up to 4 rows x 4 blocks, 4 parallel weight streams.
 constexpr int kStreamBlocks = 4;
 
 template <class Dot, WeightFormat kFormat>
-class DenseKernel final : public MatrixKernel {
+class DenseKernel final : public Avx512Kernel<kFormat> {
  public:
-  Isa isa() const override { return Isa::kAvx512; }
-  WeightFormat format() const override { return kFormat; }
-  PackLayout layout() const override { return PackLayout::kChannelBlocked; }
   bool SupportsSize(int64_t size) const override { return size % kLanes == 0; }
-  int64_t channel_block() const override { return kLanes; }
   int64_t channel_tile() const override { return kLanes * kPrefillBlocks; }
   int64_t ActivationBytes(int64_t cols) const override {
     return RoundUp(cols * Dot::kValueBytes, 64) + (kFormat == WeightFormat::kInt8 ? 64 : 0);
@@ -287,48 +331,7 @@ class DenseKernel final : public MatrixKernel {
                                                                                rows);
     }
   }
-  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override;
 };
-
-// ---- SwiGLU ----
-
-// exp(x) for x <= 0 (silu needs exp(-|g|) only): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
-// degree-6 polynomial (relative error < 2e-7); underflows to 0 below -87.
-inline __m512 ExpNonPositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// silu(g) * u = g * sigmoid(g) * u, sigmoid from exp(-|g|) so nothing overflows.
-void SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out) {
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));  // sigmoid(|g|)
-    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);  // g < 0: e / (1 + e)
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
-  }
-  for (; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-}
-
-template <class Dot, WeightFormat kFormat>
-void DenseKernel<Dot, kFormat>::SwiGlu(const float* gate, const float* up, int64_t count, float* out) const {
-  SwiGluAvx512(gate, up, count, out);
-}
 
 // ---- 4-bit (nvfp4, mxfp4) ----
 
@@ -512,15 +515,11 @@ constexpr int64_t kFourBitPanelBlocks = 4;
 constexpr int64_t kFourBitStreamMaxRows = 16;
 
 template <WeightFormat kFormat>
-class FourBitKernel final : public MatrixKernel {
+class FourBitKernel final : public Avx512Kernel<kFormat> {
   using Ops = FourBit<kFormat>;
 
  public:
-  Isa isa() const override { return Isa::kAvx512; }
-  WeightFormat format() const override { return kFormat; }
-  PackLayout layout() const override { return PackLayout::kChannelBlocked; }
   bool SupportsSize(int64_t size) const override { return size % kLanes == 0 && size % Ops::kScaleBlock == 0; }
-  int64_t channel_block() const override { return kLanes; }
   int64_t channel_tile() const override { return kLanes * kFourBitPanelBlocks; }
   int64_t ActivationBytes(int64_t cols) const override { return RoundUp(Ops::ScaleOffset(cols) + 4, 64); }
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
@@ -556,9 +555,6 @@ class FourBitKernel final : public MatrixKernel {
       panel.panel_block = b;
       RunTiles<Ops::template CachedTile, kFourBitPrefillRows, kFourBitPrefillBlocks>(panel, b, b + blocks, rows);
     }
-  }
-  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
-    SwiGluAvx512(gate, up, count, out);
   }
 };
 
