@@ -10,22 +10,14 @@
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 #include "epmoe/weight_format.h"
+#include "mpi_world.h"
 
 namespace epmoe {
 namespace {
 
 constexpr uint64_t kSeed = 7;
 
-Communicator& World() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions options;
-    options.timeout_seconds = 120;
-    auto world = WorldCommunicator(options);
-    EPMOE_CHECK_MSG(world.ok(), world.status().ToString());
-    return std::move(world).value();
-  }();
-  return *comm;
-}
+Communicator& World() { return testing::SharedWorld(120); }
 
 ThreadPool& Pool() {
   static ThreadPool pool(1);

@@ -16,20 +16,12 @@
 #include "epmoe/rebalancer.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
+#include "mpi_world.h"
 
 namespace epmoe {
 namespace {
 
-Communicator& World() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions options;
-    options.timeout_seconds = 60;
-    auto world = WorldCommunicator(options);
-    EPMOE_CHECK_MSG(world.ok(), world.status().ToString());
-    return std::move(world).value();
-  }();
-  return *comm;
-}
+Communicator& World() { return testing::SharedWorld(60); }
 
 void CheckOk(const Status& status) { EPMOE_CHECK_MSG(status.ok(), status.ToString()); }
 

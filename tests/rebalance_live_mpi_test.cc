@@ -15,6 +15,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/rebalancer.h"
+#include "mpi_world.h"
 
 namespace epmoe {
 namespace {
@@ -26,16 +27,7 @@ constexpr int64_t kExpertBytes = kDim * kDim * sizeof(float);
 
 void CheckOk(const Status& status) { EPMOE_CHECK_MSG(status.ok(), status.ToString()); }
 
-Communicator& World() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions options;
-    options.timeout_seconds = 60;
-    auto world = WorldCommunicator(options);
-    EPMOE_CHECK_MSG(world.ok(), world.status().ToString());
-    return std::move(world).value();
-  }();
-  return *comm;
-}
+Communicator& World() { return testing::SharedWorld(60); }
 
 uint64_t Mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;

@@ -8,20 +8,12 @@
 
 #include "epmoe/comm.h"
 #include "epmoe/weight_mover.h"
+#include "mpi_world.h"
 
 namespace epmoe {
 namespace {
 
-Communicator& World() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions options;
-    options.timeout_seconds = 60;
-    auto world = WorldCommunicator(options);
-    EPMOE_CHECK_MSG(world.ok(), world.status().ToString());
-    return std::move(world).value();
-  }();
-  return *comm;
-}
+Communicator& World() { return testing::SharedWorld(60); }
 
 // The stored bytes of expert `expert` of `layer`: distinct for every (layer, expert, byte).
 std::vector<std::byte> ExpertContent(int layer, int expert, int64_t bytes) {
