@@ -119,43 +119,47 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   return Status::Ok();
 }
 
-// Median over repetitions of the slowest rank's time of one all-gather of `bytes` per rank, in us.
+// Median over `repetitions` of the slowest rank's time of `operation` (run by every rank after a
+// barrier), in us; two more runs before them warm up.
+template <class Operation>
+Result<double> TimeSlowestRank(Communicator& comm, int repetitions, Operation operation) {
+  std::vector<double> times;
+  for (int rep = 0; rep < repetitions + 2; ++rep) {
+    EPMOE_RETURN_IF_ERROR(comm.Barrier());
+    const auto start = std::chrono::steady_clock::now();
+    EPMOE_RETURN_IF_ERROR(operation());
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    EPMOE_ASSIGN_OR_RETURN(int64_t slowest, comm.AllreduceMax(ns));
+    if (rep >= 2) times.push_back(slowest / 1e3);
+  }
+  return Median(times);
+}
+
+// One all-gather of `bytes` per rank, timed as TimeSlowestRank does.
 Result<double> TimeAllgather(Communicator& comm, int64_t bytes, int repetitions) {
   const int g = comm.size();
   std::vector<uint8_t> send(bytes, 1), recv(bytes * g);
   const std::vector<int64_t> sizes(g, bytes);
   const std::vector<int64_t> offsets = PrefixOffsets(sizes);
-  std::vector<double> times;
-  for (int rep = 0; rep < repetitions + 2; ++rep) {
-    EPMOE_RETURN_IF_ERROR(comm.Barrier());
-    const auto start = std::chrono::steady_clock::now();
-    EPMOE_RETURN_IF_ERROR(comm.Allgatherv(send.data(), bytes, recv.data(), sizes, std::span(offsets).first(g)));
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-    EPMOE_ASSIGN_OR_RETURN(int64_t slowest, comm.AllreduceMax(ns));
-    if (rep >= 2) times.push_back(slowest / 1e3);  // the first two warm up
-  }
-  return Median(times);
+  return TimeSlowestRank(comm, repetitions, [&] {
+    return comm.Allgatherv(send.data(), bytes, recv.data(), sizes, std::span(offsets).first(g));
+  });
 }
 
-// Median over repetitions of the slowest rank's time to read `bytes` from the next rank's window
-// (one-sided, as DWDP fetches experts), in us.
+// Reading `bytes` from the next rank's window (one-sided, as DWDP fetches experts), timed as
+// TimeSlowestRank does.
 Result<double> TimeWindowRead(Communicator& comm, int64_t bytes, int repetitions) {
   EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Window> window, comm.AllocateWindow(bytes));
   std::memset(window->local(), 1, bytes);
   std::vector<uint8_t> into(bytes);
   const int peer = (comm.rank() + 1) % comm.size();
-  std::vector<double> times;
-  for (int rep = 0; rep < repetitions + 2; ++rep) {
-    EPMOE_RETURN_IF_ERROR(comm.Barrier());
-    const auto start = std::chrono::steady_clock::now();
+  Result<double> us = TimeSlowestRank(comm, repetitions, [&]() -> Status {
     EPMOE_RETURN_IF_ERROR(window->Get(peer, 0, bytes, into.data()));
-    EPMOE_RETURN_IF_ERROR(window->Flush());
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-    EPMOE_ASSIGN_OR_RETURN(int64_t slowest, comm.AllreduceMax(ns));
-    if (rep >= 2) times.push_back(slowest / 1e3);  // the first two warm up
-  }
+    return window->Flush();
+  });
+  if (!us.ok()) return us;
   EPMOE_RETURN_IF_ERROR(comm.Barrier());  // no rank frees the window while another still reads it
-  return Median(times);
+  return us;
 }
 
 // Latency and per-rank bandwidth of collectives between the ranks of this job: a small all-gather
