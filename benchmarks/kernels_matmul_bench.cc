@@ -3,6 +3,8 @@
 // bytes. Google Benchmark reports CPU time of the benchmark thread, so the figures hold up on a
 // machine shared with other processes (unlike wall time); compare weights GB/s with BM_Read.
 // BM_MatMulCached and BM_Peak compare the prefill register tiles with the arithmetic peak.
+// BM_ExpertStore times a whole grouped SwiGLU (ExpertStore::Run, all four phases) on one thread
+// for a given number of rows per expert, which is what T tokens make of a layer.
 //   build/benchmarks/kernels_matmul_bench --benchmark_filter='int8|Read'
 #include <benchmark/benchmark.h>
 
@@ -11,6 +13,8 @@
 #include <random>
 
 #include "epmoe/cpu.h"
+#include "epmoe/expert_ffn.h"
+#include "epmoe/thread_pool.h"
 #include "kernels/cpu/limits_kernels.h"
 #include "kernels/kernel.h"
 
@@ -127,6 +131,49 @@ void BM_Peak(benchmark::State& state) {
   state.SetLabel(ArithmeticPathName(path));
 }
 
+// 24 experts of the qwen3-30b-a3b shape (64 MB in the 4-bit formats, twice the L3), each with
+// `rows` rows, run by a pool of one thread (which runs inline, so CPU time is the kernel's).
+void BM_ExpertStore(benchmark::State& state) {
+  const auto format = static_cast<WeightFormat>(state.range(0));
+  const int64_t rows = state.range(1);
+  constexpr int kExperts = 24;
+  constexpr int64_t kIntermediate = 768;
+  static std::map<WeightFormat, std::unique_ptr<ExpertStore>> stores;
+  std::unique_ptr<ExpertStore>& store = stores[format];
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> dist(-0.02f, 0.02f);
+  if (store == nullptr) {
+    std::vector<ExpertWeights> experts(kExperts);
+    std::vector<const ExpertWeights*> pointers;
+    for (ExpertWeights& e : experts) {
+      e = {Matrix(kIntermediate, kCols), Matrix(kIntermediate, kCols), Matrix(kCols, kIntermediate)};
+      for (Matrix* m : {&e.gate, &e.up, &e.down})
+        for (float& v : m->data) v = dist(rng);
+      pointers.push_back(&e);
+    }
+    auto packed = PackExperts(pointers, {.format = format});
+    if (!packed.ok()) {
+      state.SkipWithError(packed.status().ToString().c_str());
+      return;
+    }
+    store = std::move(packed).value();
+  }
+  Matrix x(kExperts * rows, kCols);
+  std::uniform_real_distribution<float> unit(-1, 1);
+  for (float& v : x.data) v = unit(rng);
+  std::vector<int64_t> offsets(kExperts + 1);
+  for (int e = 0; e <= kExperts; ++e) offsets[e] = e * rows;
+  Matrix out(kExperts * rows, kCols);
+  ThreadPool pool(1);
+  for (auto _ : state) {
+    store->Run(x.data.data(), offsets, out.data.data(), pool);
+    benchmark::DoNotOptimize(out.data.data());
+  }
+  state.counters["GOP/s"] = benchmark::Counter(2.0 * 3 * kIntermediate * kCols * rows * kExperts * state.iterations(),
+                                               benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.SetLabel(store->kernel_name());
+}
+
 void MatMulArguments(benchmark::internal::Benchmark* b) {
   for (WeightFormat f : AllWeightFormats())
     for (int rows : {1, 2, 4, 5, 8, 16, 64}) b->Args({static_cast<int64_t>(f), rows});
@@ -136,6 +183,10 @@ BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMul)->Apply(MatMulArguments)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMulCached)
     ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1), {1, 192}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ExpertStore)
+    ->ArgsProduct({benchmark::CreateDenseRange(1, static_cast<int>(AllWeightFormats().size()) - 1, 1),
+                   {1, 4, 8, 16, 64}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Peak)->DenseRange(0, 2)->Unit(benchmark::kMillisecond);
 

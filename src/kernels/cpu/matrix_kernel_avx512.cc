@@ -96,6 +96,10 @@ struct TileArgs {
   const uint8_t* expanded = nullptr;
   const float* expanded_scales = nullptr;
   int64_t panel_block = 0;
+  // 4-bit prefill: cache lines for the tile to prefetch into L2, spread over its scale blocks (the
+  // next panel's weights, so that its expansion does not wait for memory).
+  const uint8_t* prefetch = nullptr;
+  int64_t prefetch_lines = 0;
 };
 
 using TileFn = void (*)(const TileArgs&);
@@ -112,9 +116,13 @@ struct TileTable {
 
 // Runs channel blocks [block_begin, block_end) for `rows` rows in tiles of up to kMaxRows x
 // kMaxBlocks: a column of row tiles per group of blocks, so each group's weights are read from
-// memory by the first row tile and from cache by the others. `base` points at block_begin, row 0.
+// memory by the first row tile and from cache by the others. `base` points at block_begin, row 0;
+// its prefetch lines are shared out among the tiles in order.
 template <template <int, int> class Tile, int kMaxRows, int kMaxBlocks>
 void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
+  const int64_t tiles = (block_end - block_begin + kMaxBlocks - 1) / kMaxBlocks * ((rows + kMaxRows - 1) / kMaxRows);
+  const int64_t lines_per_tile = tiles > 0 ? (base.prefetch_lines + tiles - 1) / tiles : 0;
+  int64_t prefetched = 0;
   for (int64_t b = block_begin; b < block_end; b += kMaxBlocks) {
     const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, block_end - b));
     for (int64_t r = 0; r < rows; r += kMaxRows) {
@@ -123,6 +131,9 @@ void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int6
       a.block = b;
       a.acts = base.acts + r * base.act_stride;
       a.out = base.out + r * base.out_stride + (b - block_begin) * kLanes;
+      a.prefetch = base.prefetch + prefetched * 64;
+      a.prefetch_lines = std::min(lines_per_tile, base.prefetch_lines - prefetched);
+      prefetched += a.prefetch_lines;
       TileTable<Tile, kMaxRows, kMaxBlocks>::kTable[(tile_rows - 1) * kMaxBlocks + (blocks - 1)](a);
     }
   }
@@ -479,6 +490,8 @@ struct FourBit {
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
       for (int64_t sb = 0; sb < scale_blocks; ++sb) {
+        for (int64_t line = sb; line < a.prefetch_lines; line += scale_blocks)
+          _mm_prefetch(reinterpret_cast<const char*>(a.prefetch + line * 64), _MM_HINT_T1);
         __m512i sum[R][B];
         for (int r = 0; r < R; ++r) {
           const __m512i correction =
@@ -553,6 +566,11 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       panel.expanded = values.data();
       panel.expanded_scales = scales.data();
       panel.panel_block = b;
+      // While this panel's tiles run, the next panel's 4-bit weights come into L2 (past block_end
+      // too: the next work item of this expert, which this thread is likely to take as well).
+      const int64_t next_blocks = std::clamp<int64_t>(w.rows / kLanes - b - blocks, 0, kFourBitPanelBlocks);
+      panel.prefetch = w.values.data() + (b + blocks) * (w.cols / 16 * 128);
+      panel.prefetch_lines = next_blocks * (w.cols / 16 * 128) / 64;
       RunTiles<Ops::template CachedTile, kFourBitPrefillRows, kFourBitPrefillBlocks>(panel, b, b + blocks, rows);
     }
   }
