@@ -4,7 +4,7 @@
 // G (1 - C(E - E/G, k) / C(E, k)).
 //
 // What each figure holds (per iteration; every counter is the median over iterations, in ms):
-//   exchange_ms   the executor's dispatch + combine stages (count alltoall, round all-reduce, row
+//   exchange_ms   the executor's dispatch + combine stages (count all-gather wait, row
 //                 alltoallv; output alltoallv) as the LAST rank to arrive at each exchange spends
 //                 them: per exchange the minimum over ranks. The other ranks' extra time there is
 //                 waiting for that rank to finish packing or computing (load imbalance, reported as
@@ -19,21 +19,33 @@
 //                 outputs, summing returned outputs (pack + unpack stages).
 //   with_pack_pct (exchange_ms + pack_ms) / raw_alltoallv_ms - 1: the step's whole traveling-rows
 //                 cost against the bare transfer.
-//   comm_alltoallv_ms the raw pair's bytes through the Communicator (nonblocking MPI plus the
-//                 bounded, polled wait), after a barrier, maximum over ranks.
+//   counts_ms, rows_ms, outputs_ms  the executor's three exchanges apart (its wait for the count
+//                 all-gather, which travels while records are packed; the row alltoallv; the output
+//                 alltoallv), each as the last rank to arrive spends it (minimum over ranks).
+//   raw_fresh_ms  the raw pair with its send buffers written just before each call (as the
+//                 executor's are), same statistic.
+//   sends_ms      finishing the previous step's row and output sends (the executor waits only for
+//                 what it receives and finishes its sends before it reuses their buffers), same
+//                 statistic; part of exchange_ms.
+//   nbc_wait_ms   the raw pair as nonblocking collectives (MPI_Ialltoallv, Open MPI's libnbc)
+//                 completed by a blocking MPI_Wait, same statistic.
+//   comm_alltoallv_ms the raw pair's bytes through the Communicator (its alltoallv and its bounded,
+//                 polled wait), after a barrier, same statistic.
 //
 // Run under mpirun (every rank runs the same fixed iteration counts; rank 0 reports):
 //   mpirun -np 4 build/benchmarks/ep_exchange_bench
 // Shape: qwen3-30b-a3b routing (E = 128, top-8, hidden 2048) with uniform picks. The experts are
 // made trivially small (intermediate 16) so the step is mostly the exchange; step times with real
 // experts come from `epmoe run --option all`.
-#include <mpi.h>
-
 #include <benchmark/benchmark.h>
+#include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "epmoe/comm.h"
 #include "epmoe/executor.h"
@@ -51,6 +63,102 @@ Communicator& World() {
   }();
   return *comm;
 }
+
+// Forwards every call to another Communicator and times, on this rank, each exchange it started
+// (the time starting it plus the time its Wait took; the blocking forms are Start + Wait), in the
+// order the waits finish: what the executor spends in each exchange of a step. Not thread-safe (the bench drives it
+// from one thread).
+class TimingCommunicator : public Communicator {
+ public:
+  explicit TimingCommunicator(Communicator& inner) : inner_(inner) {}
+
+  // Microseconds of each wait since the last Clear(), in order, and what it was.
+  std::vector<double> wait_us;
+  std::vector<std::string> wait_what;
+  void Clear() {
+    wait_us.clear();
+    wait_what.clear();
+  }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int node_of(int rank) const override { return inner_.node_of(rank); }
+  int num_nodes() const override { return inner_.num_nodes(); }
+  std::string description() const override { return inner_.description(); }
+  Status Barrier() override { return inner_.Barrier(); }
+  Result<std::unique_ptr<Request>> StartAllgatherv(const void* send, int64_t send_bytes, void* recv,
+                                                   std::span<const int64_t> recv_bytes,
+                                                   std::span<const int64_t> recv_offsets) override {
+    return Timed("allgatherv",
+                 [&] { return inner_.StartAllgatherv(send, send_bytes, recv, recv_bytes, recv_offsets); });
+  }
+  Result<std::unique_ptr<Request>> StartReduceScatter(const float* send, float* recv,
+                                                      std::span<const int64_t> recv_counts) override {
+    return Timed("reduce-scatter", [&] { return inner_.StartReduceScatter(send, recv, recv_counts); });
+  }
+  Result<std::unique_ptr<Request>> StartAllreduce(float* data, int64_t count) override {
+    return Timed("allreduce", [&] { return inner_.StartAllreduce(data, count); });
+  }
+  Result<std::unique_ptr<Request>> StartAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                  std::span<const int64_t> send_offsets, void* recv,
+                                                  std::span<const int64_t> recv_bytes,
+                                                  std::span<const int64_t> recv_offsets) override {
+    return Timed("alltoallv",
+                 [&] { return inner_.StartAlltoallv(send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets); });
+  }
+  Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
+    return inner_.ExchangeCounts(send, recv);
+  }
+  Status AllgatherInt64(std::span<const int64_t> send, std::span<int64_t> recv) override {
+    return inner_.AllgatherInt64(send, recv);
+  }
+  Result<int64_t> AllreduceMax(int64_t value) override { return inner_.AllreduceMax(value); }
+  Result<double> AllreduceSum(double value) override { return inner_.AllreduceSum(value); }
+  Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override { return inner_.AllocateWindow(bytes); }
+  bool concurrent_windows() const override { return inner_.concurrent_windows(); }
+  Result<std::unique_ptr<Communicator>> Split(int color, int key) override { return inner_.Split(color, key); }
+  [[noreturn]] void Abort(int exit_code) override {
+    inner_.Abort(exit_code);
+    std::abort();
+  }
+
+ private:
+  class TimedRequest : public Request {
+   public:
+    TimedRequest(TimingCommunicator* owner, const char* what, double start_us, std::unique_ptr<Request> inner)
+        : owner_(owner), what_(what), start_us_(start_us), inner_(std::move(inner)) {}
+    Status Wait() override { return Timed(&Request::Wait, ""); }
+    Status WaitReceived() override { return Timed(&Request::WaitReceived, " received"); }
+    bool Test() override { return inner_->Test(); }
+
+   private:
+    // Times one wait; the first one also counts the time starting the exchange took.
+    Status Timed(Status (Request::*wait)(), const char* side) {
+      const auto start = std::chrono::steady_clock::now();
+      Status status = (inner_.get()->*wait)();
+      owner_->wait_us.push_back(
+          start_us_ + std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+      owner_->wait_what.push_back(std::string(what_) + side);
+      start_us_ = 0;
+      return status;
+    }
+
+    TimingCommunicator* owner_;
+    const char* what_;
+    double start_us_;  // the time starting it took, counted with its first wait
+    std::unique_ptr<Request> inner_;
+  };
+  template <typename StartFn>
+  Result<std::unique_ptr<Request>> Timed(const char* what, StartFn start_exchange) {
+    const auto start = std::chrono::steady_clock::now();
+    Result<std::unique_ptr<Request>> started = start_exchange();
+    const double start_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    if (!started.ok()) return started.status();
+    return std::unique_ptr<Request>(new TimedRequest(this, what, start_us, std::move(started).value()));
+  }
+
+  Communicator& inner_;
+};
 
 double MaxOverRanks(double value) {
   double result = 0;
@@ -78,7 +186,8 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   options.option = EpOption::kA2a;
   options.dispatch_format = format;
   options.combine_format = RowFormat::kBf16;
-  auto executor = CreateExecutor(comm, model, options, pool);
+  TimingCommunicator timed(comm);
+  auto executor = CreateExecutor(timed, model, options, pool);
   EPMOE_CHECK_MSG(executor.ok(), executor.status().ToString());
 
   const int64_t first = RowBegin(total, g, me), n = RowBegin(total, g, me + 1) - first;
@@ -113,9 +222,11 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   std::vector<char> ds(ds_d.back() + dispatch_send.back()), dr(dr_d.back() + dispatch_recv.back()),
       cs(cs_d.back() + combine_send.back()), cr(cr_d.back() + combine_recv.back());
 
-  std::vector<double> exchange_us, raw_us, wrapper_us, wait_us, pack_us;
-  std::vector<int64_t> ds_b(dispatch_send.begin(), dispatch_send.end()), dr_b(dispatch_recv.begin(), dispatch_recv.end()),
-      cs_b(combine_send.begin(), combine_send.end()), cr_b(combine_recv.begin(), combine_recv.end());
+  std::vector<double> exchange_us, raw_us, wrapper_us, wait_us, pack_us, counts_us, rows_us, outputs_us, nbc_us,
+      fresh_us, sends_us;
+  std::vector<int64_t> ds_b(dispatch_send.begin(), dispatch_send.end()),
+      dr_b(dispatch_recv.begin(), dispatch_recv.end()), cs_b(combine_send.begin(), combine_send.end()),
+      cr_b(combine_recv.begin(), combine_recv.end());
   std::vector<int64_t> ds_o(ds_d.begin(), ds_d.end()), dr_o(dr_d.begin(), dr_d.end()), cs_o(cs_d.begin(), cs_d.end()),
       cr_o(cr_d.begin(), cr_d.end());
   double copies = 0, rows_seen = 0;
@@ -126,11 +237,31 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
     Matrix out;
     StepStats st;
     MPI_Barrier(MPI_COMM_WORLD);
+    timed.Clear();
     const Status status = (*executor)->Forward(0, rows, picks, &out, &st);
     EPMOE_CHECK_MSG(status.ok(), status.ToString());
     const double ours = MinOverRanks(st.dispatch_us) + MinOverRanks(st.combine_us);
     wait_us.push_back(MaxOverRanks(st.dispatch_us + st.combine_us) - MinOverRanks(st.dispatch_us + st.combine_us));
     pack_us.push_back(MaxOverRanks(st.pack_us + st.unpack_us));
+    // The step's exchanges one by one (one round: counts, rows, outputs, and the previous step's
+    // sends finished first), each as the last rank to arrive spends it.
+    double counts = 0, sends = 0;
+    std::vector<double> received, completed;
+    for (size_t i = 0; i < timed.wait_us.size(); ++i) {
+      const std::string& what = timed.wait_what[i];
+      if (what == "allgatherv") counts += timed.wait_us[i];
+      if (what == "alltoallv received") received.push_back(timed.wait_us[i]);
+      if (what == "alltoallv") completed.push_back(timed.wait_us[i]);
+    }
+    // An executor that completes each exchange wholly has no sends left to finish.
+    if (received.empty()) std::swap(received, completed);
+    for (double us : completed) sends += us;
+    EPMOE_CHECK_MSG(received.size() == 2, "the bench expects one round: a row and an output alltoallv");
+    const std::vector<double>& alltoallv = received;
+    counts_us.push_back(MinOverRanks(counts));
+    rows_us.push_back(MinOverRanks(alltoallv[0]));
+    outputs_us.push_back(MinOverRanks(alltoallv[1]));
+    sends_us.push_back(MinOverRanks(sends));
     MPI_Barrier(MPI_COMM_WORLD);
     auto t0 = std::chrono::steady_clock::now();
     MPI_Alltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(), dr_d.data(),
@@ -140,13 +271,42 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
     MPI_Alltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(), cr_d.data(),
                   MPI_BYTE, MPI_COMM_WORLD);
     const double raw = MinOverRanks(raw_dispatch) + MinOverRanks(since(t0));
-    // The same two exchanges through the Communicator (nonblocking MPI plus the bounded, polled
-    // wait): the transport wrapper's own cost, without the executor's work between exchanges.
+    // The raw pair again with its send buffers written just before each call, as the executor's
+    // are (packed records, encoded outputs): the bytes leave from this core's cache, not memory.
+    const char fill = static_cast<char>(raw_us.size());
     MPI_Barrier(MPI_COMM_WORLD);
-    const auto t1 = std::chrono::steady_clock::now();
+    std::fill(ds.begin(), ds.end(), fill);
+    t0 = std::chrono::steady_clock::now();
+    MPI_Alltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(), dr_d.data(),
+                  MPI_BYTE, MPI_COMM_WORLD);
+    const double fresh_dispatch = since(t0);
+    std::fill(cs.begin(), cs.end(), fill);
+    t0 = std::chrono::steady_clock::now();
+    MPI_Alltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(), cr_d.data(),
+                  MPI_BYTE, MPI_COMM_WORLD);
+    fresh_us.push_back(MinOverRanks(fresh_dispatch) + MinOverRanks(since(t0)));
+    // The same pair as nonblocking collectives (libnbc) completed by a blocking MPI_Wait.
+    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Request request;
+    t0 = std::chrono::steady_clock::now();
+    MPI_Ialltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(), dr_d.data(),
+                   MPI_BYTE, MPI_COMM_WORLD, &request);
+    MPI_Wait(&request, MPI_STATUS_IGNORE);
+    const double nbc_dispatch = since(t0);
+    t0 = std::chrono::steady_clock::now();
+    MPI_Ialltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(), cr_d.data(),
+                   MPI_BYTE, MPI_COMM_WORLD, &request);
+    MPI_Wait(&request, MPI_STATUS_IGNORE);
+    nbc_us.push_back(MinOverRanks(nbc_dispatch) + MinOverRanks(since(t0)));
+    // The same pair through the Communicator (its alltoallv and its bounded wait): the transport
+    // wrapper's own cost, without the executor's work between exchanges.
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = std::chrono::steady_clock::now();
     EPMOE_CHECK(comm.Alltoallv(ds.data(), ds_b, ds_o, dr.data(), dr_b, dr_o).ok());
+    const double comm_dispatch = since(t0);
+    t0 = std::chrono::steady_clock::now();
     EPMOE_CHECK(comm.Alltoallv(cs.data(), cs_b, cs_o, cr.data(), cr_b, cr_o).ok());
-    wrapper_us.push_back(MaxOverRanks(since(t1)));
+    wrapper_us.push_back(MinOverRanks(comm_dispatch) + MinOverRanks(since(t0)));
     exchange_us.push_back(ours);
     raw_us.push_back(raw);
     copies += static_cast<double>(st.row_copies);
@@ -166,11 +326,16 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   state.counters["exchange_ms"] = ours_median / 1000;
   state.counters["raw_alltoallv_ms"] = raw_median / 1000;
   state.counters["overhead_pct"] = raw_median > 0 ? 100.0 * (ours_median / raw_median - 1.0) : 0;
+  state.counters["counts_ms"] = median(counts_us) / 1000;
+  state.counters["rows_ms"] = median(rows_us) / 1000;
+  state.counters["outputs_ms"] = median(outputs_us) / 1000;
+  state.counters["sends_ms"] = median(sends_us) / 1000;
+  state.counters["nbc_wait_ms"] = median(nbc_us) / 1000;
+  state.counters["raw_fresh_ms"] = median(fresh_us) / 1000;
   state.counters["comm_alltoallv_ms"] = median(wrapper_us) / 1000;
   state.counters["wait_ms"] = median(wait_us) / 1000;
   state.counters["pack_ms"] = median(pack_us) / 1000;
-  state.counters["with_pack_pct"] =
-      raw_median > 0 ? 100.0 * ((ours_median + median(pack_us)) / raw_median - 1.0) : 0;
+  state.counters["with_pack_pct"] = raw_median > 0 ? 100.0 * ((ours_median + median(pack_us)) / raw_median - 1.0) : 0;
   state.counters["copies_per_row"] = all_rows > 0 ? all_copies / all_rows : 0;
   state.counters["expected_copies"] = ExpectedCopiesPerRow(model.num_experts, model.top_k, g);
   // Bytes this rank (rank 0) sends to other ranks per step.
@@ -180,8 +345,13 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
 // Fixed iteration counts: every rank must run the same number of collective iterations.
 BENCHMARK(BM_A2aExchangeVsRawAlltoallv)
     ->ArgNames({"T", "fmt"})
-    ->Args({64, 1})->Args({256, 1})->Args({4096, 1})->Args({256, 2})
-    ->Iterations(20)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Args({64, 1})
+    ->Args({256, 1})
+    ->Args({4096, 1})
+    ->Args({256, 2})
+    ->Iterations(20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace epmoe

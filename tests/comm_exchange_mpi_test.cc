@@ -2,10 +2,14 @@
 // known contributions. Runs under mpirun with 1, 2, 4 and 8 ranks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <thread>
+#include <vector>
 
 #include "epmoe/comm.h"
 
@@ -142,6 +146,63 @@ TEST(Comm, NonblockingExchangesOverlap) {
   EXPECT_EQ(reduced[0], static_cast<float>(g * (g - 1) / 2));
 }
 
+// Blocks large enough to go by rendezvous (hundreds of KB) and small ones, two alltoallv in flight
+// at once between the same ranks, completed in the opposite order: each block lands in its own
+// exchange and place (MPI matches messages between two ranks in the order they were posted).
+TEST(Comm, AlltoallvTwoInFlightLargeAndSmallBlocks) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  // Exchange x: rank s sends rank d Size(x, s, d) bytes of value (x * 64 + s * 8 + d) % 251.
+  auto size = [](int x, int s, int d) -> int64_t { return x == 0 ? 200000 + 1000 * s + 10 * d : (s + d) % 3 * 5; };
+  auto value = [](int x, int s, int d) { return static_cast<uint8_t>((x * 64 + s * 8 + d) % 251); };
+  std::vector<int64_t> send_bytes[2], recv_bytes[2], send_offsets[2], recv_offsets[2];
+  std::vector<uint8_t> send[2], recv[2];
+  std::unique_ptr<Request> started[2];
+  for (int x = 0; x < 2; ++x) {
+    send_bytes[x].resize(g);
+    recv_bytes[x].resize(g);
+    for (int r = 0; r < g; ++r) {
+      send_bytes[x][r] = size(x, me, r);
+      recv_bytes[x][r] = size(x, r, me);
+    }
+    send_offsets[x] = PrefixOffsets(send_bytes[x]);
+    recv_offsets[x] = PrefixOffsets(recv_bytes[x]);
+    send[x].resize(send_offsets[x][g]);
+    for (int d = 0; d < g; ++d)
+      std::fill_n(send[x].begin() + send_offsets[x][d], send_bytes[x][d], value(x, me, d));
+    recv[x].assign(recv_offsets[x][g], 255);
+    auto request =
+        comm->StartAlltoallv(send[x].data(), send_bytes[x], std::span<const int64_t>(send_offsets[x].data(), g),
+                             recv[x].data(), recv_bytes[x], std::span<const int64_t>(recv_offsets[x].data(), g));
+    ASSERT_TRUE(request.ok()) << request.status().ToString();
+    started[x] = std::move(request).value();
+  }
+  // The small exchange wholly, then the large one's receiving side: its blocks have all landed
+  // before this rank's own sends are known to have been taken.
+  ASSERT_TRUE(started[1]->Wait().ok());
+  ASSERT_TRUE(started[0]->WaitReceived().ok());
+  for (int x = 0; x < 2; ++x) {
+    for (int s = 0; s < g; ++s) {
+      for (int64_t i = 0; i < recv_bytes[x][s]; ++i) {
+        ASSERT_EQ(recv[x][recv_offsets[x][s] + i], value(x, s, me)) << "exchange " << x << " from rank " << s;
+      }
+    }
+  }
+  ASSERT_TRUE(started[0]->Wait().ok());
+  EXPECT_TRUE(started[0]->Test());
+}
+
+TEST(Comm, AlltoallvRefusesSelfSizeMismatch) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  std::vector<int64_t> send_bytes(g, 0), recv_bytes(g, 0), offsets(g, 0);
+  send_bytes[me] = 4;  // to itself, but it expects nothing from itself
+  std::vector<uint8_t> buffer(8);
+  auto request = comm->StartAlltoallv(buffer.data(), send_bytes, offsets, buffer.data() + 4, recv_bytes, offsets);
+  EXPECT_EQ(request.status().code(), StatusCode::kInvalidArgument) << request.status().ToString();
+  EXPECT_TRUE(comm->Barrier().ok());
+}
+
 TEST(Comm, OneSidedWindowReads) {
   auto comm = World();
   const int g = comm->size(), me = comm->rank();
@@ -204,6 +265,46 @@ TEST(Comm, LatePeerTurnsIntoUnavailableNotAHang) {
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
     EXPECT_NE(status.message().find("rank " + std::to_string(world->rank())), std::string::npos) << status.message();
+    EXPECT_LT(waited, 1.9);
+  }
+  ASSERT_TRUE(world->Barrier().ok());
+}
+
+// An alltoallv whose peer never arrives in time names that peer: rank 0 joins 2 s late, and every
+// other rank's exchange fails within its 0.5 s limit saying it still waits for rank 0 (the others
+// answered). Rank 0's own exchange then completes: the others posted theirs before giving up.
+TEST(Comm, LatePeerInAlltoallvIsNamed) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  CommOptions options;
+  options.timeout_seconds = 0.5;
+  auto impatient = WorldCommunicator(options);
+  ASSERT_TRUE(impatient.ok());
+  const int g = world->size(), me = world->rank();
+  std::vector<int64_t> bytes(g, 4096);
+  const auto offsets = PrefixOffsets(bytes);
+  // Kept until the end of the program: the abandoned receives of the ranks that gave up may still
+  // be written when rank 0 arrives.
+  static std::vector<uint8_t> send, recv;
+  send.assign(offsets[g], static_cast<uint8_t>(me));
+  recv.assign(offsets[g], 255);
+  const auto start = std::chrono::steady_clock::now();
+  if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+  const Status status = (*impatient)->Alltoallv(send.data(), bytes, std::span<const int64_t>(offsets.data(), g),
+                                                recv.data(), bytes, std::span<const int64_t>(offsets.data(), g));
+  if (me == 0) {
+    EXPECT_TRUE(status.ok()) << status.ToString();
+    for (int s = 0; s < g; ++s) EXPECT_EQ(recv[offsets[s]], s);
+  } else {
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": alltoallv"), std::string::npos)
+        << status.message();
+    // Rank 0 first in the sorted list of ranks not heard from (on a loaded machine others may be too).
+    const std::string& message = status.message();
+    EXPECT_TRUE(message.find("still waiting for rank 0,") != std::string::npos ||
+                message.find("still waiting for ranks 0,") != std::string::npos)
+        << message;
     EXPECT_LT(waited, 1.9);
   }
   ASSERT_TRUE(world->Barrier().ok());

@@ -30,11 +30,18 @@ struct CommOptions {
 };
 
 // A nonblocking exchange in flight. Wait() completes it (bounded by the timeout); destroying an
-// unfinished Request waits for it first (buffers must stay alive until then).
+// unfinished Request waits for it first, up to the timeout, and then abandons it (buffers must stay
+// alive until then).
 class Request {
  public:
   virtual ~Request() = default;
   virtual Status Wait() = 0;
+  // Completes the receiving side only: the receive buffer holds everything sent to this rank,
+  // while what this rank sent may still be on its way (its send buffer must stay unchanged until
+  // Wait). A rank that arrives last at an exchange then need not wait for its peers to take its
+  // data. Bounded by the timeout like Wait; exchanges that cannot tell the sides apart complete
+  // wholly.
+  virtual Status WaitReceived() { return Wait(); }
   // True when complete (does not block).
   virtual bool Test() = 0;
 };
@@ -85,6 +92,7 @@ class Communicator {
   virtual Result<std::unique_ptr<Request>> StartAllreduce(float* data, int64_t count) = 0;
   // Rank r's send[send_offsets[d] .. + send_bytes[d]) goes to rank d, landing at rank d's
   // recv[recv_offsets[r] ..]. recv_bytes[s] must equal what rank s sends here (see ExchangeCounts).
+  // Its Request tells the sides apart (WaitReceived); a timeout names the ranks not heard from.
   virtual Result<std::unique_ptr<Request>> StartAlltoallv(const void* send, std::span<const int64_t> send_bytes,
                                                           std::span<const int64_t> send_offsets, void* recv,
                                                           std::span<const int64_t> recv_bytes,

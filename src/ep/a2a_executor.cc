@@ -232,6 +232,12 @@ class A2aExecutor : public MoeExecutor {
     StepStats st;
     st.rows = n;
     Stopwatch watch;
+    // The previous step's records and outputs may still be on their way to their peers; their
+    // buffers are about to be reused.
+    EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
+    st.dispatch_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
+    st.combine_us += watch.Lap();
 
     // Layout, pass 1: the destination rank and local slot of every pick; rows and picks per
     // destination (a row counts once per destination it visits).
@@ -349,6 +355,10 @@ class A2aExecutor : public MoeExecutor {
     std::vector<const uint8_t*> source_records(g);
     uint8_t* const returns = returns_.data();
     for (int64_t round = 0; round < rounds; ++round) {
+      if (round > 0) {  // the previous round's records are still being sent from send_
+        EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
+        st.dispatch_us += watch.Lap();
+      }
       if (!packed) PackRound(round, rounds, rows, picks);
       packed = false;
       int64_t recv_at = 0;
@@ -360,8 +370,11 @@ class A2aExecutor : public MoeExecutor {
       }
       for (int d = 0; d < g; ++d) st.row_copies += send_n_[d];
       st.pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(
-          comm_.Alltoallv(send_.data(), send_bytes_, send_offsets_, recv_.data(), recv_bytes, recv_offsets));
+      // Only the records sent here are needed to go on; this rank's own go on their way meanwhile
+      // (its peers take them whenever they poll) and are finished before send_ is written again.
+      EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartAlltoallv(send_.data(), send_bytes_, send_offsets_,
+                                                                   recv_.data(), recv_bytes, recv_offsets));
+      EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
       st.dispatch_us += watch.Lap();
       for (int r = 0; r < g; ++r) {
         st.bytes_sent += send_bytes_[r];
@@ -446,6 +459,11 @@ class A2aExecutor : public MoeExecutor {
         back_send_bytes[s] = s == me ? 0 : count * return_bytes;
         back_at += back_send_bytes[s];
       }
+      if (combine_sends_ != nullptr) {  // the previous round's outputs are still being sent from back_send_
+        st.pack_us += watch.Lap();
+        EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
+        st.combine_us += watch.Lap();
+      }
       const float* const work_out = work_out_.floats();
       for (int s = 0; s < g; ++s) {
         uint8_t* to = s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s];
@@ -477,8 +495,10 @@ class A2aExecutor : public MoeExecutor {
         }
       }
       st.pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(back_send_.data(), back_send_bytes, back_send_offsets, returns,
-                                            back_recv_bytes_, back_recv_offsets_));
+      EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_send_bytes,
+                                                                  back_send_offsets, returns, back_recv_bytes_,
+                                                                  back_recv_offsets_));
+      EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
       st.combine_us += watch.Lap();
       for (int r = 0; r < g; ++r) {
         st.bytes_sent += back_send_bytes[r];
@@ -501,6 +521,14 @@ class A2aExecutor : public MoeExecutor {
     st.shared_us += watch.Lap();
     if (stats != nullptr) *stats = st;
     return Status::Ok();
+  }
+
+  // Completes an exchange whose receiving side is done (its sends from a buffer about to be reused).
+  static Status FinishSends(std::unique_ptr<Request>& exchange) {
+    if (exchange == nullptr) return Status::Ok();
+    Status status = exchange->Wait();
+    exchange.reset();
+    return status;
   }
 
   // Memory reused across steps, uninitialized: grows when a step needs more.
@@ -556,6 +584,9 @@ class A2aExecutor : public MoeExecutor {
   std::vector<int32_t> slot_ids_;
   std::vector<float> partial_row_;
   ScratchBuffer returns_, send_, recv_, decoded_, quantized_, work_in_, work_out_, back_send_;
+  // The last row and output exchanges, received but maybe still sending from send_ and back_send_
+  // (declared after the buffers: destroyed, and so completed, before them).
+  std::unique_ptr<Request> dispatch_sends_, combine_sends_;
 };
 
 }  // namespace

@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "epmoe/comm.h"
 
@@ -18,6 +21,8 @@ namespace epmoe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+constexpr int kAlltoallvTag = 1;
 
 std::string MpiErrorString(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -45,9 +50,18 @@ Result<std::vector<int>> ToInts(std::span<const int64_t> values, const char* wha
   return out;
 }
 
-// Polls requests until all complete or the deadline passes. Spins (yielding) briefly, then sleeps
-// in short steps so that oversubscribed ranks leave the cores to the ranks doing work.
-Status WaitAll(std::span<MPI_Request> requests, double timeout_seconds, const std::string& what, int rank) {
+// How long a wait polls before it starts sleeping between polls. Polling yields the core between
+// polls (a peer that shares it can run); sleeping leaves the cores to the ranks doing work once a
+// wait has lasted long enough to be a peer still computing rather than an exchange in flight.
+// Polling busily without yielding was tried on this 2-vCPU machine shared with other jobs: it made
+// every exchange slower, the raw MPI calls measured after it included (see docs/performance.md).
+constexpr auto kYieldPhase = std::chrono::milliseconds(2);
+constexpr auto kSleepStep = std::chrono::microseconds(20);
+
+// Polls requests until all complete or the deadline passes. peers: the rank each request waits
+// for (-1: a collective, any rank), named in the timeout's message.
+Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, double timeout_seconds,
+               const std::string& what, int rank) {
   if (requests.empty()) return Status::Ok();
   if (timeout_seconds <= 0) {
     return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), what.c_str(),
@@ -55,53 +69,100 @@ Status WaitAll(std::span<MPI_Request> requests, double timeout_seconds, const st
   }
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
-  for (int polls = 0;; ++polls) {
-    int done = 0;
+  // MPI_Testsome sets each completed request to MPI_REQUEST_NULL, so the ones left at the deadline
+  // say whom this rank still waits for.
+  const int count = static_cast<int>(requests.size());
+  int remaining = 0;
+  for (const MPI_Request& r : requests) remaining += r != MPI_REQUEST_NULL;
+  std::vector<int> completed(requests.size());
+  for (;;) {
+    if (remaining == 0) return Status::Ok();
+    int outcount = 0;
     EPMOE_RETURN_IF_ERROR(CheckMpi(
-        MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), what.c_str(), rank));
-    if (done) return Status::Ok();
-    if (polls % 64 == 0 && Clock::now() > deadline) {
-      return Unavailable(fmt::format("rank {}: {} did not complete within {} s; a peer rank may have failed or "
-                                     "stopped (--comm-timeout raises the limit)", rank, what, timeout_seconds));
+        MPI_Testsome(count, requests.data(), &outcount, completed.data(), MPI_STATUSES_IGNORE), what.c_str(), rank));
+    if (outcount == MPI_UNDEFINED) return Status::Ok();
+    remaining -= outcount;
+    if (remaining == 0) return Status::Ok();
+    const auto now = Clock::now();
+    if (now > deadline) {
+      // Name the peers whose messages are still outstanding, when known.
+      std::vector<int> waiting;
+      for (size_t i = 0; i < requests.size() && i < peers.size(); ++i) {
+        if (requests[i] != MPI_REQUEST_NULL && peers[i] >= 0 &&
+            std::find(waiting.begin(), waiting.end(), peers[i]) == waiting.end())
+          waiting.push_back(peers[i]);
+      }
+      std::sort(waiting.begin(), waiting.end());
+      const std::string who =
+          waiting.empty() ? "a peer rank may have failed or stopped"
+                          : fmt::format("still waiting for rank{} {}, which may have failed or stopped",
+                                        waiting.size() == 1 ? "" : "s", fmt::join(waiting, ", "));
+      return Unavailable(fmt::format("rank {}: {} did not complete within {} s; {} (--comm-timeout raises the limit)",
+                                     rank, what, timeout_seconds, who));
     }
-    if (Clock::now() - start < std::chrono::milliseconds(2)) {
+    if (now - start < kYieldPhase) {
       std::this_thread::yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      std::this_thread::sleep_for(kSleepStep);
     }
   }
 }
 
-// A request with the buffers MPI reads until completion (counts and displacements).
+// A request with the buffers MPI reads until completion (counts and displacements): one MPI
+// request for a collective, or one per message for an exchange made of point-to-point messages.
 class MpiRequest : public Request {
  public:
   MpiRequest(std::string what, int rank, double timeout_seconds)
       : what_(std::move(what)), rank_(rank), timeout_seconds_(timeout_seconds) {}
   ~MpiRequest() override {
-    // A request that timed out is abandoned (the job is about to abort); any other is completed.
-    if (!timed_out_ && request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    // A request that timed out is abandoned (the job is about to abort); any other is completed,
+    // within the timeout (a peer that stopped must not hang the teardown).
+    if (!timed_out_) (void)Wait();
   }
-  Status Wait() override {
-    if (request_ == MPI_REQUEST_NULL) return Status::Ok();
-    Status status = WaitAll(std::span<MPI_Request>(&request_, 1), timeout_seconds_, what_, rank_);
-    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
-    return status;
+  Status Wait() override { return WaitFor(requests_.size()); }
+  Status WaitReceived() override {
+    return WaitFor(receives_ < 0 ? requests_.size() : static_cast<size_t>(receives_));
   }
   bool Test() override {
-    if (request_ == MPI_REQUEST_NULL) return true;
+    if (requests_.empty()) return true;
     int done = 0;
-    MPI_Test(&request_, &done, MPI_STATUS_IGNORE);
+    MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE);
     return done != 0;
   }
+  // Marks the requests added so far as the receiving side (WaitReceived completes those).
+  void MarkReceives() { receives_ = static_cast<ptrdiff_t>(requests_.size()); }
+  // A new request slot; peer: the rank it waits for (-1: a collective). The slot stays valid until
+  // the next call (call reserve first when adding several).
+  MPI_Request* Add(int peer = -1) {
+    requests_.push_back(MPI_REQUEST_NULL);
+    peers_.push_back(peer);
+    return &requests_.back();
+  }
+  void Reserve(size_t n) {
+    requests_.reserve(n);
+    peers_.reserve(n);
+  }
 
-  MPI_Request request_ = MPI_REQUEST_NULL;
   std::vector<int> counts_a, displs_a, counts_b, displs_b;
 
  private:
   std::string what_;
   int rank_;
   double timeout_seconds_;
+  // Waits for the first n requests.
+  Status WaitFor(size_t n) {
+    if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
+    Status status =
+        WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n), timeout_seconds_,
+                what_, rank_);
+    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    return status;
+  }
+
   bool timed_out_ = false;
+  std::vector<MPI_Request> requests_;
+  std::vector<int> peers_;
+  ptrdiff_t receives_ = -1;  // requests_[0, receives_) receive; -1: the sides are not apart
 };
 
 class MpiWindow : public Window {
@@ -132,7 +193,7 @@ class MpiWindow : public Window {
     return Status::Ok();
   }
   Status Flush() override {
-    Status status = WaitAll(pending_, timeout_seconds_, "one-sided read (MPI_Rget)", rank_);
+    Status status = WaitAll(pending_, {}, timeout_seconds_, "one-sided read (MPI_Rget)", rank_);
     if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
     if (status.ok()) pending_.clear();
     return status;
@@ -158,13 +219,27 @@ class MpiWindow : public Window {
 class MpiCommunicator : public Communicator {
  public:
   // Takes ownership of comm unless it is MPI_COMM_WORLD. node_ids: the node of every rank.
-  MpiCommunicator(MPI_Comm comm, std::vector<int> node_ids, const CommOptions& options, int thread_level)
-      : comm_(comm), node_ids_(std::move(node_ids)), options_(options), thread_level_(thread_level) {
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_size(comm_, &size_);
-    num_nodes_ = node_ids_.empty() ? 1 : *std::max_element(node_ids_.begin(), node_ids_.end()) + 1;
+  // Collective over comm (duplicates it for the point-to-point messages of alltoallv).
+  static Result<std::unique_ptr<Communicator>> Create(MPI_Comm comm, std::vector<int> node_ids,
+                                                      const CommOptions& options, int thread_level) {
+    int rank = 0;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm messages = MPI_COMM_NULL;
+    const Status dup = CheckMpi(MPI_Comm_dup(comm, &messages), "MPI_Comm_dup", rank);
+    if (!dup.ok()) {
+      if (comm != MPI_COMM_WORLD) MPI_Comm_free(&comm);
+      return dup;
+    }
+    return std::unique_ptr<Communicator>(
+        new MpiCommunicator(comm, messages, std::move(node_ids), options, thread_level));
   }
   ~MpiCommunicator() override {
+    // A communicator held past MPI_Finalize (a static in a program that finalizes MPI itself) has
+    // nothing left to free.
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MPI_Comm_free(&messages_);
     if (comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
   }
 
@@ -188,7 +263,7 @@ class MpiCommunicator : public Communicator {
 
   Status Barrier() override {
     auto request = NewRequest("barrier");
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ibarrier(comm_, &request->request_), "MPI_Ibarrier", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ibarrier(comm_, request->Add()), "MPI_Ibarrier", rank_));
     return request->Wait();
   }
 
@@ -205,7 +280,7 @@ class MpiCommunicator : public Communicator {
     EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(recv_bytes, "allgatherv receive size", rank_));
     EPMOE_ASSIGN_OR_RETURN(request->displs_a, ToInts(recv_offsets, "allgatherv receive offset", rank_));
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallgatherv(send, count, MPI_BYTE, recv, request->counts_a.data(),
-                                                   request->displs_a.data(), MPI_BYTE, comm_, &request->request_),
+                                                   request->displs_a.data(), MPI_BYTE, comm_, request->Add()),
                                    "MPI_Iallgatherv", rank_));
     return std::unique_ptr<Request>(std::move(request));
   }
@@ -219,7 +294,7 @@ class MpiCommunicator : public Communicator {
     for (int64_t c : recv_counts) total += c;
     EPMOE_RETURN_IF_ERROR(ToInt(total, "reduce-scatter total count", rank_).status());
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ireduce_scatter(send, recv, request->counts_a.data(), MPI_FLOAT, MPI_SUM, comm_,
-                                                       &request->request_),
+                                                       request->Add()),
                                    "MPI_Ireduce_scatter", rank_));
     return std::unique_ptr<Request>(std::move(request));
   }
@@ -227,7 +302,7 @@ class MpiCommunicator : public Communicator {
   Result<std::unique_ptr<Request>> StartAllreduce(float* data, int64_t count) override {
     auto request = NewRequest("allreduce");
     EPMOE_ASSIGN_OR_RETURN(const int n, ToInt(count, "allreduce count", rank_));
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, comm_, &request->request_),
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, comm_, request->Add()),
                                    "MPI_Iallreduce", rank_));
     return std::unique_ptr<Request>(std::move(request));
   }
@@ -240,15 +315,40 @@ class MpiCommunicator : public Communicator {
     EPMOE_RETURN_IF_ERROR(CheckRankCount(send_offsets.size(), "alltoallv send offsets"));
     EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_bytes.size(), "alltoallv receive sizes"));
     EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_offsets.size(), "alltoallv receive offsets"));
+    if (send_bytes[rank_] != recv_bytes[rank_])
+      return InvalidArgument(fmt::format("rank {}: alltoallv sends itself {} bytes but expects {} from itself", rank_,
+                                         send_bytes[rank_], recv_bytes[rank_]));
     auto request = NewRequest("alltoallv");
     EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(send_bytes, "alltoallv send size", rank_));
     EPMOE_ASSIGN_OR_RETURN(request->displs_a, ToInts(send_offsets, "alltoallv send offset", rank_));
     EPMOE_ASSIGN_OR_RETURN(request->counts_b, ToInts(recv_bytes, "alltoallv receive size", rank_));
     EPMOE_ASSIGN_OR_RETURN(request->displs_b, ToInts(recv_offsets, "alltoallv receive offset", rank_));
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ialltoallv(send, request->counts_a.data(), request->displs_a.data(), MPI_BYTE,
-                                                  recv, request->counts_b.data(), request->displs_b.data(), MPI_BYTE,
-                                                  comm_, &request->request_),
-                                   "MPI_Ialltoallv", rank_));
+    // One message per non-empty block on the private duplicate communicator, receives posted
+    // first, peers visited from the next rank on so that not every rank sends to rank 0 first;
+    // this rank's own block is copied. (Open MPI's blocking MPI_Alltoallv does the same; its
+    // nonblocking one runs the messages through a schedule that only advances when polled, which
+    // cost 0.1 ms and more per exchange here.) Messages between two ranks are matched in the
+    // order they were posted, so exchanges started in the same order on every rank stay apart.
+    request->Reserve(2 * static_cast<size_t>(size_));
+    for (int i = 1; i < size_; ++i) {
+      const int peer = (rank_ + i) % size_;
+      if (recv_bytes[peer] == 0) continue;
+      EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Irecv(static_cast<char*>(recv) + recv_offsets[peer], request->counts_b[peer],
+                                               MPI_BYTE, peer, kAlltoallvTag, messages_, request->Add(peer)),
+                                     "MPI_Irecv", rank_));
+    }
+    request->MarkReceives();
+    for (int i = 1; i < size_; ++i) {
+      const int peer = (rank_ + i) % size_;
+      if (send_bytes[peer] == 0) continue;
+      EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Isend(static_cast<const char*>(send) + send_offsets[peer],
+                                               request->counts_a[peer], MPI_BYTE, peer, kAlltoallvTag, messages_,
+                                               request->Add(peer)),
+                                     "MPI_Isend", rank_));
+    }
+    if (send_bytes[rank_] > 0)
+      std::memcpy(static_cast<char*>(recv) + recv_offsets[rank_], static_cast<const char*>(send) + send_offsets[rank_],
+                  static_cast<size_t>(send_bytes[rank_]));
     return std::unique_ptr<Request>(std::move(request));
   }
 
@@ -257,7 +357,7 @@ class MpiCommunicator : public Communicator {
     EPMOE_RETURN_IF_ERROR(CheckRankCount(recv.size(), "count exchange receive"));
     auto request = NewRequest("count exchange (alltoall)");
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ialltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_,
-                                                 &request->request_),
+                                                 request->Add()),
                                    "MPI_Ialltoall", rank_));
     return request->Wait();
   }
@@ -269,7 +369,7 @@ class MpiCommunicator : public Communicator {
     auto request = NewRequest("allgather");
     EPMOE_ASSIGN_OR_RETURN(const int n, ToInt(static_cast<int64_t>(send.size()), "allgather count", rank_));
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallgather(send.data(), n, MPI_INT64_T, recv.data(), n, MPI_INT64_T, comm_,
-                                                  &request->request_),
+                                                  request->Add()),
                                    "MPI_Iallgather", rank_));
     return request->Wait();
   }
@@ -278,7 +378,7 @@ class MpiCommunicator : public Communicator {
     int64_t result = 0;
     auto request = NewRequest("allreduce (max)");
     EPMOE_RETURN_IF_ERROR(
-        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_INT64_T, MPI_MAX, comm_, &request->request_), "MPI_Iallreduce",
+        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_INT64_T, MPI_MAX, comm_, request->Add()), "MPI_Iallreduce",
                  rank_));
     EPMOE_RETURN_IF_ERROR(request->Wait());
     return result;
@@ -288,7 +388,7 @@ class MpiCommunicator : public Communicator {
     double result = 0;
     auto request = NewRequest("allreduce (sum)");
     EPMOE_RETURN_IF_ERROR(
-        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_DOUBLE, MPI_SUM, comm_, &request->request_), "MPI_Iallreduce",
+        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_DOUBLE, MPI_SUM, comm_, request->Add()), "MPI_Iallreduce",
                  rank_));
     EPMOE_RETURN_IF_ERROR(request->Wait());
     return result;
@@ -337,7 +437,7 @@ class MpiCommunicator : public Communicator {
       auto [it, inserted] = renumber.emplace(parent_nodes[r], static_cast<int>(renumber.size()));
       nodes[r] = it->second;
     }
-    return std::unique_ptr<Communicator>(new MpiCommunicator(sub, std::move(nodes), options_, thread_level_));
+    return Create(sub, std::move(nodes), options_, thread_level_);
   }
 
   [[noreturn]] void Abort(int exit_code) override {
@@ -346,6 +446,13 @@ class MpiCommunicator : public Communicator {
   }
 
  private:
+  MpiCommunicator(MPI_Comm comm, MPI_Comm messages, std::vector<int> node_ids, const CommOptions& options,
+                  int thread_level)
+      : comm_(comm), messages_(messages), node_ids_(std::move(node_ids)), options_(options), thread_level_(thread_level) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    num_nodes_ = node_ids_.empty() ? 1 : *std::max_element(node_ids_.begin(), node_ids_.end()) + 1;
+  }
   std::unique_ptr<MpiRequest> NewRequest(const char* what) {
     return std::make_unique<MpiRequest>(what, rank_, options_.timeout_seconds);
   }
@@ -355,6 +462,7 @@ class MpiCommunicator : public Communicator {
   }
 
   MPI_Comm comm_;
+  MPI_Comm messages_;  // a duplicate of comm_ that carries only alltoallv's point-to-point messages
   std::vector<int> node_ids_;
   CommOptions options_;
   int thread_level_;
@@ -410,7 +518,7 @@ Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& optio
     for (auto& [l, node] : node_of_leader) node = next++;
     for (int r = 0; r < size; ++r) nodes[r] = node_of_leader[leaders[r]];
   }
-  return std::unique_ptr<Communicator>(new MpiCommunicator(MPI_COMM_WORLD, std::move(nodes), options, thread_level));
+  return MpiCommunicator::Create(MPI_COMM_WORLD, std::move(nodes), options, thread_level);
 }
 
 }  // namespace epmoe
