@@ -13,6 +13,10 @@
 // decoded straight into the expert-ordered input, weighted outputs are encoded straight into the
 // return buffer (this rank's own straight into where they are summed), and returned outputs are
 // summed where they landed. Buffers live across steps.
+// Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
+// last need not wait for its peers to take its own records or outputs, which they do whenever
+// they next poll; those sends are finished before their buffer is written again (next round or
+// step, counted in that step's dispatch or combine).
 #include <algorithm>
 #include <cstring>
 #include <memory>

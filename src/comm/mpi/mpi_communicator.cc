@@ -53,8 +53,9 @@ Result<std::vector<int>> ToInts(std::span<const int64_t> values, const char* wha
 // How long a wait polls before it starts sleeping between polls. Polling yields the core between
 // polls (a peer that shares it can run); sleeping leaves the cores to the ranks doing work once a
 // wait has lasted long enough to be a peer still computing rather than an exchange in flight.
-// Polling busily without yielding was tried on this 2-vCPU machine shared with other jobs: it made
-// every exchange slower, the raw MPI calls measured after it included (see docs/performance.md).
+// Polling busily without yielding was tried on a 2-vCPU machine shared with other jobs: exchanges
+// were no faster overall, and ranks that kept their cores were preempted for longer afterwards
+// (docs/performance.md, "Where the remaining excess goes").
 constexpr auto kYieldPhase = std::chrono::milliseconds(2);
 constexpr auto kSleepStep = std::chrono::microseconds(20);
 
