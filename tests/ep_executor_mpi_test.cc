@@ -337,9 +337,10 @@ TEST(Executor, MemoryBoundRunsSkewInRounds) {
   }
 }
 
-// dwdp moves packed experts (values and scales) and imports them, so with a quantized weight format
-// it equals the single-process layer packed in the same format, bit for bit; a bound that holds
-// only a few experts makes every layer arrive in pieces, still bit for bit.
+// dwdp moves packed experts (values and scales), read straight into the double buffer's slots, so
+// with a quantized weight format it equals the single-process layer packed in the same format, bit
+// for bit; a bound that holds only a few experts (two halves of P) makes every layer arrive in
+// pieces, still bit for bit.
 TEST(Executor, DwdpMovesPackedExpertsInPieces) {
   const int g = World().size();
   const ModelConfig model = TinyModel(1);
@@ -349,13 +350,13 @@ TEST(Executor, DwdpMovesPackedExpertsInPieces) {
     for (int64_t piece_experts : {int64_t{100}, int64_t{3}, int64_t{1}}) {
       Case c = CaseOf(EpOption::kDwdp);
       c.weights = format;
-      c.max_buffer_bytes = 3 * piece_experts * expert;
+      c.max_buffer_bytes = 2 * piece_experts * expert;
       const int64_t lacking = model.num_experts - model.num_experts / g;
       const StepStats st = RunAndCheck(c, EvenishRows(2 * g + 1), nullptr, 2);
       if (g == 1) continue;
       const int64_t per_piece = std::min(piece_experts, lacking);
       EXPECT_EQ(st.rounds, (lacking + per_piece - 1) / per_piece);
-      EXPECT_EQ(st.peak_buffer_bytes, 3 * per_piece * expert);
+      EXPECT_EQ(st.peak_buffer_bytes, 2 * per_piece * expert);
       EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
       EXPECT_EQ(st.bytes_received, lacking * expert);  // exactly the packed bytes, once
     }
@@ -443,6 +444,12 @@ TEST(Executor, RefusesShapesBeforeAnyWork) {
   dwdp.max_buffer_bytes = 1000;
   if (g > 1) {
     EXPECT_EQ(CheckExecutorShape(model, dwdp, g).code(), StatusCode::kOutOfRange);
+    // The double buffer's two halves of one expert each are the least dwdp runs with.
+    const int64_t expert = ExpertByteCount(dwdp.pack.format, model.hidden, model.expert_intermediate);
+    dwdp.max_buffer_bytes = 2 * expert - 1;
+    EXPECT_EQ(CheckExecutorShape(model, dwdp, g).code(), StatusCode::kOutOfRange);
+    dwdp.max_buffer_bytes = 2 * expert;
+    EXPECT_TRUE(CheckExecutorShape(model, dwdp, g).ok());
   }
 
   // Bad Forward input is refused, not computed.

@@ -76,9 +76,9 @@ struct ExecutorOptions {
   bool combine_partial_sums = false;
   SharedMode shared = SharedMode::kDefault;
   // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
-  // double buffer and the staging area its reads land in). A step that would exceed it runs in
-  // rounds (dwdp: reads each layer in pieces); one that cannot fit even one row per peer (dwdp:
-  // three packed experts) is refused.
+  // double buffer its reads land in). A step that would exceed it runs in rounds (dwdp: reads
+  // each layer in pieces); one that cannot fit even one row per peer (dwdp: two packed experts)
+  // is refused.
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PackOptions pack;
   uint64_t seed = 1;
@@ -128,7 +128,7 @@ class MoeExecutor {
   // "a2a (bf16 rows, bf16 combine)" and the like.
   virtual std::string description() const = 0;
   // Bytes of expert weights this rank holds resident (dwdp: owned, their copy in the window, the
-  // double buffer and its staging area).
+  // double buffer).
   virtual int64_t resident_weight_bytes() const = 0;
 
   // Runs MoE layer `layer` on this rank's rows (see RowOrigin) with their picks; out gets one

@@ -67,6 +67,12 @@ class ExpertStore {
   // (callers import between steps). Both refuse an expert out of range or a wrong length.
   virtual Status ExportExpert(int expert, std::span<std::byte> out) const = 0;
   virtual Status ImportExpert(int expert, std::span<const std::byte> bytes) = 0;
+  // Expert e's stored bytes in place, as writable contiguous ranges whose concatenation, in order,
+  // is exactly what ExportExpert writes, so a caller can read exported bytes straight into the store
+  // (DWDP's one-sided reads) instead of through a staging copy and ImportExpert. The caller writes
+  // only bytes exported by a store of the same format, shape and kernel (kernel_name()); writing is
+  // the same change as ImportExpert and must not happen during Run. Refuses an expert out of range.
+  virtual Result<std::vector<std::span<std::byte>>> MutableExpertParts(int expert) = 0;
 };
 
 struct PackOptions {

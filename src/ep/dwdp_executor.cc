@@ -1,19 +1,22 @@
 // Option 5, traveling weights (DWDP). Rank g owns experts [g*E/G, (g+1)*E/G) of every layer, packed
 // once in the kernel's format; their packed bytes (values and every scale, ExpertStore::
 // ExportExpert) sit in a one-sided window. Rows never move: every rank reads the experts it lacks
-// from their owners, as packed bytes, and imports them (ExpertStore::ImportExpert, a copy) into one
-// half of a double buffer, so the traffic is exactly the experts' stored bytes and nothing is
-// repacked. While one half computes, the reads of the next piece fill the other half.
+// from their owners, as packed bytes, straight into their slots of one half of a double buffer
+// (ExpertStore::MutableExpertParts: each contiguous part of a slot is the target of one read), so
+// the traffic is exactly the experts' stored bytes, each moved once: nothing is staged, imported or
+// repacked. (On one node the window is shared memory and a read is the reader's memcpy: a staging
+// area and an import copy doubled the copying, on the same cores and memory as the kernel.) While
+// one half computes, the reads of the next piece fill the other half.
 //
 // The double buffer is bounded by ExecutorOptions::max_buffer_bytes: two stores of P experts each
-// plus a staging area of P experts that the reads land in (3 P expert_bytes in all). When a layer's
-// lacking experts do not fit in P, the layer is fetched in pieces of P experts, one piece ahead of
-// use (the next layer's first piece is read while the current layer's last piece computes); when
-// they fit, that is one piece per layer, read one layer ahead.
+// (2 P expert_bytes in all). When a layer's lacking experts do not fit in P, the layer is fetched in
+// pieces of P experts, one piece ahead of use (the next layer's first piece is read while the
+// current layer's last piece computes); when they fit, that is one piece per layer, read one layer
+// ahead.
 //
-// Where the transport allows concurrent threads the reads and the imports run on a helper thread,
-// overlapped with compute; otherwise the reads are started (MPI_Rget) before the compute and
-// completed, then imported, when the piece is needed. Each pick is computed by the same packed
+// Where the transport allows concurrent threads the reads run on a helper thread, overlapped with
+// compute; otherwise the reads are started (MPI_Rget) before the compute and completed when the
+// piece is needed. Each pick is computed by the same packed
 // bytes and kernel as the single-process layer with the same weight format, and the sum runs in pick
 // order, so results are bit-exact with MoeLayer.
 #include <algorithm>
@@ -92,14 +95,13 @@ class DwdpExecutor : public MoeExecutor {
     EPMOE_RETURN_IF_ERROR(comm_.Barrier());  // every window is written before anyone reads
 
     if (lacking_ > 0) {
-      piece_experts_ = static_cast<int>(std::min<int64_t>(lacking_, options_.max_buffer_bytes / (3 * expert_bytes_)));
+      piece_experts_ = static_cast<int>(std::min<int64_t>(lacking_, options_.max_buffer_bytes / (2 * expert_bytes_)));
       if (piece_experts_ < 1)
-        return OutOfRange(fmt::format("dwdp: rank {}: one expert takes {} bytes and the double buffer with its staging "
-                                      "needs three, over the buffer bound of {} bytes", me, expert_bytes_,
-                                      options_.max_buffer_bytes));
+        return OutOfRange(fmt::format("dwdp: rank {}: one expert takes {} bytes and the double buffer needs two, over "
+                                      "the buffer bound of {} bytes", me, expert_bytes_, options_.max_buffer_bytes));
       pieces_per_layer_ = (lacking_ + piece_experts_ - 1) / piece_experts_;
       // The halves are stores of piece_experts_ experts in the kernel's format, packed once from one
-      // expert's weights (each slot is overwritten by ImportExpert before it is used).
+      // expert's weights (the reads overwrite each slot before it is used).
       const ExpertWeights filler = routed(0, 0, 0, model_.expert_intermediate);
       const std::vector<const ExpertWeights*> fillers(piece_experts_, &filler);
       for (Buffer& b : buffers_) {
@@ -109,8 +111,15 @@ class DwdpExecutor : public MoeExecutor {
           return FailedPrecondition(fmt::format("dwdp: rank {} packs experts into {} bytes ({}), the owners into {} "
                                                 "bytes; every rank must use the same weight format and kernel (--isa)",
                                                 me, b.store->expert_bytes(0), b.store->kernel_name(), expert_bytes_));
+        // Where each slot's bytes live: the reads' targets (stable: the store never reallocates).
+        b.slots.resize(piece_experts_);
+        for (int i = 0; i < piece_experts_; ++i) {
+          EPMOE_ASSIGN_OR_RETURN(b.slots[i], b.store->MutableExpertParts(i));
+          int64_t bytes = 0;
+          for (const auto& part : b.slots[i]) bytes += static_cast<int64_t>(part.size());
+          EPMOE_CHECK(bytes == expert_bytes_);
+        }
       }
-      staging_.resize(static_cast<size_t>(piece_experts_) * expert_bytes_);
     }
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     threaded_ = comm_.concurrent_windows();
@@ -241,19 +250,21 @@ class DwdpExecutor : public MoeExecutor {
     int layer = -1;
     int piece = 0;
     bool pending = false;
-    std::future<Status> fetch;  // threaded reads and imports
+    std::future<Status> fetch;  // threaded reads
     std::unique_ptr<ExpertStore> store;
+    // Per slot, its contiguous parts in exported order (ExpertStore::MutableExpertParts).
+    std::vector<std::vector<std::span<std::byte>>> slots;
   };
 
   int OwnerBegin(int rank) const {
     return static_cast<int>(static_cast<int64_t>(rank) * model_.num_experts / comm_.size());
   }
   int PieceSize(int piece) const { return std::min(piece_experts_, lacking_ - piece * piece_experts_); }
-  // Two stores and the staging area.
-  int64_t BufferBytes() const { return lacking_ > 0 ? 3 * static_cast<int64_t>(piece_experts_) * expert_bytes_ : 0; }
+  // The two stores.
+  int64_t BufferBytes() const { return lacking_ > 0 ? 2 * static_cast<int64_t>(piece_experts_) * expert_bytes_ : 0; }
 
-  // Starts the one-sided reads of a piece's experts into the staging area (and, threaded, their
-  // import into b).
+  // Starts the one-sided reads of a piece's experts straight into b's slots (threaded: and waits
+  // for them on the helper thread).
   Status StartFetch(int layer, int piece, Buffer& b) {
     b.layer = layer;
     b.piece = piece;
@@ -267,12 +278,14 @@ class DwdpExecutor : public MoeExecutor {
         int owner = 0;
         while (OwnerBegin(owner + 1) <= e) ++owner;
         const int64_t owner_experts = OwnerBegin(owner + 1) - OwnerBegin(owner);
-        const int64_t at = (static_cast<int64_t>(layer) * owner_experts + (e - OwnerBegin(owner))) * expert_bytes_;
-        EPMOE_RETURN_IF_ERROR(window_->Get(owner, at, expert_bytes_, staging_.data() + i * expert_bytes_));
+        int64_t at = (static_cast<int64_t>(layer) * owner_experts + (e - OwnerBegin(owner))) * expert_bytes_;
+        for (const std::span<std::byte>& part : b.slots[i]) {
+          const int64_t bytes = static_cast<int64_t>(part.size());
+          EPMOE_RETURN_IF_ERROR(window_->Get(owner, at, bytes, part.data()));
+          at += bytes;
+        }
       }
-      if (!threaded_) return Status::Ok();
-      EPMOE_RETURN_IF_ERROR(window_->Flush());
-      return ImportArrived(piece, b);
+      return threaded_ ? window_->Flush() : Status::Ok();
     };
     if (threaded_) {
       b.fetch = std::async(std::launch::async, issue);
@@ -281,21 +294,11 @@ class DwdpExecutor : public MoeExecutor {
     return issue();
   }
 
-  // Waits for b's reads (and imports).
+  // Waits for b's reads.
   Status Complete(Buffer& b) {
     if (!b.pending) return Status::Ok();
     b.pending = false;
-    if (threaded_) return b.fetch.get();
-    EPMOE_RETURN_IF_ERROR(window_->Flush());
-    return ImportArrived(b.piece, b);
-  }
-
-  Status ImportArrived(int piece, Buffer& b) {
-    for (int i = 0; i < PieceSize(piece); ++i) {
-      EPMOE_RETURN_IF_ERROR(b.store->ImportExpert(
-          i, std::span<const std::byte>(staging_.data() + i * expert_bytes_, static_cast<size_t>(expert_bytes_))));
-    }
-    return Status::Ok();
+    return threaded_ ? b.fetch.get() : window_->Flush();
   }
 
   Communicator& comm_;
@@ -311,7 +314,6 @@ class DwdpExecutor : public MoeExecutor {
   std::unique_ptr<Window> window_;
   std::vector<std::unique_ptr<ExpertStore>> owned_;   // per layer; null when a rank owns none
   Buffer buffers_[2];
-  std::vector<std::byte> staging_;                    // where a piece's reads land before import
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
 };
 

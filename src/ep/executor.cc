@@ -134,12 +134,12 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
     }
   }
   if (o.option == EpOption::kDwdp && g > 1) {
-    // The double buffer holds two pieces of at least one packed expert each, plus the staging area
-    // the reads land in; a layer whose lacking experts do not fit is read in pieces.
+    // The double buffer holds two pieces of at least one packed expert each (the reads land in
+    // place); a layer whose lacking experts do not fit is read in pieces.
     const int64_t expert = ExpertByteCount(o.pack.format, model.hidden, model.expert_intermediate);
-    if (3 * expert > o.max_buffer_bytes)
-      return OutOfRange(fmt::format("dwdp: the double buffer and its staging need at least 3 packed experts of {} bytes, "
-                                    "over the bound of {} bytes (raise the buffer bound)", expert, o.max_buffer_bytes));
+    if (2 * expert > o.max_buffer_bytes)
+      return OutOfRange(fmt::format("dwdp: the double buffer needs at least 2 packed experts of {} bytes, over the "
+                                    "bound of {} bytes (raise the buffer bound)", expert, o.max_buffer_bytes));
   }
   return Status::Ok();
 }

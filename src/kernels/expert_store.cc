@@ -133,6 +133,23 @@ Status KernelExpertStore::ImportExpert(int expert, std::span<const std::byte> by
   return Status::Ok();
 }
 
+Result<std::vector<std::span<std::byte>>> KernelExpertStore::MutableExpertParts(int expert) {
+  if (expert < 0 || expert >= num_experts())
+    return InvalidArgument(fmt::format("expert parts: expert {} outside [0, {})", expert, num_experts()));
+  // The ranges ExportExpert writes, in its order (empty ones left out).
+  std::vector<std::span<std::byte>> parts;
+  auto add = [&parts](void* at, size_t bytes) {
+    if (bytes > 0) parts.emplace_back(static_cast<std::byte*>(at), bytes);
+  };
+  PackedExpert& e = experts_[expert];
+  for (PackedMatrix* m : {&e.gate, &e.up, &e.down}) {
+    add(m->values.data(), m->values.size());
+    add(m->scales.data(), m->scales.size());
+    if (m->format == WeightFormat::kNvfp4) add(&m->tensor_scale, sizeof(float));
+  }
+  return parts;
+}
+
 std::string KernelExpertStore::kernel_name() const {
   return fmt::format("{}/{}", WeightFormatName(format_), IsaName(kernel_->isa()));
 }

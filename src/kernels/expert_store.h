@@ -41,6 +41,7 @@ class KernelExpertStore final : public ExpertStore {
                     ThreadPool& pool) const override;
   Status ExportExpert(int expert, std::span<std::byte> out) const override;
   Status ImportExpert(int expert, std::span<const std::byte> bytes) override;
+  Result<std::vector<std::span<std::byte>>> MutableExpertParts(int expert) override;
 
  private:
   struct PackedExpert {
