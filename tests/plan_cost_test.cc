@@ -451,13 +451,56 @@ TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
   HardwareProfile gpus = Profile("h100x8");
   const OptionCost overlapped = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
   EXPECT_DOUBLE_EQ(overlapped.layer_us, std::max(overlapped.kernel_us, overlapped.comm_us));
+  // On GPUs fetches are one-sided reads: at a measured quarter of the collectives' rate they take 4x as long.
+  gpus.intra_node.one_sided_efficiency = gpus.intra_node.efficiency / 4;
+  const OptionCost slow_reads = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  EXPECT_NEAR(slow_reads.comm_us, 4 * overlapped.comm_us, 1e-6 * slow_reads.comm_us);
   gpus.ranks_share_device = true;  // now the same cores and memory fetch and compute
   const OptionCost shared = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
   EXPECT_NEAR(shared.layer_us, shared.kernel_us + shared.comm_us, 1e-6 * shared.layer_us);
-  // Fetches are one-sided reads: at a measured quarter of the collectives' rate they take 4x as long.
-  gpus.intra_node.one_sided_efficiency = gpus.intra_node.efficiency / 4;
-  const OptionCost slow_reads = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
-  EXPECT_NEAR(slow_reads.comm_us, 4 * shared.comm_us, 1e-6 * slow_reads.comm_us);
+}
+
+// Where ranks share a device, DWDP's fetch is a copy of the lacking experts' bytes at the device's
+// copy rate shared by the ranks: hand-priced on the unit profile, sharing the device makes the layer
+// slower by exactly that term on top of the kernel.
+TEST(PlanCostTest, DwdpOnASharedDeviceAddsTheCopyOfTheFetchedBytes) {
+  ModelConfig m;
+  m.name = "tiny";
+  m.hidden = 16;
+  m.num_experts = 4;
+  m.expert_intermediate = 16;
+  m.top_k = 1;
+  m.num_layers = 1;
+  ASSERT_TRUE(ValidateModel(m, "tiny").ok());
+  PlanConfig config;
+  config.formats = {WeightFormat::kBf16, WeightFormat::kBf16, WeightFormat::kBf16};
+  config.batches = {64};
+  config.gpus = {2};
+  config.samples = 4;
+  config.options = {PlanOption::kTravelingWeights};
+  HardwareProfile hw = UnitProfile();
+  hw.memory_copy_gbs = 0.5e-3;  // the device copies 0.5 B/us in all
+  // One expert: 3 x 16 x 16 bf16 = 1,536 bytes; a rank fetches the 2 experts it lacks: 3,072 bytes.
+  const double fetched = 3072;
+  ASSERT_EQ(DwdpBytesPerRankPerLayer(m, WeightFormat::kBf16, 2), fetched);
+  const OptionCost gpu = Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64);
+  // GPUs: one-sided reads on the 1 B/us link, overlapped with the kernel.
+  EXPECT_DOUBLE_EQ(gpu.comm_us, fetched / 1.0);
+  EXPECT_DOUBLE_EQ(gpu.layer_us, std::max(gpu.kernel_us, gpu.comm_us));
+
+  hw.ranks_share_device = true;
+  const OptionCost cpu = Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64);
+  // Two ranks copy at once, each at 0.25 B/us: 3,072 / 0.25 = 12,288 us, after the kernel.
+  const double copy_us = fetched * 2 / 0.5;
+  EXPECT_DOUBLE_EQ(cpu.comm_us, copy_us);
+  EXPECT_NEAR(cpu.layer_us, cpu.kernel_us + copy_us, 1e-9 * cpu.layer_us);
+
+  // Without a measured copy rate: half the read rate (1 B/us read, each byte read and written).
+  hw.memory_copy_gbs = 0;
+  const OptionCost unmeasured = Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64);
+  EXPECT_DOUBLE_EQ(unmeasured.comm_us, fetched * 2 / 0.5);
+  hw.memory_read_efficiency = 0.5;
+  EXPECT_DOUBLE_EQ(Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64).comm_us, fetched * 2 / 0.25);
 }
 
 TEST(PlanSeedTest, TravelingRowsWinPrefillOnEightB300) {

@@ -117,6 +117,24 @@ TEST(PlanHardwareTest, NegativeOrOutOfRangeFieldsAreNamed) {
   j = B300();
   j["intra_node"]["one_sided_efficiency"] = -0.5;
   ExpectRefused(j, {"intra_node.one_sided_efficiency", "must not be negative"});
+  j = B300();
+  j["memory"]["copy_gbs"] = -1;
+  ExpectRefused(j, {"memory.copy_gbs", "must not be negative"});
+}
+
+// The device's copy rate (DWDP's fetches on a shared device) when measured, half the read rate otherwise.
+TEST(PlanHardwareTest, CopyRateIsOptional) {
+  json j = B300();
+  ASSERT_FALSE(j["memory"].contains("copy_gbs"));
+  auto plain = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_DOUBLE_EQ(plain->CopyBytesPerSecond(), plain->memory_bandwidth_gbs * 1e9 * plain->memory_read_efficiency / 2);
+  EXPECT_FALSE(json::parse(HardwareToJson(*plain))["memory"].contains("copy_gbs"));
+  j["memory"]["copy_gbs"] = 12.5;
+  auto measured = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(measured.ok()) << measured.status().message();
+  EXPECT_DOUBLE_EQ(measured->CopyBytesPerSecond(), 12.5e9);
+  EXPECT_EQ(json::parse(HardwareToJson(*measured))["memory"]["copy_gbs"], 12.5);
 }
 
 // One-sided reads (DWDP) get their own share of the link when measured, and collectives' otherwise.

@@ -9,9 +9,14 @@
 //   gpus_per_node                         ranks that share the fast link domain (NVLink, one host)
 //   ranks_share_device                    true on a CPU server: ranks on a node share one memory
 //                                         system and its arithmetic (each gets 1/ranks of it)
-//   memory: {capacity_gb, bandwidth_gbs, read_efficiency}
+//   memory: {capacity_gb, bandwidth_gbs, read_efficiency, copy_gbs (optional)}
 //                                         per device; read_efficiency = share of the data-sheet
-//                                         bandwidth an expert kernel reaches when reading weights
+//                                         bandwidth an expert kernel reaches when reading weights;
+//                                         copy_gbs = bytes the whole device copies per second
+//                                         (memcpy far beyond the caches on every core: each byte
+//                                         read once and written once), measured by epmoe
+//                                         calibrate; priced where ranks_share_device (DWDP's
+//                                         fetches are such copies); absent: half the read rate
 //   peak_tflops: {fp32, bf16, int8, fp8, fp4}   dense data-sheet peaks per arithmetic path
 //   arithmetic_efficiency                 share of the peak a grouped expert kernel reaches
 //   gemm_efficiency                       share of the peak a plain GEMM reaches (shared expert,
@@ -27,6 +32,7 @@
 // HardwareProfile is a plain value (thread-compatible).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -75,6 +81,7 @@ struct HardwareProfile {
   double memory_capacity_gb = 0;
   double memory_bandwidth_gbs = 0;
   double memory_read_efficiency = 0;
+  double memory_copy_gbs = 0;  // optional (0: absent), see CopyBytesPerSecond
   PeakTflops peak_tflops;
   double arithmetic_efficiency = 0;
   double gemm_efficiency = 0;
@@ -85,6 +92,9 @@ struct HardwareProfile {
 
   // The measured line for experts stored in `format`, if the profile has one.
   std::optional<KernelLine> LineFor(WeightFormat format) const;
+  // Bytes the whole device copies per second: memory.copy_gbs when measured, else half the read
+  // rate (bandwidth x read_efficiency / 2: one read and one write per byte).
+  double CopyBytesPerSecond() const;
   // Peak of the arithmetic path that weights stored in `format` use: 4-bit formats fp4; 1-byte
   // weights the faster of int8 and fp8 (GPU checkpoints store 8-bit layers in FP8).
   double PeakTflopsFor(WeightFormat format) const;
@@ -100,5 +110,17 @@ Result<HardwareProfile> ParseHardware(std::string_view json_text, std::string_vi
 Result<HardwareProfile> LoadHardware(std::string_view name_or_path);
 std::string HardwareToJson(const HardwareProfile& profile);
 std::vector<std::string> ListHardwareProfiles();
+
+class ThreadPool;
+
+struct CopyBandwidthOptions {
+  int64_t buffer_bytes = int64_t{256} << 20;  // far beyond the caches: the copies go through DRAM
+  int repetitions = 7;
+};
+// The device's copy rate for memory.copy_gbs, in GB/s of bytes copied (each read once and written
+// once): every thread of the pool memcpys its share of one buffer into another, median over the
+// repetitions after a warm-up. Refuses buffers under 1 MB or no repetitions; fails (OutOfRange) when
+// the two buffers cannot be allocated.
+Result<double> MeasureCopyBandwidth(ThreadPool& pool, const CopyBandwidthOptions& options = {});
 
 }  // namespace epmoe

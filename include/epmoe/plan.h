@@ -6,7 +6,9 @@
 //            flops / achieved peak), + the shared expert (sliced or copied);
 //   communication: options 1-3 all-gather rows to G-1 ranks and reduce-scatter the results;
 //            option 4 dispatches a row only to the ranks holding its experts and combines back;
-//            option 5 fetches (G-1)/G of the layer's expert bytes, overlapped with the kernel;
+//            option 5 fetches (G-1)/G of the layer's expert bytes, overlapped with the kernel on
+//            GPUs; where ranks share a device (a CPU server) the fetch is a copy by the kernel's
+//            cores (bytes x ranks per device / the device's copy rate) added to the kernel;
 //   each collective costs latency + bytes / link bandwidth (intra- and inter-node shares in
 //   parallel), and the slowest rank sets the layer's time. Step = MoE layers + dense FFN layers
 //   (attention and everything else is not modeled).

@@ -44,6 +44,9 @@ class RankRates {
     if (auto line = hw_.LineFor(format)) return line->sliced_extra_us;
     return 0;
   }
+  // Microseconds per byte a rank copies while every rank of its device copies too (the device's
+  // copy rate divided among them).
+  double CopyUsPerByte() const { return share_ / (hw_.CopyBytesPerSecond() * 1e-6); }
 
  private:
   const HardwareProfile& hw_;
@@ -81,6 +84,22 @@ double TransferUs(const HardwareProfile& hw, int gpus, double bytes, bool one_si
   const double intra = bytes * (1 - to_other_nodes) / rate(hw.intra_node);
   const double inter = bytes * to_other_nodes / rate(hw.inter_node);
   return std::max(intra, inter);
+}
+
+// DWDP's fetch of `bytes` per rank and layer where the ranks share a device (a CPU server). A read
+// from a rank on the same node is a memcpy by the reader's cores (a shared-memory window) through the
+// memory the kernel reads: each byte is read once and written once, at the device's copy rate
+// shared by the ranks copying at once, and it takes that memory and those cores from the kernel:
+//   fetch_us = node_bytes x ranks_per_device / copy_bytes_per_us,   layer = kernel + fetch
+// (node_bytes: the bytes from ranks on this node, (local - 1) / (G - 1) of them). Bytes from other
+// nodes arrive over the inter-node link's one-sided reads, in parallel with the copies.
+double SharedDeviceFetchUs(const HardwareProfile& hw, int gpus, double bytes, const RankRates& rates) {
+  if (gpus <= 1 || bytes <= 0) return 0;
+  const int local = std::min(gpus, hw.gpus_per_node);
+  const double to_other_nodes = static_cast<double>(gpus - local) / (gpus - 1);
+  const double copy = bytes * (1 - to_other_nodes) * rates.CopyUsPerByte();
+  const double inter = bytes * to_other_nodes / (hw.inter_node.one_sided_bytes_per_second() * 1e-6);
+  return std::max(copy, inter);
 }
 
 double CollectiveLatencyUs(const HardwareProfile& hw, int gpus) {
@@ -287,14 +306,19 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
       cost.layer = cost.kernel + cost.comm;
       break;
     }
-    case PlanOption::kTravelingWeights:
-      cost.comm = TransferUs(c.hw, gpus,
-                             static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus)),
-                             /*one_sided=*/true);
-      // Fetches start ahead and overlap the kernel on GPUs (copy engines); where the ranks share a
-      // device (a CPU server) the copies take the same cores and memory as the kernel and add up.
-      cost.layer = c.hw.ranks_share_device ? cost.kernel + cost.comm : std::max(cost.kernel, cost.comm);
+    case PlanOption::kTravelingWeights: {
+      const double fetched = static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus));
+      if (c.hw.ranks_share_device) {
+        // A CPU server: the fetches are copies on the kernel's cores and memory and add to it.
+        cost.comm = SharedDeviceFetchUs(c.hw, gpus, fetched, rates);
+        cost.layer = cost.kernel + cost.comm;
+      } else {
+        // GPUs: one-sided reads start a layer ahead on the copy engines and overlap the kernel.
+        cost.comm = TransferUs(c.hw, gpus, fetched, /*one_sided=*/true);
+        cost.layer = std::max(cost.kernel, cost.comm);
+      }
       break;
+    }
   }
   return cost;
 }

@@ -93,6 +93,11 @@ std::optional<KernelLine> HardwareProfile::LineFor(WeightFormat format) const {
   return std::nullopt;
 }
 
+double HardwareProfile::CopyBytesPerSecond() const {
+  if (memory_copy_gbs > 0) return memory_copy_gbs * 1e9;
+  return memory_bandwidth_gbs * 1e9 * memory_read_efficiency / 2;  // each byte read once and written once
+}
+
 double HardwareProfile::PeakTflopsFor(WeightFormat format) const {
   switch (format) {
     case WeightFormat::kFp32: return peak_tflops.fp32;
@@ -113,6 +118,7 @@ Status ValidateHardware(const HardwareProfile& p, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Positive(source, "memory.capacity_gb", p.memory_capacity_gb));
   EPMOE_RETURN_IF_ERROR(Positive(source, "memory.bandwidth_gbs", p.memory_bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(Fraction(source, "memory.read_efficiency", p.memory_read_efficiency));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "memory.copy_gbs", p.memory_copy_gbs));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.fp32", p.peak_tflops.fp32));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.bf16", p.peak_tflops.bf16));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.int8", p.peak_tflops.int8));
@@ -171,7 +177,9 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.capacity_gb", &p.memory_capacity_gb));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.bandwidth_gbs", &p.memory_bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.read_efficiency", &p.memory_read_efficiency));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["memory"], source, "memory.", {"capacity_gb", "bandwidth_gbs", "read_efficiency"}));
+  if (j["memory"].contains("copy_gbs")) EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.copy_gbs", &p.memory_copy_gbs));
+  EPMOE_RETURN_IF_ERROR(
+      CheckKnownKeys(j["memory"], source, "memory.", {"capacity_gb", "bandwidth_gbs", "read_efficiency", "copy_gbs"}));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp32", &p.peak_tflops.fp32));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.bf16", &p.peak_tflops.bf16));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.int8", &p.peak_tflops.int8));
@@ -218,6 +226,9 @@ std::string HardwareToJson(const HardwareProfile& p) {
     if (l.one_sided_efficiency > 0) out["one_sided_efficiency"] = l.one_sided_efficiency;
     return out;
   };
+  json memory = {{"capacity_gb", p.memory_capacity_gb}, {"bandwidth_gbs", p.memory_bandwidth_gbs},
+                 {"read_efficiency", p.memory_read_efficiency}};
+  if (p.memory_copy_gbs > 0) memory["copy_gbs"] = p.memory_copy_gbs;
   json lines = json::array();
   for (const auto& l : p.kernel_lines)
     lines.push_back({{"format", WeightFormatName(l.format)}, {"fixed_us", l.fixed_us}, {"us_per_gb", l.us_per_gb},
@@ -227,8 +238,7 @@ std::string HardwareToJson(const HardwareProfile& p) {
             {"sources", p.sources},
             {"gpus_per_node", p.gpus_per_node},
             {"ranks_share_device", p.ranks_share_device},
-            {"memory", {{"capacity_gb", p.memory_capacity_gb}, {"bandwidth_gbs", p.memory_bandwidth_gbs},
-                        {"read_efficiency", p.memory_read_efficiency}}},
+            {"memory", memory},
             {"peak_tflops", {{"fp32", p.peak_tflops.fp32}, {"bf16", p.peak_tflops.bf16}, {"int8", p.peak_tflops.int8},
                              {"fp8", p.peak_tflops.fp8}, {"fp4", p.peak_tflops.fp4}}},
             {"arithmetic_efficiency", p.arithmetic_efficiency},

@@ -1,6 +1,7 @@
 // `epmoe calibrate`: measures this machine into a hardware profile for the planner.
-//   epmoe calibrate --out local.json                      memory bandwidth, peak per arithmetic path
-//                                                         and the expert kernel's fitted line
+//   epmoe calibrate --out local.json                      memory bandwidth, copy rate, peak per
+//                                                         arithmetic path and the expert kernel's
+//                                                         fitted line
 //   mpirun -np G epmoe calibrate --links --base local.json --out local.json
 //                                                         MPI latency and bandwidth between ranks
 // The two parts run separately so that idle MPI ranks never compete with the kernel measurements
@@ -88,10 +89,15 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
     return fp32;
   };
   p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
+  // Where ranks share this machine, DWDP's fetches are memcpys (shared-memory windows): price them at
+  // the rate all cores copy at together.
+  EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyBandwidth(pool));
+  progress(fmt::format("memory copy {:.1f} GB/s", p->memory_copy_gbs));
   p->sources.push_back(fmt::format(
       "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks fp32 {:.0f}, bf16 {:.0f}, int8 {:.0f} "
-      "G operations/s (machine_limits); fp8 priced at the bf16 rate, 4-bit formats at their kernel's path",
-      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, m.bf16_gflops, m.int8_gops));
+      "G operations/s (machine_limits); fp8 priced at the bf16 rate, 4-bit formats at their kernel's path; copy_gbs "
+      "{:.1f}: every thread memcpys its share of 256 MB into another 256 MB buffer (median of 7)",
+      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, m.bf16_gflops, m.int8_gops, p->memory_copy_gbs));
   p->kernel_lines.clear();
   double read_efficiency = 0, arithmetic_efficiency = 0;
   int lines = 0, points = 0;

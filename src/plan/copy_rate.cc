@@ -1,0 +1,44 @@
+// The device's copy rate for `epmoe calibrate` (memory.copy_gbs): what DWDP's fetches cost where
+// the ranks share a device, since a read from a shared-memory window is a memcpy by the reader.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "epmoe/hardware.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+
+Result<double> MeasureCopyBandwidth(ThreadPool& pool, const CopyBandwidthOptions& options) {
+  if (options.buffer_bytes < (int64_t{1} << 20) || options.repetitions < 1)
+    return InvalidArgument(fmt::format("copy bandwidth: buffers of {} bytes (at least 1 MB) and {} repetitions (at "
+                                       "least 1)", options.buffer_bytes, options.repetitions));
+  const size_t bytes = static_cast<size_t>(options.buffer_bytes);
+  std::unique_ptr<std::byte[]> from(new (std::nothrow) std::byte[bytes]);
+  std::unique_ptr<std::byte[]> to(new (std::nothrow) std::byte[bytes]);
+  if (from == nullptr || to == nullptr)
+    return OutOfRange(fmt::format("copy bandwidth: cannot allocate two buffers of {} bytes", bytes));
+  // Both buffers touched first, so no page is mapped inside the timed copies.
+  std::memset(from.get(), 1, bytes);
+  std::memset(to.get(), 2, bytes);
+  const int threads = pool.size();
+  auto copy = [&](int t) {
+    const size_t begin = bytes * t / threads, end = bytes * (t + 1) / threads;
+    std::memcpy(to.get() + begin, from.get() + begin, end - begin);
+  };
+  std::vector<double> rates;
+  for (int rep = 0; rep <= options.repetitions; ++rep) {  // the first is a warm-up
+    const auto start = std::chrono::steady_clock::now();
+    pool.RunOnAll(copy);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (rep > 0) rates.push_back(static_cast<double>(bytes) / seconds / 1e9);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+}  // namespace epmoe
