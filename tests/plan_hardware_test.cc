@@ -2,9 +2,12 @@
 // negative, out-of-range or unknown field is refused with a message naming the field.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "epmoe/hardware.h"
+#include "epmoe/thread_pool.h"
 
 namespace epmoe {
 namespace {
@@ -149,6 +152,18 @@ TEST(PlanHardwareTest, OneSidedEfficiencyIsOptional) {
   ASSERT_TRUE(measured.ok()) << measured.status().message();
   EXPECT_DOUBLE_EQ(measured->intra_node.one_sided_bytes_per_second(), measured->intra_node.bandwidth_gbs * 1e9 * 0.25);
   EXPECT_EQ(json::parse(HardwareToJson(*measured))["intra_node"]["one_sided_efficiency"], 0.25);
+}
+
+// The copy-rate microbenchmark behind memory.copy_gbs: a positive rate; bad sizes refused.
+TEST(PlanHardwareTest, CopyBandwidthIsMeasuredAndBadOptionsRefused) {
+  ThreadPool pool(2);
+  auto rate = MeasureCopyBandwidth(pool, CopyBandwidthOptions{int64_t{4} << 20, 2});
+  ASSERT_TRUE(rate.ok()) << rate.status().message();
+  EXPECT_GT(*rate, 0.0);
+  EXPECT_TRUE(std::isfinite(*rate));
+  EXPECT_EQ(MeasureCopyBandwidth(pool, CopyBandwidthOptions{1000, 2}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(MeasureCopyBandwidth(pool, CopyBandwidthOptions{int64_t{4} << 20, 0}).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(PlanHardwareTest, UnknownFieldsAndBadTextAreRefused) {

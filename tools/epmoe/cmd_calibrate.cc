@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -21,9 +22,11 @@
 
 #include "commands.h"
 #include "epmoe/comm.h"
+#include "epmoe/expert_ffn.h"
 #include "epmoe/hardware.h"
 #include "epmoe/kernel_bench.h"
 #include "epmoe/machine_limits.h"
+#include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 #include "output.h"
 
@@ -168,6 +171,68 @@ Result<double> TimeWindowRead(Communicator& comm, int64_t bytes, int repetitions
   return us;
 }
 
+// What DWDP's fetches cost where the ranks share this machine, measured as DWDP runs: each rank
+// runs the decode expert kernel (1 thread, 2 rows per expert) over 64 packed bf16 experts of
+// 1024 x 512, alone and while a helper thread reads as many bytes from the next rank's window (a
+// memcpy by the reader on one node, as DWDP reads the next layer's experts); both timed as
+// TimeSlowestRank does. The reads' cost is what they add: the device's copy rate beside the
+// kernel is ranks x bytes read / (together - alone). Sets the times and bytes for the profile's
+// notes. (A kernel over 128 experts beside reads of 64 gave 9.6 - 12.4 GB/s in three runs, its
+// kernel alone 40 - 49 ms against 2 x 12 ms for 64: less steady on this machine.)
+Result<double> MeasureCopyUnderKernel(Communicator& comm, double* alone_us, double* together_us, int64_t* bytes_out) {
+  constexpr int kExperts = 64, kReadExperts = 64;
+  constexpr int64_t kHidden = 1024, kIntermediate = 512, kRowsPerExpert = 2;
+  ExpertWeights expert;
+  expert.gate = SyntheticMatrix(7, {TensorKind::kExpertGate, 0, 0, kIntermediate, kHidden});
+  expert.up = SyntheticMatrix(7, {TensorKind::kExpertUp, 0, 0, kIntermediate, kHidden});
+  expert.down = SyntheticMatrix(7, {TensorKind::kExpertDown, 0, 0, kHidden, kIntermediate});
+  const std::vector<const ExpertWeights*> experts(kExperts, &expert);  // distinct packed copies
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertStore> store, PackExperts(experts, PackOptions{WeightFormat::kBf16}));
+  const int64_t expert_bytes = store->expert_bytes(0);
+  const int64_t bytes = kReadExperts * expert_bytes;
+  const Matrix rows = SyntheticMatrix(8, {TensorKind::kRows, 0, 0, kExperts * kRowsPerExpert, kHidden});
+  std::vector<int64_t> offsets(kExperts + 1);
+  for (int e = 0; e <= kExperts; ++e) offsets[e] = e * kRowsPerExpert;
+  std::vector<float> out(rows.data.size());
+  ThreadPool pool(1);  // as `epmoe run`: one thread per rank
+  auto kernel = [&]() -> Status {
+    store->Run(rows.data.data(), offsets, out.data(), pool);
+    return Status::Ok();
+  };
+
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Window> window, comm.AllocateWindow(bytes));
+  std::memset(window->local(), 1, bytes);
+  std::vector<std::byte> into(bytes, std::byte{2});
+  const int peer = (comm.rank() + 1) % comm.size();
+  auto read = [&]() -> Status {
+    for (int e = 0; e < kReadExperts; ++e)
+      EPMOE_RETURN_IF_ERROR(window->Get(peer, e * expert_bytes, expert_bytes, into.data() + e * expert_bytes));
+    return window->Flush();
+  };
+  EPMOE_ASSIGN_OR_RETURN(*alone_us, TimeSlowestRank(comm, 5, kernel));
+  const bool threaded = comm.concurrent_windows();
+  Result<double> together = TimeSlowestRank(comm, 5, [&]() -> Status {
+    if (!threaded) {  // reads started before the kernel and completed after it, as DWDP does then
+      for (int e = 0; e < kReadExperts; ++e)
+        EPMOE_RETURN_IF_ERROR(window->Get(peer, e * expert_bytes, expert_bytes, into.data() + e * expert_bytes));
+      EPMOE_RETURN_IF_ERROR(kernel());
+      return window->Flush();
+    }
+    std::future<Status> reads = std::async(std::launch::async, read);
+    const Status ran = kernel();
+    const Status got = reads.get();
+    return ran.ok() ? got : ran;
+  });
+  EPMOE_RETURN_IF_ERROR(comm.Barrier());  // no rank frees the window while another still reads it
+  if (!together.ok()) return together.status();
+  *together_us = *together;
+  *bytes_out = bytes;
+  if (*together_us <= *alone_us)
+    return Internal(fmt::format("calibrate: the kernel took {:.0f} us alone and {:.0f} us with {} MB of window reads "
+                                "beside it; the reads added nothing measurable", *alone_us, *together_us, bytes >> 20));
+  return static_cast<double>(comm.size()) * bytes / ((*together_us - *alone_us) * 1e3);  // GB/s
+}
+
 // Latency and per-rank bandwidth of collectives between the ranks of this job: a small all-gather
 // gives the fixed cost, large ones the bandwidth of the bytes each rank sends to its G-1 peers.
 Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator& comm) {
@@ -191,6 +256,17 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   const double one_sided = Median(read_rates);
   p->intra_node = {bandwidth, 1.0, small_us, one_sided / bandwidth};
   p->inter_node = p->intra_node;
+  // On one node the reads are the ranks' own copies: what they cost beside the kernel.
+  double alone_us = 0, together_us = 0;
+  int64_t fetched = 0;
+  EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyUnderKernel(comm, &alone_us, &together_us, &fetched));
+  std::erase_if(p->sources, [](const std::string& s) { return s.find("copy_gbs") == 0; });
+  p->sources.push_back(fmt::format(
+      "copy_gbs {:.1f} (epmoe calibrate --links {}, {} ranks): a decode kernel over 64 bf16 experts of 1024 x 512 per "
+      "rank (1 thread, 2 rows each) took {:.1f} ms alone and {:.1f} ms with {} MB (as many experts) read from the "
+      "next rank's window beside it; copy_gbs = ranks x bytes / the added time (replaces the machine part's memcpy "
+      "figure)",
+      p->memory_copy_gbs, Today(), g, alone_us / 1e3, together_us / 1e3, fetched >> 20));
   p->sources.push_back(fmt::format(
       "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), {:.2f} GB/s per rank "
       "(median over 1 MB..{} MB per rank); one-sided window reads {:.2f} GB/s (one_sided_efficiency); "
@@ -207,10 +283,12 @@ int RunCalibrate(const CalibrateFlags& f) {
   if (!f.links) {
     profile.description = "This machine, measured by epmoe calibrate; ranks are MPI processes sharing the CPU and its memory";
     profile.ranks_share_device = true;
-    // Keep only the base's notes on links; the machine figures are replaced.
+    // Keep only the base's notes on links; the machine figures (the copy rate too) are replaced.
     std::vector<std::string> kept;
     for (const auto& s : profile.sources)
-      if (s.find("--links") != std::string::npos || s.find("intra_node") == 0 || s.find("inter_node") == 0) kept.push_back(s);
+      if ((s.find("--links") != std::string::npos && s.find("copy_gbs") != 0) || s.find("intra_node") == 0 ||
+          s.find("inter_node") == 0)
+        kept.push_back(s);
     profile.sources = kept;
     if (Status s = CalibrateMachine(f, &profile); !s.ok()) return ReportError(s);
     if (Status s = WriteProfile(profile, f.out); !s.ok()) return ReportError(s);
