@@ -303,6 +303,9 @@ int RunCalibrate(const CalibrateFlags& f) {
   });
   if (Status s = CalibrateLinks(f, &profile, **comm); !s.ok()) return ReportError(s);
   if ((*comm)->rank() == 0) {
+    // What was measured, as the machine part reports its figures.
+    for (const auto& s : profile.sources)
+      if (s.find("--links") != std::string::npos) std::fprintf(stderr, "epmoe calibrate: %s\n", s.c_str());
     if (Status s = WriteProfile(profile, f.out); !s.ok()) return ReportError(s);
   }
   return 0;
