@@ -16,10 +16,10 @@
 namespace epmoe {
 namespace {
 
-std::unique_ptr<Communicator> World(int ranks_per_node = 0) {
+std::unique_ptr<Communicator> World(int ranks_per_node = 0, double timeout_seconds = 120) {
   CommOptions options;
   options.ranks_per_node = ranks_per_node;
-  options.timeout_seconds = 120;
+  options.timeout_seconds = timeout_seconds;
   auto comm = WorldCommunicator(options);
   EPMOE_CHECK_MSG(comm.ok(), comm.status().ToString());
   return std::move(comm).value();
@@ -249,11 +249,8 @@ TEST(Comm, LatePeerTurnsIntoUnavailableNotAHang) {
   auto world = World();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
   // A communicator with a 0.5 s limit; rank 0 joins its barrier 2 s late.
-  CommOptions options;
-  options.timeout_seconds = 0.5;
-  auto impatient = WorldCommunicator(options);
-  ASSERT_TRUE(impatient.ok());
-  auto group = (*impatient)->Split(0, world->rank());
+  auto impatient = World(0, 0.5);
+  auto group = impatient->Split(0, world->rank());
   ASSERT_TRUE(group.ok());
   const auto start = std::chrono::steady_clock::now();
   if (world->rank() == 0) {
@@ -276,10 +273,7 @@ TEST(Comm, LatePeerTurnsIntoUnavailableNotAHang) {
 TEST(Comm, LatePeerInAlltoallvIsNamed) {
   auto world = World();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
-  CommOptions options;
-  options.timeout_seconds = 0.5;
-  auto impatient = WorldCommunicator(options);
-  ASSERT_TRUE(impatient.ok());
+  auto impatient = World(0, 0.5);
   const int g = world->size(), me = world->rank();
   std::vector<int64_t> bytes(g, 4096);
   const auto offsets = PrefixOffsets(bytes);
@@ -290,7 +284,7 @@ TEST(Comm, LatePeerInAlltoallvIsNamed) {
   recv.assign(offsets[g], 255);
   const auto start = std::chrono::steady_clock::now();
   if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
-  const Status status = (*impatient)->Alltoallv(send.data(), bytes, std::span<const int64_t>(offsets.data(), g),
+  const Status status = impatient->Alltoallv(send.data(), bytes, std::span<const int64_t>(offsets.data(), g),
                                                 recv.data(), bytes, std::span<const int64_t>(offsets.data(), g));
   if (me == 0) {
     EXPECT_TRUE(status.ok()) << status.ToString();

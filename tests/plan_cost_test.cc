@@ -66,17 +66,23 @@ HardwareProfile UnitProfile() {
   return p;
 }
 
-TEST(PlanCostTest, HandPricedTinyModel) {
-  // 4 experts of hidden 16, intermediate 16, top-2, fp32 weights: 3 x 16 x 16 x 4 = 3,072 B per expert,
-  // 2 x 768 = 1,536 flops per pick. One layer, no shared expert, no dense layers.
+// 4 experts of hidden 16 and intermediate 16, top_k picks per row, one layer, no shared expert, no
+// dense layers.
+ModelConfig TinyModel(int top_k) {
   ModelConfig m;
   m.name = "tiny";
   m.hidden = 16;
   m.num_experts = 4;
   m.expert_intermediate = 16;
-  m.top_k = 2;
+  m.top_k = top_k;
   m.num_layers = 1;
   m.scoring = Scoring::kSoftmax;
+  return m;
+}
+
+TEST(PlanCostTest, HandPricedTinyModel) {
+  // Top-2, fp32 weights: 3 x 16 x 16 x 4 = 3,072 B per expert, 2 x 768 = 1,536 flops per pick.
+  const ModelConfig m = TinyModel(2);
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
   ExpertLoad trace(1, 1, 4, 2);
   trace.rows[0] = 2;
@@ -464,13 +470,7 @@ TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
 // copy rate shared by the ranks: hand-priced on the unit profile, sharing the device makes the layer
 // slower by exactly that term on top of the kernel.
 TEST(PlanCostTest, DwdpOnASharedDeviceAddsTheCopyOfTheFetchedBytes) {
-  ModelConfig m;
-  m.name = "tiny";
-  m.hidden = 16;
-  m.num_experts = 4;
-  m.expert_intermediate = 16;
-  m.top_k = 1;
-  m.num_layers = 1;
+  const ModelConfig m = TinyModel(1);
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
   PlanConfig config;
   config.formats = {WeightFormat::kBf16, WeightFormat::kBf16, WeightFormat::kBf16};
