@@ -516,13 +516,15 @@ struct FourBit {
   };
 };
 
-// 4-bit tiles: decode up to 4 rows x 2 blocks (8 sums, 8 accumulators, 8 expanded vectors);
-// prefill 6 rows x 2 blocks (12 sums, 12 accumulators).
-constexpr int kFourBitStreamBlocks = 2, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
+// 4-bit tiles: decode up to 4 rows x 2 blocks (8 sums, 8 accumulators, 8 expanded vectors: two
+// weight streams); 5 to 16 rows in tiles of up to 8 rows x 1 block (each expansion serves twice the
+// rows; one stream is enough when there is that much arithmetic per byte); prefill 6 rows x 2
+// blocks (12 sums, 12 accumulators).
+constexpr int kFourBitStreamBlocks = 2, kFourBitStreamTallRows = 8, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
-// Up to this many rows, 4-bit weights are expanded in registers as they stream, once per tile of 4
-// rows (from memory for the first, from cache for the others): expanding a panel first does not
+// Up to this many rows, 4-bit weights are expanded in registers as they stream, once per row tile
+// (from memory for the first, from cache for the others): expanding a panel first does not
 // overlap the memory reads with arithmetic, which costs more than expanding again until the rows
 // are many.
 constexpr int64_t kFourBitStreamMaxRows = 16;
@@ -549,8 +551,12 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
-    if (rows <= kFourBitStreamMaxRows) {
+    if (rows <= kStreamRows) {
       RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
+      return;
+    }
+    if (rows <= kFourBitStreamMaxRows) {
+      RunTiles<Ops::template StreamTile, kFourBitStreamTallRows, 1>(base, block_begin, block_end, rows);
       return;
     }
     // Grow-only per-thread panel buffers: MatMul runs on pool threads, many times per step.
