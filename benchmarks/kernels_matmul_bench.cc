@@ -186,7 +186,7 @@ BENCHMARK(BM_MatMulCached)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ExpertStore)
     ->ArgsProduct({benchmark::CreateDenseRange(1, static_cast<int>(AllWeightFormats().size()) - 1, 1),
-                   {1, 4, 8, 16, 64}})
+                   {1, 4, 8, 16, 32, 64}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Peak)->DenseRange(0, 2)->Unit(benchmark::kMillisecond);
 

@@ -5,8 +5,8 @@
 //    bound users rely on (kFormatTolerance, also what `epmoe layer --check` enforces);
 //  - against ReferenceExpertFfn on the dequantized weights: the kernel's own error (activation
 //    rounding and summation order), much tighter, so a kernel bug cannot hide in quantization noise.
-// Rows per expert 0, 1, 2, 3, 7 (decode path), 64 and 1000 (prefill path), uneven, with experts
-// that get no rows; input sizes that are not multiples of the vector or group width.
+// Rows per expert 0, 1, 2, 3, 7 (decode path), 20 (several decode tiles; the 4-bit kernels stream
+// up to 48 rows), 64 and 1000 (prefill path), uneven, with experts that get no rows; input sizes that are not multiples of the vector or group width.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -119,19 +119,21 @@ std::vector<Case> AllCases() {
 
 class KernelHarness : public ::testing::TestWithParam<Case> {};
 
-// 8 experts, rows per expert 0, 1, 2, 3, 7, 64, 1000, 5: both paths and zero-pick experts.
+// 9 experts, rows per expert 0, 1, 2, 3, 7, 20, 64, 1000, 5: both paths and zero-pick experts.
 TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   const auto [format, isa] = GetParam();
   constexpr int64_t kHidden = 512, kInter = 256;
-  const std::vector<ExpertWeights> experts = RandomExperts(8, kHidden, kInter, 7);
-  const std::vector<int64_t> offsets = Offsets({0, 1, 2, 3, 7, 64, 1000, 5});
+  const std::vector<int64_t> counts = {0, 1, 2, 3, 7, 20, 64, 1000, 5};
+  const int n = static_cast<int>(counts.size());
+  const std::vector<ExpertWeights> experts = RandomExperts(n, kHidden, kInter, 7);
+  const std::vector<int64_t> offsets = Offsets(counts);
   std::mt19937 rng(11);
   const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
   const auto pointers = Pointers(experts);
   auto store = PackExperts(pointers, PackOptions{format, IsaName(isa)});
   ASSERT_TRUE(store.ok()) << store.status().message();
   EXPECT_EQ((*store)->kernel_name(), std::string(WeightFormatName(format)) + "/" + IsaName(isa));
-  for (int e = 0; e < 8; ++e) EXPECT_EQ((*store)->expert_bytes(e), ExpertByteCount(format, kHidden, kInter));
+  for (int e = 0; e < n; ++e) EXPECT_EQ((*store)->expert_bytes(e), ExpertByteCount(format, kHidden, kInter));
 
   const Matrix actual = RunStore(**store, rows, offsets, 2);
   ASSERT_EQ(FirstNonFinite(actual.data), -1);
@@ -140,7 +142,7 @@ TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   const Matrix exact = ReferenceOutputs(experts, rows, offsets);
   const Matrix same_weights = ReferenceOutputs(dequantized, rows, offsets);
   // Per expert, so each row count (path) is judged on its own.
-  for (int e = 0; e < 8; ++e) {
+  for (int e = 0; e < n; ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
     if (count == 0) continue;
     Matrix a(count, kHidden), x(count, kHidden), q(count, kHidden);

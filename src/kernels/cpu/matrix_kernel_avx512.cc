@@ -527,7 +527,7 @@ constexpr int64_t kFourBitPanelBlocks = 4;
 // (from memory for the first, from cache for the others): expanding a panel first does not
 // overlap the memory reads with arithmetic, which costs more than expanding again until the rows
 // are many.
-constexpr int64_t kFourBitStreamMaxRows = 16;
+constexpr int64_t kFourBitStreamMaxRows = 48;
 
 template <WeightFormat kFormat>
 class FourBitKernel final : public Avx512Kernel<kFormat> {
