@@ -49,6 +49,23 @@ std::vector<WorkItem> MakeItems(std::span<const int64_t> offsets, int64_t channe
   return items;
 }
 
+// An expert's stored bytes as contiguous ranges (empty ones left out), in the one order that
+// export, import and MutableExpertParts share: per matrix (gate, up, down) its values, its scales
+// and, for nvfp4, its tensor scale. Byte is std::byte, or const std::byte for a const expert.
+template <class Byte, class Expert>
+std::vector<std::span<Byte>> PartsOf(Expert& expert) {
+  std::vector<std::span<Byte>> parts;
+  auto add = [&parts](auto* at, size_t bytes) {
+    if (bytes > 0) parts.emplace_back(reinterpret_cast<Byte*>(at), bytes);
+  };
+  for (auto* m : {&expert.gate, &expert.up, &expert.down}) {
+    add(m->values.data(), m->values.size());
+    add(m->scales.data(), m->scales.size());
+    if (m->format == WeightFormat::kNvfp4) add(&m->tensor_scale, sizeof(float));
+  }
+  return parts;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<const ExpertWeights* const> experts,
@@ -100,15 +117,9 @@ Status KernelExpertStore::ExportExpert(int expert, std::span<std::byte> out) con
     return InvalidArgument(fmt::format("export expert: expert {} takes {} bytes, the buffer has {}", expert,
                                        expert_bytes(expert), out.size()));
   std::byte* at = out.data();
-  auto put = [&at](const void* from, size_t bytes) {
-    if (bytes > 0) std::memcpy(at, from, bytes);
-    at += bytes;
-  };
-  const PackedExpert& e = experts_[expert];
-  for (const PackedMatrix* m : {&e.gate, &e.up, &e.down}) {
-    put(m->values.data(), m->values.size());
-    put(m->scales.data(), m->scales.size());
-    if (m->format == WeightFormat::kNvfp4) put(&m->tensor_scale, sizeof(float));
+  for (const std::span<const std::byte> part : PartsOf<const std::byte>(experts_[expert])) {
+    std::memcpy(at, part.data(), part.size());
+    at += part.size();
   }
   return Status::Ok();
 }
@@ -120,15 +131,9 @@ Status KernelExpertStore::ImportExpert(int expert, std::span<const std::byte> by
     return InvalidArgument(fmt::format("import expert: expert {} takes {} bytes, got {}", expert, expert_bytes(expert),
                                        bytes.size()));
   const std::byte* at = bytes.data();
-  auto take = [&at](void* to, size_t count) {
-    if (count > 0) std::memcpy(to, at, count);
-    at += count;
-  };
-  PackedExpert& e = experts_[expert];
-  for (PackedMatrix* m : {&e.gate, &e.up, &e.down}) {
-    take(m->values.data(), m->values.size());
-    take(m->scales.data(), m->scales.size());
-    if (m->format == WeightFormat::kNvfp4) take(&m->tensor_scale, sizeof(float));
+  for (const std::span<std::byte> part : PartsOf<std::byte>(experts_[expert])) {
+    std::memcpy(part.data(), at, part.size());
+    at += part.size();
   }
   return Status::Ok();
 }
@@ -136,18 +141,7 @@ Status KernelExpertStore::ImportExpert(int expert, std::span<const std::byte> by
 Result<std::vector<std::span<std::byte>>> KernelExpertStore::MutableExpertParts(int expert) {
   if (expert < 0 || expert >= num_experts())
     return InvalidArgument(fmt::format("expert parts: expert {} outside [0, {})", expert, num_experts()));
-  // The ranges ExportExpert writes, in its order (empty ones left out).
-  std::vector<std::span<std::byte>> parts;
-  auto add = [&parts](void* at, size_t bytes) {
-    if (bytes > 0) parts.emplace_back(static_cast<std::byte*>(at), bytes);
-  };
-  PackedExpert& e = experts_[expert];
-  for (PackedMatrix* m : {&e.gate, &e.up, &e.down}) {
-    add(m->values.data(), m->values.size());
-    add(m->scales.data(), m->scales.size());
-    if (m->format == WeightFormat::kNvfp4) add(&m->tensor_scale, sizeof(float));
-  }
-  return parts;
+  return PartsOf<std::byte>(experts_[expert]);
 }
 
 std::string KernelExpertStore::kernel_name() const {
