@@ -517,9 +517,9 @@ struct FourBit {
 };
 
 // 4-bit tiles: decode up to 4 rows x 2 blocks (8 sums, 8 accumulators, 8 expanded vectors: two
-// weight streams); 5 to 16 rows in tiles of up to 8 rows x 1 block (each expansion serves twice the
-// rows; one stream is enough when there is that much arithmetic per byte); prefill 6 rows x 2
-// blocks (12 sums, 12 accumulators).
+// weight streams); from 5 rows to kFourBitStreamMaxRows in tiles of up to 8 rows x 1 block (each
+// expansion serves twice the rows; one stream is enough when there is that much arithmetic per
+// byte); prefill 6 rows x 2 blocks (12 sums, 12 accumulators).
 constexpr int kFourBitStreamBlocks = 2, kFourBitStreamTallRows = 8, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
