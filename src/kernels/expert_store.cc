@@ -49,6 +49,16 @@ std::vector<WorkItem> MakeItems(std::span<const int64_t> offsets, int64_t channe
   return items;
 }
 
+// `count` fp32 rows of `cols` features into the kernel's activation format, `stride` bytes apart,
+// in parallel.
+void QuantizeActivationRows(const MatrixKernel& kernel, const float* rows, int64_t count, int64_t cols, uint8_t* out,
+                            int64_t stride, ThreadPool& pool) {
+  constexpr int64_t kGrain = 8;  // rows per task: a row is quick to quantize
+  pool.ParallelFor(count, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) kernel.QuantizeActivations(rows + r * cols, cols, out + r * stride);
+  });
+}
+
 // An expert's stored bytes as contiguous ranges (empty ones left out), in the one order that
 // export, import and MutableExpertParts share: per matrix (gate, up, down) its values, its scales
 // and, for nvfp4, its tensor scale. Byte is std::byte, or const std::byte for a const expert.
@@ -153,13 +163,8 @@ int64_t KernelExpertStore::activation_row_bytes() const {
 }
 
 void KernelExpertStore::QuantizeRows(const float* rows, int64_t count, std::byte* out, ThreadPool& pool) const {
-  constexpr int64_t kQuantizeGrain = 8;
-  const int64_t stride = activation_row_bytes();
-  uint8_t* target = reinterpret_cast<uint8_t*>(out);
-  pool.ParallelFor(count, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      kernel_->QuantizeActivations(rows + r * hidden_, hidden_, target + r * stride);
-  });
+  QuantizeActivationRows(*kernel_, rows, count, hidden_, reinterpret_cast<uint8_t*>(out), activation_row_bytes(),
+                         pool);
 }
 
 void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const {
@@ -187,7 +192,6 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   const MatrixKernel& kernel = *kernel_;
   const int64_t hidden_stride = kernel.ActivationBytes(hidden_);
   const int64_t mid_stride = kernel.ActivationBytes(intermediate_);
-  constexpr int64_t kQuantizeGrain = 8;
   const uint8_t* inputs = reinterpret_cast<const uint8_t*>(rows);
 
   // Phase 2: silu(gate x) * (up x) for every row, in fp32.
@@ -223,10 +227,7 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   thread_local std::vector<uint8_t> mid_acts_scratch;
   std::vector<uint8_t>& mid_acts = mid_acts_scratch;
   mid_acts.resize(total * mid_stride);
-  pool.ParallelFor(total, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      kernel.QuantizeActivations(mid.data() + r * intermediate_, intermediate_, mid_acts.data() + r * mid_stride);
-  });
+  QuantizeActivationRows(kernel, mid.data(), total, intermediate_, mid_acts.data(), mid_stride, pool);
 
   // Phase 4: down projection straight into the output rows.
   const std::vector<WorkItem> down_items =
