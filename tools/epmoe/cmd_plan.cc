@@ -56,15 +56,8 @@ struct PlanFlags {
 // `epmoe run --format json` output against the plan: measured and predicted time per MoE layer for
 // each option both have, and whether the two orders agree.
 Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out) {
-  std::ifstream in(path);
-  if (!in) return NotFound(fmt::format("{}: cannot open the run's JSON", path));
-  json run;
-  try {
-    run = json::parse(in);
-  } catch (const json::exception& e) {
-    return InvalidArgument(fmt::format("{}: not valid JSON: {}", path, e.what()));
-  }
-  for (const char* field : {"ranks", "tokens", "layers", "options"})
+  EPMOE_ASSIGN_OR_RETURN(const json run, ReadRunReport(path));
+  for (const char* field : {"ranks", "tokens", "layers"})
     if (!run.contains(field)) return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
   const int ranks = run["ranks"].get<int>();
   const int64_t tokens = run["tokens"].get<int64_t>();

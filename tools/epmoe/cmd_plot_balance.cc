@@ -8,7 +8,6 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,14 +29,7 @@ struct PlotBalanceOptions {
 
 // The per-step picks balancedness of the first option with an "eplb" object in a run report.
 Result<std::vector<double>> ReadBalance(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFound(fmt::format("{}: cannot open the run report", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  const nlohmann::json report = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (report.is_discarded()) return IoError(fmt::format("{}: not JSON (write it with `epmoe run --format json`)", path));
-  if (!report.contains("options") || !report["options"].is_array())
-    return IoError(fmt::format("{}: no \"options\" array (not an `epmoe run --format json` report)", path));
+  EPMOE_ASSIGN_OR_RETURN(const nlohmann::json report, ReadRunReport(path));
   for (const auto& option : report["options"]) {
     if (!option.is_object() || !option.contains("eplb")) continue;
     const auto& steps = option["eplb"].value("balancedness_per_step", nlohmann::json());

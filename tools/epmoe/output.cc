@@ -5,12 +5,25 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 
 namespace epmoe::cli {
 
 int ReportError(const Status& status) {
   std::fprintf(stderr, "epmoe: %s\n", status.message().c_str());
   return 1;
+}
+
+Result<nlohmann::json> ReadRunReport(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFound(fmt::format("{}: cannot open the run report", path));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  nlohmann::json report = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (report.is_discarded()) return IoError(fmt::format("{}: not JSON (write it with `epmoe run --format json`)", path));
+  if (!report.is_object() || !report.contains("options") || !report["options"].is_array())
+    return IoError(fmt::format("{}: no \"options\" array (not an `epmoe run --format json` report)", path));
+  return report;
 }
 
 namespace {

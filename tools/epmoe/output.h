@@ -30,6 +30,10 @@ void SetReportCallback(CLI::App* command, int* exit_code, const std::string* for
                        std::function<Status(nlohmann::json*)> run,
                        std::function<void(const nlohmann::json&)> print_text);
 
+// An `epmoe run --format json` report read from `path`. Refuses, naming the path, a file that
+// cannot be opened, is not JSON or has no "options" array.
+Result<nlohmann::json> ReadRunReport(const std::string& path);
+
 // 1234567 -> "1.23 M"; bytes -> "1.23 GB" (powers of 1,000, as the seeds quote sizes).
 std::string HumanCount(int64_t n);
 std::string HumanBytes(int64_t bytes);
