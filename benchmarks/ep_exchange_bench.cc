@@ -233,6 +233,30 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   auto since = [](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t).count();
   };
+  // The step's two exchanges of raw bytes: side 0 the dispatch, side 1 the combine.
+  auto raw_alltoallv = [&](int side) {
+    if (side == 0) {
+      MPI_Alltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(),
+                    dr_d.data(), MPI_BYTE, MPI_COMM_WORLD);
+    } else {
+      MPI_Alltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(),
+                    cr_d.data(), MPI_BYTE, MPI_COMM_WORLD);
+    }
+  };
+  // Both sides after a barrier, each timed on every rank (`prepare` runs untimed before each): the
+  // last-arriving rank's time of the dispatch plus that of the combine.
+  auto time_pair = [&](auto prepare, auto exchange) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    double side_us[2];
+    for (int side = 0; side < 2; ++side) {
+      prepare(side);
+      const auto t0 = std::chrono::steady_clock::now();
+      exchange(side);
+      side_us[side] = since(t0);
+    }
+    return MinOverRanks(side_us[0]) + MinOverRanks(side_us[1]);
+  };
+  const auto untouched = [](int) {};
   for (auto _ : state) {
     Matrix out;
     StepStats st;
@@ -262,51 +286,35 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
     rows_us.push_back(MinOverRanks(alltoallv[0]));
     outputs_us.push_back(MinOverRanks(alltoallv[1]));
     sends_us.push_back(MinOverRanks(sends));
-    MPI_Barrier(MPI_COMM_WORLD);
-    auto t0 = std::chrono::steady_clock::now();
-    MPI_Alltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(), dr_d.data(),
-                  MPI_BYTE, MPI_COMM_WORLD);
-    const double raw_dispatch = since(t0);
-    t0 = std::chrono::steady_clock::now();
-    MPI_Alltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(), cr_d.data(),
-                  MPI_BYTE, MPI_COMM_WORLD);
-    const double raw = MinOverRanks(raw_dispatch) + MinOverRanks(since(t0));
+    const double raw = time_pair(untouched, raw_alltoallv);
     // The raw pair again with its send buffers written just before each call, as the executor's
     // are (packed records, encoded outputs): the bytes leave from this core's cache, not memory.
     const char fill = static_cast<char>(raw_us.size());
-    MPI_Barrier(MPI_COMM_WORLD);
-    std::fill(ds.begin(), ds.end(), fill);
-    t0 = std::chrono::steady_clock::now();
-    MPI_Alltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(), dr_d.data(),
-                  MPI_BYTE, MPI_COMM_WORLD);
-    const double fresh_dispatch = since(t0);
-    std::fill(cs.begin(), cs.end(), fill);
-    t0 = std::chrono::steady_clock::now();
-    MPI_Alltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(), cr_d.data(),
-                  MPI_BYTE, MPI_COMM_WORLD);
-    fresh_us.push_back(MinOverRanks(fresh_dispatch) + MinOverRanks(since(t0)));
+    fresh_us.push_back(time_pair(
+        [&](int side) {
+          std::vector<char>& send = side == 0 ? ds : cs;
+          std::fill(send.begin(), send.end(), fill);
+        },
+        raw_alltoallv));
     // The same pair as nonblocking collectives (libnbc) completed by a blocking MPI_Wait.
-    MPI_Barrier(MPI_COMM_WORLD);
-    MPI_Request request;
-    t0 = std::chrono::steady_clock::now();
-    MPI_Ialltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(), dr_d.data(),
-                   MPI_BYTE, MPI_COMM_WORLD, &request);
-    MPI_Wait(&request, MPI_STATUS_IGNORE);
-    const double nbc_dispatch = since(t0);
-    t0 = std::chrono::steady_clock::now();
-    MPI_Ialltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(), cr_d.data(),
-                   MPI_BYTE, MPI_COMM_WORLD, &request);
-    MPI_Wait(&request, MPI_STATUS_IGNORE);
-    nbc_us.push_back(MinOverRanks(nbc_dispatch) + MinOverRanks(since(t0)));
+    nbc_us.push_back(time_pair(untouched, [&](int side) {
+      MPI_Request request;
+      if (side == 0) {
+        MPI_Ialltoallv(ds.data(), dispatch_send.data(), ds_d.data(), MPI_BYTE, dr.data(), dispatch_recv.data(),
+                       dr_d.data(), MPI_BYTE, MPI_COMM_WORLD, &request);
+      } else {
+        MPI_Ialltoallv(cs.data(), combine_send.data(), cs_d.data(), MPI_BYTE, cr.data(), combine_recv.data(),
+                       cr_d.data(), MPI_BYTE, MPI_COMM_WORLD, &request);
+      }
+      MPI_Wait(&request, MPI_STATUS_IGNORE);
+    }));
     // The same pair through the Communicator (its alltoallv and its bounded wait): the transport
     // wrapper's own cost, without the executor's work between exchanges.
-    MPI_Barrier(MPI_COMM_WORLD);
-    t0 = std::chrono::steady_clock::now();
-    EPMOE_CHECK(comm.Alltoallv(ds.data(), ds_b, ds_o, dr.data(), dr_b, dr_o).ok());
-    const double comm_dispatch = since(t0);
-    t0 = std::chrono::steady_clock::now();
-    EPMOE_CHECK(comm.Alltoallv(cs.data(), cs_b, cs_o, cr.data(), cr_b, cr_o).ok());
-    wrapper_us.push_back(MinOverRanks(comm_dispatch) + MinOverRanks(since(t0)));
+    wrapper_us.push_back(time_pair(untouched, [&](int side) {
+      const Status status = side == 0 ? comm.Alltoallv(ds.data(), ds_b, ds_o, dr.data(), dr_b, dr_o)
+                                      : comm.Alltoallv(cs.data(), cs_b, cs_o, cr.data(), cr_b, cr_o);
+      EPMOE_CHECK(status.ok());
+    }));
     exchange_us.push_back(ours);
     raw_us.push_back(raw);
     copies += static_cast<double>(st.row_copies);
