@@ -47,6 +47,10 @@ TEST(PlanDerivedTest, Glm53RowsTrafficAndCoverage) {
   // A row: 6,144 x 2 = 12,288 B in bf16; NVFP4 3,072 B of values + 384 B of scales = 3,456 B.
   EXPECT_EQ(RowBytes(m, RowFormat::kBf16), 12'288);
   EXPECT_EQ(RowBytes(m, RowFormat::kFp4), 3'456);
+  // A pick through an NVFP4 expert kernel: the 3,456 B input row, the bf16 output written and read
+  // (2 x 12,288 B) = 28,032 B; bf16 experts take a bf16 input: 3 x 12,288 = 36,864 B.
+  EXPECT_EQ(PickRowBytes(m, WeightFormat::kNvfp4), 28'032);
+  EXPECT_EQ(PickRowBytes(m, WeightFormat::kBf16), 36'864);
   // All-to-all per token per layer: 2 x 8 x 6,144 x 2 = 196,608 B.
   EXPECT_EQ(AllToAllBytesPerToken(m, 2), 196'608);
   // Even router, 64 rows: 1 - (1 - 8/256)^64 = 1 - 0.96875^64 = 1 - 0.131082 = 0.868918 ("87%").
@@ -104,6 +108,8 @@ TEST(PlanDerivedTest, DeepSeekV3MatchesHandCalculation) {
   // Rows: 14,336 B in bf16; 3,584 + 448 = 4,032 B in NVFP4; all-to-all 2 x 8 x 7,168 x 2 = 229,376 B.
   EXPECT_EQ(RowBytes(m, RowFormat::kBf16), 14'336);
   EXPECT_EQ(RowBytes(m, RowFormat::kFp4), 4'032);
+  // A pick through an MXFP4 expert kernel: 3,584 B of values + 224 scales + 2 x 14,336 = 32,480 B.
+  EXPECT_EQ(PickRowBytes(m, WeightFormat::kMxfp4), 32'480);
   EXPECT_EQ(AllToAllBytesPerToken(m, 2), 229'376);
   // 32 GPUs (same E and k as GLM-5.3): copies 31 x (1 - C(248,8)/C(256,8)) = 7.0397.
   EXPECT_NEAR(CopiesSentPerRow(m, 32), 7.039712, 1e-5);

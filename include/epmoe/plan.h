@@ -3,7 +3,8 @@
 //
 // Cost model (DESIGN.md "Cost model"), per MoE layer and rank, for the picks that land on it:
 //   kernel = fixed + sum over touched local experts (or slices) of max(bytes / read bandwidth,
-//            flops / achieved peak), + the shared expert (sliced or copied);
+//            flops / achieved peak) + picks x PickRowBytes / read bandwidth (a slice's pick moves
+//            a whole row too), + the shared expert (sliced or copied);
 //   communication: options 1-3 all-gather rows to G-1 ranks and reduce-scatter the results;
 //            option 4 dispatches a row only to the ranks holding its experts and combines back;
 //            option 5 fetches (G-1)/G of the layer's expert bytes, overlapped with the kernel on
@@ -54,6 +55,11 @@ double ExpectedRanksPerRow(const ModelConfig& model, int gpus);
 // Copies of a row sent to other ranks under option 4: (G - 1) x (1 - C(E - E/G, k) / C(E, k)).
 double CopiesSentPerRow(const ModelConfig& model, int gpus);
 int64_t RowBytes(const ModelConfig& model, RowFormat format);   // bf16: 2d; fp4: d/2 + d/16
+// Memory traffic of one pick through an expert kernel (or a slice of one), weights aside: its input
+// row in the activation format the format's kernel takes (fp32 4 bytes, bf16 2, int8 1, nvfp4
+// d/2 + d/16, mxfp4 d/2 + d/32) plus its bf16 output row, written by the kernel and read by the
+// combine (4d).
+int64_t PickRowBytes(const ModelConfig& model, WeightFormat experts);
 // All-to-all bytes per token per layer: dispatch + combine of k copies, 2 x k x hidden x bytes.
 int64_t AllToAllBytesPerToken(const ModelConfig& model, int bytes_per_number);
 
@@ -145,13 +151,15 @@ struct OptionCost {
   double dense_us = 0;            // one dense FFN layer
   double step_ms = 0;
   double read_us = 0, arith_us = 0, fixed_us = 0;  // slowest rank's kernel split
+  double rows_us = 0;             // ... and its rows' traffic (picks x PickRowBytes)
   double imbalance_us = 0;        // kernel_us - kernel_mean_us
   double read_gb = 0;             // slowest rank's expert bytes read per MoE layer
   double copies_per_row = 0;      // copies of each row sent to other ranks
   double balancedness = 1;        // picks, mean / max over ranks (1 for slices)
   int64_t memory_bytes = 0;       // weights per rank
   bool fits = true;               // memory_bytes <= the device's memory
-  std::string dominant;           // "reading weights", "arithmetic", "communication", "imbalance", "fixed costs"
+  std::string dominant;           // "reading weights", "arithmetic", "moving rows", "communication", "imbalance",
+                                  // "fixed costs"
 };
 
 struct PlanWinner {

@@ -44,6 +44,9 @@ class RankRates {
     if (auto line = hw_.LineFor(format)) return line->sliced_extra_us;
     return 0;
   }
+  // Microseconds per byte of plain memory traffic (rows in and out of the kernel), at the device's
+  // read rate shared by its ranks.
+  double UsPerMemoryByte() const { return share_ / (hw_.memory_bandwidth_gbs * 1e3 * hw_.memory_read_efficiency); }
   // Microseconds per byte a rank copies while every rank of its device copies too (the device's
   // copy rate divided among them).
   double CopyUsPerByte() const { return share_ / (hw_.CopyBytesPerSecond() * 1e-6); }
@@ -55,10 +58,10 @@ class RankRates {
 
 // One rank's kernel time, split by what bounds each part.
 struct KernelParts {
-  double fixed = 0, read = 0, arith = 0;
+  double fixed = 0, read = 0, arith = 0, rows = 0;
   double bytes = 0;  // routed expert bytes read
-  double picks = 0;  // picks this rank computes
-  double total() const { return fixed + read + arith; }
+  double picks = 0;  // picks this rank computes (a slice's pick counts once per slice)
+  double total() const { return fixed + read + arith + rows; }
   // A block of weights used by `flops` of arithmetic: bound by the slower of reading and computing.
   void Add(double bytes_read, double flops, WeightFormat format, const RankRates& rates, bool gemm = false) {
     const double read_us = bytes_read * rates.UsPerByte(format);
@@ -224,7 +227,7 @@ double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows,
 
 struct SampleCost {
   double kernel = 0, kernel_mean = 0, comm = 0, layer = 0;
-  double read = 0, arith = 0, fixed = 0, read_bytes = 0, copies = 0;
+  double read = 0, arith = 0, fixed = 0, rows = 0, read_bytes = 0, copies = 0;
   double balancedness = 1;
 };
 
@@ -244,7 +247,13 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   }
   double fixed = rates.FixedUs(c.config.formats.experts);
   if (option == PlanOption::kSliced || option == PlanOption::kHybrid) fixed += rates.SlicedExtraUs(c.config.formats.experts);
-  for (auto& k : per_rank) k.fixed = fixed;
+  // Every pick moves its row through the kernel, however narrow the slice: the input row in the
+  // kernel's activation format, the output row written and read back by the combine.
+  const double row_us = static_cast<double>(PickRowBytes(c.model, c.config.formats.experts)) * rates.UsPerMemoryByte();
+  for (auto& k : per_rank) {
+    k.fixed = fixed;
+    k.rows = k.picks * row_us;
+  }
   AddSharedExpert(c, option, gpus, rows, rates, &per_rank);
 
   SampleCost cost;
@@ -254,6 +263,7 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   cost.read = slowest->read;
   cost.arith = slowest->arith;
   cost.fixed = slowest->fixed;
+  cost.rows = slowest->rows;
   cost.read_bytes = slowest->bytes;
   double sum = 0, picks_sum = 0, picks_max = 0;
   for (const auto& k : per_rank) {
@@ -371,6 +381,7 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
     mean.read += s.read;
     mean.arith += s.arith;
     mean.fixed += s.fixed;
+    mean.rows += s.rows;
     mean.read_bytes += s.read_bytes;
     mean.copies += s.copies;
     balancedness += s.balancedness;
@@ -383,6 +394,7 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
   out.read_us = mean.read / n;
   out.arith_us = mean.arith / n;
   out.fixed_us = mean.fixed / n;
+  out.rows_us = mean.rows / n;
   out.read_gb = mean.read_bytes / n / 1e9;
   out.copies_per_row = mean.copies / n;
   out.balancedness = balancedness / n;
@@ -400,6 +412,7 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
   const double exposed_comm = overlapped ? std::max(0.0, out.comm_us - out.kernel_us) : out.comm_us;
   const std::pair<double, const char*> parts[] = {{out.read_us, "reading weights"},
                                                   {out.arith_us, "arithmetic"},
+                                                  {out.rows_us, "moving rows"},
                                                   {exposed_comm, "communication"},
                                                   {out.imbalance_us, "imbalance"},
                                                   {out.fixed_us, "fixed costs"}};
@@ -422,6 +435,7 @@ std::string Compare(double saved_us) {
 double DominantUs(const OptionCost& cost) {
   if (cost.dominant == "reading weights") return cost.read_us;
   if (cost.dominant == "arithmetic") return cost.arith_us;
+  if (cost.dominant == "moving rows") return cost.rows_us;
   if (cost.dominant == "communication") return cost.layer_us - cost.kernel_us;
   if (cost.dominant == "imbalance") return cost.imbalance_us;
   return cost.fixed_us;

@@ -60,6 +60,19 @@ int64_t RowBytes(const ModelConfig& m, RowFormat format) {
   return m.hidden / 2 + m.hidden / 16;  // 4-bit values + one 1-byte scale per 16 (NVFP4)
 }
 
+int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts) {
+  const int64_t d = m.hidden;
+  int64_t input = 0;
+  switch (experts) {
+    case WeightFormat::kFp32: input = 4 * d; break;
+    case WeightFormat::kBf16: input = 2 * d; break;
+    case WeightFormat::kInt8: input = d; break;
+    case WeightFormat::kNvfp4: input = d / 2 + (d + 15) / 16; break;
+    case WeightFormat::kMxfp4: input = d / 2 + (d + 31) / 32; break;
+  }
+  return input + 2 * RowBytes(m, RowFormat::kBf16);
+}
+
 int64_t AllToAllBytesPerToken(const ModelConfig& m, int bytes_per_number) {
   return 2LL * m.top_k * m.hidden * bytes_per_number;
 }

@@ -234,6 +234,7 @@ json CostJson(const OptionCost& c) {
             {"read_us", c.read_us},
             {"arith_us", c.arith_us},
             {"fixed_us", c.fixed_us},
+            {"rows_us", c.rows_us},
             {"imbalance_us", c.imbalance_us},
             {"read_gb_per_layer", c.read_gb},
             {"copies_per_row", c.copies_per_row},
