@@ -36,12 +36,16 @@ void ExpectEveryOptionChecked(const nlohmann::json& j, int ranks) {
 }
 
 TEST(EpRunCli, OneProcessWithoutMpirun) {
-  const CommandRun run = Shell(Binary() + " run --option all --check --format json" + kSmall, false);
+  // Interleaved: every option's executor alive at once, their steps alternating.
+  const CommandRun run = Shell(Binary() + " run --option all --check --interleave --format json" + kSmall, false);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out);
   ExpectEveryOptionChecked(j, 1);
-  // One rank: nothing travels.
-  for (const auto& o : j["options"]) EXPECT_EQ(o["bytes_sent_per_rank_step"].get<double>(), 0);
+  EXPECT_TRUE(j["interleaved"].get<bool>());
+  for (const auto& o : j["options"]) {
+    EXPECT_EQ(o["bytes_sent_per_rank_step"].get<double>(), 0);  // one rank: nothing travels
+    EXPECT_EQ(o["step_ms"].size(), 2u);                          // one time per step
+  }
 }
 
 TEST(EpRunCli, TwoRanksUnderMpirun) {

@@ -99,11 +99,47 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
   ASSERT_EQ(j["options"].size(), 2u);
   EXPECT_DOUBLE_EQ(j["options"][0]["measured_us_per_layer"].get<double>(), 200.0);  // 0.4 ms / 2 layers
   EXPECT_EQ(j["measured_order"][0], "sliced");
+  EXPECT_TRUE(j["pairs"].empty());  // no per-step times: the medians' order is all there is
   // A run at another rank count is refused, naming what to pass.
   const CommandRun other =
       Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 16 --batch 64 --samples 2 --measured " + path);
   EXPECT_NE(other.exit_code, 0);
   EXPECT_NE(other.out.find("--gpus 8 --batch 64"), std::string::npos) << other.out;
+}
+
+TEST(PlanCliTest, MeasuredOrderIsJudgedOnPairsTheStepsSeparate) {
+  // 6 paired steps: a2a beats sliced in all 6 (sign test p = 1/64, separated); dwdp beats a2a in 4
+  // of 6 (p = 0.34, not separated, so the plan's order of that pair is not judged).
+  const std::string path = ::testing::TempDir() + "plan_cli_pairs.json";
+  {
+    std::ofstream out(path);
+    out << R"({"ranks": 8, "tokens": 64, "layers": 1, "interleaved": true, "options": [)"
+        << R"({"option": "sliced", "step_ms_median": 9, "step_ms": [9, 9, 9, 9, 9, 9]},)"
+        << R"({"option": "a2a", "step_ms_median": 5, "step_ms": [5, 5, 5, 5, 5, 5]},)"
+        << R"({"option": "dwdp", "step_ms_median": 4.5, "step_ms": [4, 4, 4, 4, 6, 6]}]})";
+  }
+  const CommandRun run =
+      Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured " + path);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out)["calibration_check"];
+  ASSERT_EQ(j["pairs"].size(), 3u);
+  int separated = 0;
+  for (const auto& p : j["pairs"]) {
+    SCOPED_TRACE(p.dump());
+    if (p["faster"] == "rows" && p["slower"] == "sliced") {
+      EXPECT_TRUE(p["separated"].get<bool>());
+      EXPECT_NEAR(p["sign_test_p"].get<double>(), 1.0 / 64, 1e-12);
+    }
+    if (p["faster"] == "weights" && p["slower"] == "rows") {
+      EXPECT_EQ(p["steps_faster"], 4);
+      EXPECT_FALSE(p["separated"].get<bool>());
+    }
+    separated += p["separated"].get<bool>();
+  }
+  EXPECT_EQ(j["pairs_separated"], separated);
+  // On 8 B300 the plan puts DWDP far behind both at 64 tokens, so a pair the steps separate with
+  // weights first is predicted the other way and the orders disagree.
+  EXPECT_FALSE(j["same_order"].get<bool>());
 }
 
 TEST(PlanCliTest, HardwareListAndShow) {

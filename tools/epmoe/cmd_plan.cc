@@ -53,8 +53,18 @@ struct PlanFlags {
   std::string measured;
 };
 
+// One-sided sign test: the chance that a fair coin gives at least `wins` heads in `n` tosses.
+double SignTestP(int wins, int n) {
+  double p = 0;
+  for (int k = wins; k <= n; ++k) p += std::exp(std::lgamma(n + 1.0) - std::lgamma(k + 1.0) - std::lgamma(n - k + 1.0) - n * std::log(2.0));
+  return p;
+}
+
 // `epmoe run --format json` output against the plan: measured and predicted time per MoE layer for
-// each option both have, and whether the two orders agree.
+// each option both have, and whether the orders agree. The run's steps pair the options (step s of
+// every option ran on the same rows; with --interleave also back to back), so a pair's measured order
+// counts as established when one option was faster in so many steps that a coin would do that with
+// probability <= 5% (sign test); pairs the measurement does not separate are reported, not judged.
 Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out) {
   EPMOE_ASSIGN_OR_RETURN(const json run, ReadRunReport(path));
   for (const char* field : {"ranks", "tokens", "layers"})
@@ -70,6 +80,7 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
                                                       {"a2a", PlanOption::kTravelingRows},
                                                       {"dwdp", PlanOption::kTravelingWeights}};
   json rows = json::array();
+  std::vector<std::vector<double>> step_ms;  // per row of `rows`, empty when the run has no per-step times
   for (const auto& measured : run["options"]) {
     const std::string name = measured.value("option", "");
     const auto it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return name == n.first; });
@@ -79,6 +90,8 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
       const double measured_us = measured["step_ms_median"].get<double>() * 1000.0 / layers;
       rows.push_back({{"option", PlanOptionName(c.option)}, {"run_option", name}, {"measured_us_per_layer", measured_us},
                       {"predicted_us_per_layer", c.layer_us}, {"predicted_over_measured", c.layer_us / measured_us}});
+      step_ms.push_back(measured.contains("step_ms") ? measured["step_ms"].get<std::vector<double>>()
+                                                     : std::vector<double>{});
     }
   }
   if (rows.empty())
@@ -95,10 +108,40 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
   int within = 0;
   for (const auto& r : rows)
     if (std::abs(r["predicted_over_measured"].get<double>() - 1.0) <= 0.25) ++within;
+  json pairs = json::array();
+  int separated = 0, agreeing = 0;
+  for (size_t a = 0; a < rows.size(); ++a) {
+    for (size_t b = a + 1; b < rows.size(); ++b) {
+      const auto& ta = step_ms[a];
+      const auto& tb = step_ms[b];
+      if (ta.empty() || ta.size() != tb.size()) continue;
+      int a_faster = 0, b_faster = 0;
+      for (size_t s = 0; s < ta.size(); ++s) {
+        a_faster += ta[s] < tb[s];
+        b_faster += tb[s] < ta[s];
+      }
+      const int n = a_faster + b_faster;
+      const bool a_first = a_faster >= b_faster;
+      const double p = SignTestP(std::max(a_faster, b_faster), n);
+      const json& fast = rows[a_first ? a : b];
+      const json& slow = rows[a_first ? b : a];
+      const bool predicted_same =
+          fast["predicted_us_per_layer"].get<double>() < slow["predicted_us_per_layer"].get<double>();
+      const bool is_separated = n > 0 && p <= 0.05;
+      separated += is_separated;
+      agreeing += is_separated && predicted_same;
+      pairs.push_back({{"faster", fast["option"]}, {"slower", slow["option"]},
+                       {"steps_faster", std::max(a_faster, b_faster)}, {"steps", n}, {"sign_test_p", p},
+                       {"separated", is_separated}, {"predicted_faster", predicted_same ? fast["option"] : slow["option"]}});
+    }
+  }
   *out = {{"run", path}, {"ranks", ranks}, {"tokens", tokens}, {"layers", layers}, {"options", rows},
+          {"interleaved", run.value("interleaved", false)},
           {"measured_order", order("measured_us_per_layer")}, {"predicted_order", order("predicted_us_per_layer")},
-          {"within_25_percent", within}};
-  (*out)["same_order"] = (*out)["measured_order"] == (*out)["predicted_order"];
+          {"within_25_percent", within}, {"pairs", pairs}, {"pairs_separated", separated},
+          {"pairs_separated_as_predicted", agreeing}};
+  (*out)["same_order_of_medians"] = (*out)["measured_order"] == (*out)["predicted_order"];
+  (*out)["same_order"] = !pairs.empty() ? separated == agreeing : (*out)["same_order_of_medians"].get<bool>();
   return Status::Ok();
 }
 
@@ -116,9 +159,23 @@ void PrintComparison(const json& cmp) {
     for (const auto& n : names) text += (text.empty() ? "" : " < ") + n.get<std::string>();
     return text;
   };
-  std::printf("  measured order:  %s\n  predicted order: %s\n  same order: %s; within 25%%: %d of %zu\n",
-              join(cmp["measured_order"]).c_str(), join(cmp["predicted_order"]).c_str(),
-              cmp["same_order"].get<bool>() ? "yes" : "no", cmp["within_25_percent"].get<int>(), cmp["options"].size());
+  std::printf("  measured order (medians):  %s\n  predicted order:           %s\n", join(cmp["measured_order"]).c_str(),
+              join(cmp["predicted_order"]).c_str());
+  for (const auto& p : cmp["pairs"])
+    std::printf("  %-7s faster than %-7s in %2d of %2d %s steps (sign test p = %.3f): %s\n",
+                p["faster"].get<std::string>().c_str(), p["slower"].get<std::string>().c_str(),
+                p["steps_faster"].get<int>(), p["steps"].get<int>(), cmp["interleaved"].get<bool>() ? "interleaved" : "paired",
+                p["sign_test_p"].get<double>(),
+                !p["separated"].get<bool>() ? "not separated"
+                : p["predicted_faster"] == p["faster"] ? "predicted so"
+                                                       : "predicted the other way");
+  if (cmp["pairs"].empty())
+    std::printf("  same order: %s (the run has no per-step times; medians compared)", cmp["same_order"].get<bool>() ? "yes" : "no");
+  else
+    std::printf("  same order: %s (%d of %d pairs separated by the steps, %d of them as predicted)",
+                cmp["same_order"].get<bool>() ? "yes" : "no", cmp["pairs_separated"].get<int>(),
+                static_cast<int>(cmp["pairs"].size()), cmp["pairs_separated_as_predicted"].get<int>());
+  std::printf("; within 25%%: %d of %zu\n", cmp["within_25_percent"].get<int>(), cmp["options"].size());
 }
 
 Result<Sharing> ParseSharing(const std::string& name) {

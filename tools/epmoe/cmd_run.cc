@@ -51,6 +51,7 @@ struct RunOptions {
   uint64_t seed = 1;
   bool check = false;
   bool no_progress = false;
+  bool interleave = false;
   std::string format = "text";
   EplbRunOptions eplb;
 };
@@ -231,85 +232,90 @@ struct OptionResult {
   nlohmann::json eplb;  // with --eplb
 };
 
-Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& model, EpOption option,
-                 const ExecutorOptions& base, const Inputs& inputs, ThreadPool& pool,
-                 const std::vector<std::unique_ptr<MoeLayer>>& references, ProgressBar& progress, int64_t* done,
-                 OptionResult* result) {
-  const int g = comm.size(), me = comm.rank();
-  ExecutorOptions eo = base;
-  eo.option = option;
-  if (option == EpOption::kHybrid) eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (g % 2 == 0 && g > 1 ? 2 : 1);
-  if (option == EpOption::kDwdp || option == EpOption::kA2a) eo.shared = SharedMode::kDefault;
-  result->name = EpOptionName(option);
-  EPMOE_ASSIGN_OR_RETURN(auto executor, CreateExecutor(comm, model, eo, pool));
-  std::unique_ptr<EplbSession> eplb;
-  if (o.eplb.enabled) {
-    EPMOE_ASSIGN_OR_RETURN(eplb, EplbSession::Create(comm, o.eplb, model, *executor, eo.placement));
+// One option's executor over the steps: Start builds it (and its EPLB session), Step runs one step
+// and adds its figures to the result, Finish turns the sums into per-step figures. Steps of
+// different options may alternate (--interleave) because each run keeps its own executor and state.
+class OptionRun {
+ public:
+  static Result<std::unique_ptr<OptionRun>> Start(Communicator& comm, const RunOptions& o, const ModelConfig& model,
+                                                  EpOption option, const ExecutorOptions& base, ThreadPool& pool,
+                                                  OptionResult* result) {
+    auto run = std::unique_ptr<OptionRun>(new OptionRun(comm, o, model, pool, result));
+    ExecutorOptions& eo = run->eo_;
+    eo = base;
+    eo.option = option;
+    const int g = comm.size();
+    if (option == EpOption::kHybrid) eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (g % 2 == 0 && g > 1 ? 2 : 1);
+    if (option == EpOption::kDwdp || option == EpOption::kA2a) eo.shared = SharedMode::kDefault;
+    result->name = EpOptionName(option);
+    EPMOE_ASSIGN_OR_RETURN(run->executor_, CreateExecutor(comm, model, eo, pool));
+    if (o.eplb.enabled) {
+      EPMOE_ASSIGN_OR_RETURN(run->eplb_, EplbSession::Create(comm, o.eplb, model, *run->executor_, eo.placement));
+    }
+    result->description = run->executor_->description();
+    EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(run->executor_->resident_weight_bytes()));
+    result->stage_ms.assign(7, {});
+    return run;
   }
-  result->description = executor->description();
-  EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(executor->resident_weight_bytes()));
-  const bool tensor_parallel = eo.origin == RowOrigin::kTensorParallel;
-  result->stage_ms.assign(7, {});
-  double copies = 0, rows = 0, sent = 0, received = 0, picks_balance = 0, bytes_balance = 0;
-  int balance_samples = 0;
-  for (int step = 0; step < inputs.steps(); ++step) {
+
+  Status Step(int step, const Inputs& inputs, const std::vector<std::unique_ptr<MoeLayer>>& references) {
+    const int g = comm_.size(), me = comm_.rank();
+    const bool tensor_parallel = eo_.origin == RowOrigin::kTensorParallel;
+    OptionResult* result = result_;
     const int64_t total = inputs.tokens(step);
     const int64_t first = tensor_parallel ? 0 : RowBegin(total, g, me);
     const int64_t count = tensor_parallel ? total : RowBegin(total, g, me + 1) - first;
-    Matrix x = SyntheticRows(o.seed, model, step, first, count);
+    Matrix x = SyntheticRows(o_.seed, model_, step, first, count);
     std::vector<double> figures;
-    EPMOE_RETURN_IF_ERROR(comm.Barrier());
-    for (int layer = 0; layer < o.layers; ++layer) {
+    EPMOE_RETURN_IF_ERROR(comm_.Barrier());
+    for (int layer = 0; layer < o_.layers; ++layer) {
       const auto t0 = std::chrono::steady_clock::now();
       Picks picks;
       EPMOE_RETURN_IF_ERROR(inputs.PicksFor(step, layer, x, first, &picks));
       const double route_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-      if (eplb) EPMOE_RETURN_IF_ERROR(eplb->Record(layer, picks, tensor_parallel));
+      if (eplb_) EPMOE_RETURN_IF_ERROR(eplb_->Record(layer, picks, tensor_parallel));
       Matrix out;
       StepStats st;
-      EPMOE_RETURN_IF_ERROR(executor->Forward(layer, x, picks, &out, &st)
+      EPMOE_RETURN_IF_ERROR(executor_->Forward(layer, x, picks, &out, &st)
                                 .WithContext(fmt::format("{} step {} layer {}", result->name, step, layer)));
       st.route_us = route_us;
       const double wall = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       if (!references.empty()) {
         Matrix expected;
-        EPMOE_RETURN_IF_ERROR(references[layer]->Forward(x, picks, &expected, pool, nullptr));
+        EPMOE_RETURN_IF_ERROR(references[layer]->Forward(x, picks, &expected, pool_, nullptr));
         const double error = NormalizedMaxError(out, expected);
-        EPMOE_ASSIGN_OR_RETURN(
-            const int64_t any_bad,
-            comm.AllreduceMax(error <= Tolerance(eo.dispatch_format, eo.combine_format, eo.pack.format) ? 0 : 1));
-        EPMOE_ASSIGN_OR_RETURN(const double error_sum, comm.AllreduceSum(error));
+        const double allowed = Tolerance(eo_.dispatch_format, eo_.combine_format, eo_.pack.format);
+        EPMOE_ASSIGN_OR_RETURN(const int64_t any_bad, comm_.AllreduceMax(error <= allowed ? 0 : 1));
         result->max_error = std::max(result->max_error, error);
-        (void)error_sum;
         if (any_bad)
           return Internal(fmt::format(
               "--check: {} step {} layer {} differs from the single-process layer on rank {}: "
               "normalized max error {:.3g} (allowed {:.1g})",
-              result->name, step, layer, me, error, Tolerance(eo.dispatch_format, eo.combine_format, eo.pack.format)));
+              result->name, step, layer, me, error, allowed));
       }
       const auto f = Flatten(st, wall);
       figures.insert(figures.end(), f.begin(), f.end());
       for (size_t i = 0; i < x.data.size(); ++i) x.data[i] += out.data[i];  // residual stream
     }
-    EPMOE_ASSIGN_OR_RETURN(auto all, GatherFigures(comm, figures));
+    EPMOE_ASSIGN_OR_RETURN(auto all, GatherFigures(comm_, figures));
     double step_us = 0;
     std::vector<double> stage_us(7, 0);
     for (int r = 0; r < g; ++r) {
       double wall = 0;
-      for (int l = 0; l < o.layers; ++l) {
+      for (int l = 0; l < o_.layers; ++l) {
         const double* f = &all[r][l * kFields];
         wall += f[kWall];
         for (int s = 0; s < 7; ++s) stage_us[s] += f[s] / g;
-        rows += f[kRows];
-        copies += f[kCopies];
-        sent += f[kSent];
-        received += f[kReceived];
+        rows_ += f[kRows];
+        copies_ += f[kCopies];
+        sent_ += f[kSent];
+        received_ += f[kReceived];
         result->peak_buffer = std::max(result->peak_buffer, f[kPeak]);
         result->rounds = std::max(result->rounds, f[kRounds]);
       }
       step_us = std::max(step_us, wall);  // a step waits for its slowest rank
     }
-    for (int l = 0; l < o.layers; ++l) {
+    for (int l = 0; l < o_.layers; ++l) {
       double max_picks = 0, sum_picks = 0, max_bytes = 0, sum_bytes = 0;
       for (int r = 0; r < g; ++r) {
         const double* f = &all[r][l * kFields];
@@ -318,13 +324,13 @@ Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& mod
         max_bytes = std::max(max_bytes, f[kBytesRead]);
         sum_bytes += f[kBytesRead];
       }
-      picks_balance += max_picks > 0 ? sum_picks / g / max_picks : 1.0;
-      bytes_balance += max_bytes > 0 ? sum_bytes / g / max_bytes : 1.0;
-      ++balance_samples;
+      picks_balance_ += max_picks > 0 ? sum_picks / g / max_picks : 1.0;
+      bytes_balance_ += max_bytes > 0 ? sum_bytes / g / max_bytes : 1.0;
+      ++balance_samples_;
     }
-    if (eplb) {
+    if (eplb_) {
       double step_balance = 0;
-      for (int l = 0; l < o.layers; ++l) {
+      for (int l = 0; l < o_.layers; ++l) {
         double most = 0, sum = 0;
         for (int r = 0; r < g; ++r) {
           most = std::max(most, all[r][l * kFields + kPicks]);
@@ -334,24 +340,42 @@ Status RunOption(Communicator& comm, const RunOptions& o, const ModelConfig& mod
       }
       std::vector<std::pair<std::string, double>> stages;
       for (int s = 0; s < 7; ++s) stages.emplace_back(kStageNames[s], stage_us[s] / 1e6);
-      EPMOE_RETURN_IF_ERROR(eplb->EndStep(step + 1, step_us / 1e6, stages, step_balance / o.layers));
+      EPMOE_RETURN_IF_ERROR(eplb_->EndStep(step + 1, step_us / 1e6, stages, step_balance / o_.layers));
     }
     result->step_ms.push_back(step_us / 1000);
     for (int s = 0; s < 7; ++s) result->stage_ms[s].push_back(stage_us[s] / 1000);
-    ++*done;
-    if (me == 0) progress.Update(*done, fmt::format("{} step {}/{}", result->name, step + 1, inputs.steps()));
+    return Status::Ok();
   }
-  if (eplb) result->eplb = eplb->Report();
-  const int steps = inputs.steps();
-  result->copies_per_row = rows > 0 ? copies / rows : 0;
-  result->sent_per_rank_step = sent / g / steps;
-  result->received_per_rank_step = received / g / steps;
-  result->picks_balance = balance_samples ? picks_balance / balance_samples : 1;
-  result->bytes_balance = balance_samples ? bytes_balance / balance_samples : 1;
-  EPMOE_ASSIGN_OR_RETURN(const int64_t max_error_bits, comm.AllreduceMax(std::bit_cast<int64_t>(result->max_error)));
-  result->max_error = std::bit_cast<double>(max_error_bits);  // non-negative doubles order as their bits
-  return Status::Ok();
-}
+
+  Status Finish(int steps) {
+    const int g = comm_.size();
+    OptionResult* result = result_;
+    if (eplb_) result->eplb = eplb_->Report();
+    result->copies_per_row = rows_ > 0 ? copies_ / rows_ : 0;
+    result->sent_per_rank_step = sent_ / g / steps;
+    result->received_per_rank_step = received_ / g / steps;
+    result->picks_balance = balance_samples_ ? picks_balance_ / balance_samples_ : 1;
+    result->bytes_balance = balance_samples_ ? bytes_balance_ / balance_samples_ : 1;
+    EPMOE_ASSIGN_OR_RETURN(const int64_t max_error_bits, comm_.AllreduceMax(std::bit_cast<int64_t>(result->max_error)));
+    result->max_error = std::bit_cast<double>(max_error_bits);  // non-negative doubles order as their bits
+    return Status::Ok();
+  }
+
+ private:
+  OptionRun(Communicator& comm, const RunOptions& o, const ModelConfig& model, ThreadPool& pool, OptionResult* result)
+      : comm_(comm), o_(o), model_(model), pool_(pool), result_(result) {}
+
+  Communicator& comm_;
+  const RunOptions& o_;
+  const ModelConfig& model_;
+  ThreadPool& pool_;
+  OptionResult* result_;
+  ExecutorOptions eo_;
+  std::unique_ptr<MoeExecutor> executor_;
+  std::unique_ptr<EplbSession> eplb_;
+  double copies_ = 0, rows_ = 0, sent_ = 0, received_ = 0, picks_balance_ = 0, bytes_balance_ = 0;
+  int balance_samples_ = 0;
+};
 
 Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   CommOptions co;
@@ -421,12 +445,38 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   }
   ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * inputs.steps());
   int64_t done = 0;
-  for (size_t i = 0; i < options.size(); ++i) {
-    if (!results[i].refused.empty()) continue;
+  auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
     ExecutorOptions eo = base;
     if (o.tp_in_ep > 0 && options[i] != EpOption::kHybrid) eo.tp_in_ep = 1;
-    EPMOE_RETURN_IF_ERROR(
-        RunOption(*comm, o, model, options[i], eo, inputs, pool, references, progress, &done, &results[i]));
+    return OptionRun::Start(*comm, o, model, options[i], eo, pool, &results[i]);
+  };
+  auto step = [&](size_t i, OptionRun& run, int s) -> Status {
+    EPMOE_RETURN_IF_ERROR(run.Step(s, inputs, references));
+    ++done;
+    if (comm->rank() == 0) progress.Update(done, fmt::format("{} step {}/{}", results[i].name, s + 1, inputs.steps()));
+    return Status::Ok();
+  };
+  if (o.interleave) {
+    // Every option's executor at once; step s of each option in turn, so drift of a shared machine
+    // (memory or cores taken by others for seconds) falls on all options alike.
+    std::vector<std::unique_ptr<OptionRun>> runs(options.size());
+    for (size_t i = 0; i < options.size(); ++i) {
+      if (!results[i].refused.empty()) continue;
+      EPMOE_ASSIGN_OR_RETURN(runs[i], start(i));
+    }
+    for (int s = 0; s < inputs.steps(); ++s)
+      for (size_t i = 0; i < options.size(); ++i)
+        if (runs[i]) EPMOE_RETURN_IF_ERROR(step(i, *runs[i], s));
+    for (auto& run : runs)
+      if (run) EPMOE_RETURN_IF_ERROR(run->Finish(inputs.steps()));
+  } else {
+    // One option at a time: only its weights are held.
+    for (size_t i = 0; i < options.size(); ++i) {
+      if (!results[i].refused.empty()) continue;
+      EPMOE_ASSIGN_OR_RETURN(auto run, start(i));
+      for (int s = 0; s < inputs.steps(); ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
+      EPMOE_RETURN_IF_ERROR(run->Finish(inputs.steps()));
+    }
   }
 
   nlohmann::json rows = nlohmann::json::array();
@@ -442,6 +492,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     j.update({{"description", r.description},
               {"step_ms_median", Median(r.step_ms)},
               {"step_ms_p90", Quantile(r.step_ms, 0.9)},
+              {"step_ms", r.step_ms},
               {"stage_ms_median", stages},
               {"bytes_sent_per_rank_step", r.sent_per_rank_step},
               {"bytes_received_per_rank_step", r.received_per_rank_step},
@@ -465,6 +516,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"communicator", comm->description()},
              {"tokens", inputs.tokens(0)},
              {"steps", inputs.steps()},
+             {"interleaved", o.interleave},
              {"layers", o.layers},
              {"routing", o.trace.empty() ? o.routing : "trace " + o.trace},
              {"row_origin", o.origin},
@@ -585,6 +637,9 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->check(kNonNegative);
   cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
   cmd->add_flag("--check", o->check, "Compare every layer with the single-process layer; fail on a mismatch");
+  cmd->add_flag("--interleave", o->interleave,
+                "With several options: run step 1 of each, then step 2 of each, ... (holds every option's weights "
+                "at once), so a shared machine's drift falls on all options alike");
   cmd->add_flag("--no-progress", o->no_progress, "No progress bar");
   AddEplbOptions(cmd, &o->eplb);
   AddFormatOption(cmd, &o->format, {"text", "json"});
