@@ -100,6 +100,12 @@ TEST(Comm, ReduceScatterAndAllreduce) {
   auto sum = comm->AllreduceSum(0.5);
   ASSERT_TRUE(sum.ok());
   EXPECT_EQ(*sum, 0.5 * g);
+  // Values that round: every rank gets the sum taken in rank order, bit for bit.
+  auto rounded = comm->AllreduceSum(0.1 * (comm->rank() + 1));
+  ASSERT_TRUE(rounded.ok());
+  double in_rank_order = 0;
+  for (int r = 0; r < g; ++r) in_rank_order += 0.1 * (r + 1);
+  EXPECT_EQ(*rounded, in_rank_order);
 }
 
 TEST(Comm, AlltoallvWithCountsExchangedFirst) {
@@ -223,7 +229,25 @@ TEST(Comm, OneSidedWindowReads) {
   EXPECT_TRUE((*window)->Test());
   for (int r = 0; r < g; ++r)
     for (int i = 0; i <= r; ++i) EXPECT_EQ(read[r][i], r * 256 + r * 15 + i);
-  ASSERT_TRUE(comm->Barrier().ok());  // nobody frees its window while another still reads
+  // Close waits for every rank (nobody frees its window while another still reads); the window is
+  // unusable afterwards, and a second Close does nothing.
+  const Status closed = (*window)->Close();
+  ASSERT_TRUE(closed.ok()) << closed.ToString();
+  EXPECT_EQ((*window)->local(), nullptr);
+  EXPECT_EQ((*window)->Get(0, 0, 4, read[0].data()).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*window)->Flush().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*window)->Close().ok());
+}
+
+// A window dropped without Close is closed by its destructor (collective, bounded), and windows of
+// zero bytes work too.
+TEST(Comm, WindowDestructorClosesIt) {
+  auto comm = World();
+  for (int i = 0; i < 3; ++i) {
+    auto window = comm->AllocateWindow(comm->rank() % 2 == 0 ? 0 : 64);
+    ASSERT_TRUE(window.ok()) << window.status().ToString();
+  }
+  EXPECT_TRUE(comm->Barrier().ok());
 }
 
 TEST(Comm, SplitFormsGroups) {
@@ -245,6 +269,13 @@ TEST(Comm, SplitFormsGroups) {
       EXPECT_EQ((*sub)->node_of(a) == (*sub)->node_of(b), members[a] / 2 == members[b] / 2);
 }
 
+// Whether a timeout's message names rank 0 first among the ranks not heard from (on a loaded
+// machine other ranks may be late too).
+bool NamesRankZeroFirst(const std::string& message) {
+  return message.find("still waiting for rank 0,") != std::string::npos ||
+         message.find("still waiting for ranks 0,") != std::string::npos;
+}
+
 TEST(Comm, LatePeerTurnsIntoUnavailableNotAHang) {
   auto world = World();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
@@ -262,6 +293,8 @@ TEST(Comm, LatePeerTurnsIntoUnavailableNotAHang) {
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
     EXPECT_NE(status.message().find("rank " + std::to_string(world->rank())), std::string::npos) << status.message();
+    // The barrier is point-to-point: it names the rank it still waits for.
+    EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
     EXPECT_LT(waited, 1.9);
   }
   ASSERT_TRUE(world->Barrier().ok());
@@ -294,12 +327,83 @@ TEST(Comm, LatePeerInAlltoallvIsNamed) {
     EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
     EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": alltoallv"), std::string::npos)
         << status.message();
-    // Rank 0 first in the sorted list of ranks not heard from (on a loaded machine others may be too).
-    const std::string& message = status.message();
-    EXPECT_TRUE(message.find("still waiting for rank 0,") != std::string::npos ||
-                message.find("still waiting for ranks 0,") != std::string::npos)
-        << message;
+    EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
     EXPECT_LT(waited, 1.9);
+  }
+  ASSERT_TRUE(world->Barrier().ok());
+}
+
+// The count exchanges are point-to-point like alltoallv: when rank 0 never arrives, every other
+// rank's count exchange, all-gather of counts (the a2a executor's count matrix) and small
+// allreduce fail within the 0.5 s limit, each naming rank 0.
+TEST(Comm, MissingPeerInCountExchangesIsNamed) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  auto impatient = World(0, 0.5);
+  const int g = world->size(), me = world->rank();
+  // Kept until the end of the program: the receives abandoned at the timeouts stay posted.
+  static std::vector<int64_t> counts_out, counts_in, matrix;
+  counts_out.assign(g, me);
+  counts_in.assign(g, -1);
+  matrix.assign(static_cast<size_t>(g) * g, -1);
+  if (me != 0) {
+    const auto expect_names_rank_zero = [&](const Status& status, const std::string& what, double started) {
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() - started;
+      EXPECT_EQ(status.code(), StatusCode::kUnavailable) << what << ": " << status.ToString();
+      EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": " + what), std::string::npos)
+          << status.message();
+      EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+      EXPECT_LT(waited, 1.5) << what;
+    };
+    const auto now = [] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    };
+    double started = now();
+    expect_names_rank_zero(impatient->ExchangeCounts(counts_out, counts_in), "count exchange", started);
+
+    started = now();
+    std::vector<int64_t> bytes(g, g * 8), offsets(g);
+    for (int r = 0; r < g; ++r) offsets[r] = r * g * 8;
+    auto gather = impatient->StartAllgatherv(counts_out.data(), g * 8, matrix.data(), bytes, offsets);
+    ASSERT_TRUE(gather.ok()) << gather.status().ToString();
+    expect_names_rank_zero((*gather)->Wait(), "allgatherv", started);
+
+    started = now();
+    expect_names_rank_zero(impatient->AllreduceMax(me).status(), "allreduce (max)", started);
+  }
+  ASSERT_TRUE(world->Barrier().ok());
+}
+
+// Closing a window waits for every rank, bounded: when rank 0 never arrives (a stalled or dead
+// peer), every other rank's Close fails within the 0.5 s limit naming rank 0, instead of hanging
+// in MPI_Win_free; the abandoned window refuses further use.
+TEST(Comm, MissingPeerAtWindowCloseIsNamed) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  auto impatient = World(0, 0.5);
+  const int me = world->rank();
+  auto window = impatient->AllocateWindow(64);
+  ASSERT_TRUE(window.ok()) << window.status().ToString();
+  if (me == 0) {
+    // Stalls: never closes. A real job would be aborted by the ranks that gave up; here the
+    // window is left as it is, never freed (destroying it would close it, which waits for peers
+    // that have already given up).
+    (void)window->release();
+  } else {
+    const auto start = std::chrono::steady_clock::now();
+    const Status status = (*window)->Close();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": window close"), std::string::npos)
+        << status.message();
+    EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+    EXPECT_NE(status.message().find("not freed"), std::string::npos) << status.message();
+    EXPECT_LT(waited, 1.5);
+    EXPECT_NE((*window)->local(), nullptr);  // still allocated: a late peer may read it
+    std::vector<uint8_t> byte(1);
+    EXPECT_EQ((*window)->Get(0, 0, 1, byte.data()).code(), StatusCode::kUnavailable);
+    EXPECT_EQ((*window)->Close().code(), StatusCode::kUnavailable);
   }
   ASSERT_TRUE(world->Barrier().ok());
 }

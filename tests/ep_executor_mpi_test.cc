@@ -173,6 +173,17 @@ StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, con
       }
     }
   }
+  // Close releases what the ranks share (dwdp's window) and is collective: every option's succeeds
+  // on every rank, a second Close does nothing, and dwdp refuses to run after it.
+  const Status closed = (*executor)->Close();
+  EXPECT_TRUE(closed.ok()) << closed.ToString();
+  EXPECT_TRUE((*executor)->Close().ok());
+  if (c.option == EpOption::kDwdp) {
+    Matrix out;
+    const Matrix rows = SyntheticRows(kSeed, model, 0, 0, 1);
+    EXPECT_EQ((*executor)->Forward(0, rows, UniformPicks(model, 1, kSeed), &out, nullptr).code(),
+              StatusCode::kFailedPrecondition);
+  }
   return stats;
 }
 

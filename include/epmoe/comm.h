@@ -5,7 +5,11 @@
 // count their transport cannot carry. Blocking calls are nonblocking ones followed by Wait, and
 // every wait is bounded by CommOptions::timeout_seconds: a peer that died or stopped answering
 // makes the call return Unavailable (naming the operation and the rank) instead of hanging; the
-// caller should then abort the whole job (Communicator::Abort), since MPI cannot recover.
+// caller should then abort the whole job (Communicator::Abort), since MPI cannot recover. Every
+// exchange but the float reductions (StartReduceScatter, StartAllreduce) also names the ranks it
+// was still waiting for ("still waiting for ranks 0, 3"). After a timeout the exchange is
+// abandoned: a late peer may still write its receive buffers and read its send buffers, so they
+// must stay allocated until the job ends.
 // A Communicator is used by one thread at a time (thread-compatible, not thread-safe); Requests and
 // Windows belong to the communicator that made them and must not outlive it.
 #pragma once
@@ -49,7 +53,16 @@ class Request {
 // Memory every rank exposes for one-sided reads by every rank, allocated by the transport (so it
 // can be shared memory on one node). Reads are nonblocking: Get starts a read and Flush() completes
 // all reads this rank started on this window. The owner writes its local() memory before a
-// Barrier and keeps it constant while others may read. Created and destroyed collectively.
+// Barrier and keeps it constant while others may read. Created and closed collectively.
+//
+// Close() ends it: every rank completes its reads, then waits (bounded by the timeout) until every
+// rank has arrived at Close, and only then is the memory freed (MPI_Win_free, collective and
+// unbounded in MPI, returns promptly once all have arrived). When a rank does not arrive in time,
+// Close returns Unavailable naming the ranks missing and abandons the window: its memory stays
+// allocated and exposed (a late peer may still read it) and is never freed; Get, Flush and Close
+// then fail with Unavailable, and the process is expected to abort the job (Communicator::Abort).
+// Destroying a window that was not closed closes it as a last resort (errors dropped): call Close
+// to learn whether it worked.
 class Window {
  public:
   virtual ~Window() = default;
@@ -62,6 +75,10 @@ class Window {
   virtual Status Flush() = 0;
   // True when every read started since the last Flush has completed (does not block).
   virtual bool Test() = 0;
+  // Completes this rank's reads and frees the window once every rank has arrived (collective;
+  // bounded, see above). local() is null afterwards; Get and Flush fail with FailedPrecondition.
+  // Closing a closed window does nothing.
+  virtual Status Close() = 0;
 };
 
 class Communicator {
@@ -76,6 +93,7 @@ class Communicator {
   // "MPI (Open MPI 4.1.4), 4 ranks on 1 node" and the like, for reports.
   virtual std::string description() const = 0;
 
+  // Returns once every rank has entered it; a timeout names the ranks that have not.
   virtual Status Barrier() = 0;
 
   // Every rank contributes send_bytes; recv receives every rank's contribution in rank order, rank

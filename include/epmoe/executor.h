@@ -139,6 +139,12 @@ class MoeExecutor {
   // placement; null for sliced, hybrid and dwdp. Owned by the executor; use it between Forward
   // calls only (a step's layers keep the placement they started with).
   virtual RebalanceTarget* rebalance_target() { return nullptr; }
+
+  // Releases what this executor shares with the other ranks (dwdp: its one-sided window), after
+  // which Forward fails. Collective and bounded by the communicator's timeout: Unavailable names
+  // the ranks that did not arrive, and the job should then be aborted (see Window::Close). The
+  // destructor does it too when Close was not called, as a last resort whose errors are dropped.
+  virtual Status Close() { return Status::Ok(); }
 };
 
 // Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory

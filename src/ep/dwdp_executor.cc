@@ -38,15 +38,24 @@ class DwdpExecutor : public MoeExecutor {
   DwdpExecutor(Communicator& comm, const ModelConfig& model, const ExecutorOptions& options, ThreadPool& pool)
       : comm_(comm), model_(model), options_(options), pool_(pool) {}
 
-  ~DwdpExecutor() override {
+  // The last resort when Close was not called (e.g. an error ended the run): bounded like Close.
+  ~DwdpExecutor() override { (void)Close(); }
+
+  // Completes this rank's reads (the helper thread's too) and closes the window (Window::Close:
+  // nobody frees it while a peer may still read from it; bounded, naming the ranks missing).
+  Status Close() override {
+    if (closed_) return Status::Ok();
+    closed_ = true;
+    Status status = Status::Ok();
     for (Buffer& b : buffers_) {
-      if (b.fetch.valid()) b.fetch.wait();
+      const Status completed = Complete(b);
+      if (status.ok()) status = completed;
     }
     if (window_ != nullptr) {
-      (void)window_->Flush();
-      // Nobody frees the window while a peer may still read from it.
-      (void)comm_.Barrier();
+      const Status closed = window_->Close();
+      if (status.ok()) status = closed;
     }
+    return status;
   }
 
   Status Init() {
@@ -144,6 +153,7 @@ class DwdpExecutor : public MoeExecutor {
   }
 
   Status Forward(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) override {
+    if (closed_) return FailedPrecondition(fmt::format("dwdp: rank {}: Forward after Close", comm_.rank()));
     EPMOE_RETURN_IF_ERROR(CheckForwardInput(model_, options_.num_layers, layer, rows, picks));
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k, e_count = model_.num_experts;
     const int64_t h = model_.hidden;
@@ -311,6 +321,7 @@ class DwdpExecutor : public MoeExecutor {
   int pieces_per_layer_ = 0;
   int64_t expert_bytes_ = 0;      // one packed expert, values and scales
   bool threaded_ = false;
+  bool closed_ = false;
   std::unique_ptr<Window> window_;
   std::vector<std::unique_ptr<ExpertStore>> owned_;   // per layer; null when a rank owns none
   Buffer buffers_[2];

@@ -1,9 +1,16 @@
 // The Communicator over MPI. Every exchange is an MPI nonblocking call whose completion is polled
 // with a deadline, so a dead peer turns into Unavailable instead of a hang. Counts are checked to
 // fit MPI's int before any call.
+//
+// The exchanges that move bytes unchanged (alltoallv, allgatherv, the int64 count exchanges), the
+// barrier, the small reductions and a window's close are point-to-point messages on a private
+// duplicate of the communicator, so that a timeout can say which ranks were not heard from. Only the
+// float reductions (reduce-scatter, allreduce of arrays) stay MPI collectives, whose algorithm the
+// library picks; their timeout cannot name a peer.
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -22,7 +29,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// One tag per kind of point-to-point exchange: messages between two ranks match in posting order
+// within a tag, so exchanges of one kind started in the same order on every rank stay apart, and a
+// rank that started a different kind of exchange than its peer times out instead of taking the
+// wrong bytes.
 constexpr int kAlltoallvTag = 1;
+constexpr int kAllgatherTag = 2;
+constexpr int kCountsTag = 3;
+constexpr int kBarrierTag = 4;
+constexpr int kWindowCloseTag = 5;
 
 std::string MpiErrorString(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -144,7 +159,8 @@ class MpiRequest : public Request {
     peers_.reserve(n);
   }
 
-  std::vector<int> counts_a, displs_a, counts_b, displs_b;
+  // Receive counts of a reduce-scatter, read by MPI until completion.
+  std::vector<int> counts;
 
  private:
   std::string what_;
@@ -166,21 +182,70 @@ class MpiRequest : public Request {
   ptrdiff_t receives_ = -1;  // requests_[0, receives_) receive; -1: the sides are not apart
 };
 
+// One message block of a point-to-point exchange: `bytes` at `data`; post = false: no message.
+struct Block {
+  void* data = nullptr;
+  int bytes = 0;
+  bool post = false;
+};
+
+// Posts one exchange of point-to-point messages on `messages` (a communicator only these exchanges
+// use): first a receive from every other rank whose block is posted, then a send to every other
+// rank, peers visited from the next rank on (not every rank addresses rank 0 first). The receives
+// are the request's receiving side (MpiRequest::MarkReceives). The caller copies its own block.
+// receive(peer) and send(peer) give the blocks; every block must stay valid until completion.
+template <typename ReceiveBlock, typename SendBlock>
+Status PostMessages(MPI_Comm messages, int rank, int size, int tag, MpiRequest& request, ReceiveBlock receive,
+                    SendBlock send) {
+  request.Reserve(2 * static_cast<size_t>(size));
+  for (int i = 1; i < size; ++i) {
+    const int peer = (rank + i) % size;
+    const Block block = receive(peer);
+    if (!block.post) continue;
+    EPMOE_RETURN_IF_ERROR(
+        CheckMpi(MPI_Irecv(block.data, block.bytes, MPI_BYTE, peer, tag, messages, request.Add(peer)), "MPI_Irecv", rank));
+  }
+  request.MarkReceives();
+  for (int i = 1; i < size; ++i) {
+    const int peer = (rank + i) % size;
+    const Block block = send(peer);
+    if (!block.post) continue;
+    EPMOE_RETURN_IF_ERROR(
+        CheckMpi(MPI_Isend(block.data, block.bytes, MPI_BYTE, peer, tag, messages, request.Add(peer)), "MPI_Isend", rank));
+  }
+  return Status::Ok();
+}
+
+// Starts a barrier made of an empty message from every rank to every other: complete when every
+// other rank's has arrived, so a timeout names exactly the ranks that have not arrived. Linear in
+// the ranks (2 (G - 1) messages per rank), fine for the tens of ranks of expert parallelism.
+Result<std::unique_ptr<MpiRequest>> StartNotifyAll(MPI_Comm messages, int rank, int size, int tag, std::string what,
+                                                   double timeout_seconds) {
+  auto request = std::make_unique<MpiRequest>(std::move(what), rank, timeout_seconds);
+  const auto empty = [](int) { return Block{nullptr, 0, true}; };
+  EPMOE_RETURN_IF_ERROR(PostMessages(messages, rank, size, tag, *request, empty, empty));
+  return request;
+}
+
+// A window of MPI_Win_allocate(_shared) in a passive-target epoch (lock_all) from creation to
+// Close. Close completes this rank's reads, waits (bounded, peer-naming) until every rank has
+// arrived at Close, and only then calls MPI_Win_free, which is collective and unbounded: once every
+// rank has arrived it returns promptly. A window whose reads or close timed out is abandoned: it
+// stays allocated and exposed, and nothing waits on it again.
 class MpiWindow : public Window {
  public:
-  MpiWindow(MPI_Win window, void* base, int64_t bytes, int rank, double timeout_seconds)
-      : window_(window), base_(base), bytes_(bytes), rank_(rank), timeout_seconds_(timeout_seconds) {}
+  MpiWindow(MPI_Win window, void* base, int64_t bytes, MPI_Comm messages, int rank, int size, double timeout_seconds)
+      : window_(window), base_(base), bytes_(bytes), messages_(messages), rank_(rank), size_(size),
+        timeout_seconds_(timeout_seconds) {}
   ~MpiWindow() override {
-    if (!timed_out_) {
-      for (MPI_Request& r : pending_) MPI_Wait(&r, MPI_STATUS_IGNORE);
-      MPI_Win_unlock_all(window_);
-      MPI_Win_free(&window_);
-    }
+    // The last resort when the owner did not Close: bounded like Close, abandoned on failure.
+    if (state_ == State::kOpen) (void)Close();
   }
-  void* local() override { return base_; }
+  void* local() override { return state_ == State::kClosed ? nullptr : base_; }
   int64_t local_bytes() const override { return bytes_; }
 
   Status Get(int rank, int64_t offset, int64_t bytes, void* dst) override {
+    EPMOE_RETURN_IF_ERROR(CheckOpen("one-sided read"));
     constexpr int64_t kChunk = int64_t{1} << 30;  // MPI counts are int: read large ranges in pieces
     char* out = static_cast<char*>(dst);
     for (int64_t done = 0; done < bytes; done += kChunk) {
@@ -194,26 +259,59 @@ class MpiWindow : public Window {
     return Status::Ok();
   }
   Status Flush() override {
+    EPMOE_RETURN_IF_ERROR(CheckOpen("flush"));
     Status status = WaitAll(pending_, {}, timeout_seconds_, "one-sided read (MPI_Rget)", rank_);
-    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    if (status.code() == StatusCode::kUnavailable) state_ = State::kAbandoned;
     if (status.ok()) pending_.clear();
     return status;
   }
   bool Test() override {
-    if (pending_.empty()) return true;
+    if (pending_.empty() || state_ != State::kOpen) return pending_.empty();
     int done = 0;
     MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &done, MPI_STATUSES_IGNORE);
     if (done) pending_.clear();
     return done != 0;
   }
 
+  Status Close() override {
+    if (state_ == State::kClosed) return Status::Ok();
+    EPMOE_RETURN_IF_ERROR(CheckOpen("close"));
+    EPMOE_RETURN_IF_ERROR(Flush());
+    // Nobody frees the window while a peer may still read from it: every rank completes its reads
+    // before it announces its arrival here.
+    EPMOE_ASSIGN_OR_RETURN(auto arrived, StartNotifyAll(messages_, rank_, size_, kWindowCloseTag,
+                                                        "window close (every rank's arrival before MPI_Win_free)",
+                                                        timeout_seconds_));
+    const Status status = arrived->Wait();
+    if (!status.ok()) {
+      state_ = State::kAbandoned;
+      if (status.code() != StatusCode::kUnavailable) return status;
+      return Unavailable(status.message() + "; the window was not freed (it stays allocated and exposed), and the job "
+                                            "should be aborted");
+    }
+    state_ = State::kClosed;
+    const Status unlocked = CheckMpi(MPI_Win_unlock_all(window_), "MPI_Win_unlock_all", rank_);
+    const Status freed = CheckMpi(MPI_Win_free(&window_), "MPI_Win_free", rank_);
+    return unlocked.ok() ? freed : unlocked;
+  }
+
  private:
+  enum class State { kOpen, kClosed, kAbandoned };
+  Status CheckOpen(const char* what) const {
+    if (state_ == State::kOpen) return Status::Ok();
+    return state_ == State::kClosed
+               ? FailedPrecondition(fmt::format("rank {}: window {} after Close", rank_, what))
+               : Unavailable(fmt::format("rank {}: window {} after a timeout abandoned the window", rank_, what));
+  }
+
   MPI_Win window_;
   void* base_;
   int64_t bytes_;
+  MPI_Comm messages_;  // the owning communicator's point-to-point duplicate (outlives the window)
   int rank_;
+  int size_;
   double timeout_seconds_;
-  bool timed_out_ = false;
+  State state_ = State::kOpen;
   std::vector<MPI_Request> pending_;
 };
 
@@ -263,8 +361,8 @@ class MpiCommunicator : public Communicator {
   }
 
   Status Barrier() override {
-    auto request = NewRequest("barrier");
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ibarrier(comm_, request->Add()), "MPI_Ibarrier", rank_));
+    EPMOE_ASSIGN_OR_RETURN(auto request,
+                           StartNotifyAll(messages_, rank_, size_, kBarrierTag, "barrier", options_.timeout_seconds));
     return request->Wait();
   }
 
@@ -276,13 +374,20 @@ class MpiCommunicator : public Communicator {
     if (send_bytes != recv_bytes[rank_])
       return InvalidArgument(fmt::format("rank {}: allgatherv sends {} bytes but expects {} from itself", rank_,
                                          send_bytes, recv_bytes[rank_]));
-    auto request = NewRequest("allgatherv");
     EPMOE_ASSIGN_OR_RETURN(const int count, ToInt(send_bytes, "allgatherv send size", rank_));
-    EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(recv_bytes, "allgatherv receive size", rank_));
-    EPMOE_ASSIGN_OR_RETURN(request->displs_a, ToInts(recv_offsets, "allgatherv receive offset", rank_));
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallgatherv(send, count, MPI_BYTE, recv, request->counts_a.data(),
-                                                   request->displs_a.data(), MPI_BYTE, comm_, request->Add()),
-                                   "MPI_Iallgatherv", rank_));
+    auto request = NewRequest("allgatherv");
+    EPMOE_ASSIGN_OR_RETURN(const std::vector<int> sizes, ToInts(recv_bytes, "allgatherv receive size", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckOffsets(recv_offsets, "allgatherv receive offset"));
+    // Every rank's block straight from its owner (what libnbc's linear allgatherv does, minus the
+    // schedule that advances only when polled).
+    char* const into = static_cast<char*>(recv);
+    EPMOE_RETURN_IF_ERROR(PostMessages(
+        messages_, rank_, size_, kAllgatherTag, *request,
+        [&](int peer) {
+          return Block{into + recv_offsets[peer], sizes[peer], sizes[peer] > 0};
+        },
+        [&](int) { return Block{const_cast<void*>(send), count, count > 0}; }));
+    if (count > 0) std::memcpy(into + recv_offsets[rank_], send, static_cast<size_t>(count));
     return std::unique_ptr<Request>(std::move(request));
   }
 
@@ -290,11 +395,11 @@ class MpiCommunicator : public Communicator {
                                                       std::span<const int64_t> recv_counts) override {
     EPMOE_RETURN_IF_ERROR(CheckRankCount(recv_counts.size(), "reduce-scatter receive counts"));
     auto request = NewRequest("reduce-scatter");
-    EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(recv_counts, "reduce-scatter receive count", rank_));
+    EPMOE_ASSIGN_OR_RETURN(request->counts, ToInts(recv_counts, "reduce-scatter receive count", rank_));
     int64_t total = 0;
     for (int64_t c : recv_counts) total += c;
     EPMOE_RETURN_IF_ERROR(ToInt(total, "reduce-scatter total count", rank_).status());
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ireduce_scatter(send, recv, request->counts_a.data(), MPI_FLOAT, MPI_SUM, comm_,
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ireduce_scatter(send, recv, request->counts.data(), MPI_FLOAT, MPI_SUM, comm_,
                                                        request->Add()),
                                    "MPI_Ireduce_scatter", rank_));
     return std::unique_ptr<Request>(std::move(request));
@@ -320,33 +425,24 @@ class MpiCommunicator : public Communicator {
       return InvalidArgument(fmt::format("rank {}: alltoallv sends itself {} bytes but expects {} from itself", rank_,
                                          send_bytes[rank_], recv_bytes[rank_]));
     auto request = NewRequest("alltoallv");
-    EPMOE_ASSIGN_OR_RETURN(request->counts_a, ToInts(send_bytes, "alltoallv send size", rank_));
-    EPMOE_ASSIGN_OR_RETURN(request->displs_a, ToInts(send_offsets, "alltoallv send offset", rank_));
-    EPMOE_ASSIGN_OR_RETURN(request->counts_b, ToInts(recv_bytes, "alltoallv receive size", rank_));
-    EPMOE_ASSIGN_OR_RETURN(request->displs_b, ToInts(recv_offsets, "alltoallv receive offset", rank_));
-    // One message per non-empty block on the private duplicate communicator, receives posted
-    // first, peers visited from the next rank on so that not every rank sends to rank 0 first;
-    // this rank's own block is copied. (Open MPI's blocking MPI_Alltoallv does the same; its
+    EPMOE_ASSIGN_OR_RETURN(const std::vector<int> send_sizes, ToInts(send_bytes, "alltoallv send size", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckOffsets(send_offsets, "alltoallv send offset"));
+    EPMOE_ASSIGN_OR_RETURN(const std::vector<int> recv_sizes, ToInts(recv_bytes, "alltoallv receive size", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckOffsets(recv_offsets, "alltoallv receive offset"));
+    // One message per non-empty block on the private duplicate communicator (PostMessages); this
+    // rank's own block is copied. (Open MPI's blocking MPI_Alltoallv does the same; its
     // nonblocking one runs the messages through a schedule that only advances when polled, which
     // cost 0.1 ms and more per exchange here.) Messages between two ranks are matched in the
     // order they were posted, so exchanges started in the same order on every rank stay apart.
-    request->Reserve(2 * static_cast<size_t>(size_));
-    for (int i = 1; i < size_; ++i) {
-      const int peer = (rank_ + i) % size_;
-      if (recv_bytes[peer] == 0) continue;
-      EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Irecv(static_cast<char*>(recv) + recv_offsets[peer], request->counts_b[peer],
-                                               MPI_BYTE, peer, kAlltoallvTag, messages_, request->Add(peer)),
-                                     "MPI_Irecv", rank_));
-    }
-    request->MarkReceives();
-    for (int i = 1; i < size_; ++i) {
-      const int peer = (rank_ + i) % size_;
-      if (send_bytes[peer] == 0) continue;
-      EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Isend(static_cast<const char*>(send) + send_offsets[peer],
-                                               request->counts_a[peer], MPI_BYTE, peer, kAlltoallvTag, messages_,
-                                               request->Add(peer)),
-                                     "MPI_Isend", rank_));
-    }
+    EPMOE_RETURN_IF_ERROR(PostMessages(
+        messages_, rank_, size_, kAlltoallvTag, *request,
+        [&](int peer) {
+          return Block{static_cast<char*>(recv) + recv_offsets[peer], recv_sizes[peer], recv_sizes[peer] > 0};
+        },
+        [&](int peer) {
+          return Block{const_cast<char*>(static_cast<const char*>(send)) + send_offsets[peer], send_sizes[peer],
+                       send_sizes[peer] > 0};
+        }));
     if (send_bytes[rank_] > 0)
       std::memcpy(static_cast<char*>(recv) + recv_offsets[rank_], static_cast<const char*>(send) + send_offsets[rank_],
                   static_cast<size_t>(send_bytes[rank_]));
@@ -356,10 +452,12 @@ class MpiCommunicator : public Communicator {
   Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
     EPMOE_RETURN_IF_ERROR(CheckRankCount(send.size(), "count exchange send"));
     EPMOE_RETURN_IF_ERROR(CheckRankCount(recv.size(), "count exchange receive"));
-    auto request = NewRequest("count exchange (alltoall)");
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Ialltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_,
-                                                 request->Add()),
-                                   "MPI_Ialltoall", rank_));
+    auto request = NewRequest("count exchange");
+    int64_t* const sent = const_cast<int64_t*>(send.data());
+    EPMOE_RETURN_IF_ERROR(PostMessages(
+        messages_, rank_, size_, kCountsTag, *request, [&](int peer) { return Block{&recv[peer], 8, true}; },
+        [&](int peer) { return Block{sent + peer, 8, true}; }));
+    recv[rank_] = send[rank_];
     return request->Wait();
   }
 
@@ -367,32 +465,22 @@ class MpiCommunicator : public Communicator {
     if (recv.size() != send.size() * static_cast<size_t>(size_))
       return InvalidArgument(fmt::format("rank {}: allgather of {} values needs {} receive values, got {}", rank_,
                                          send.size(), send.size() * size_, recv.size()));
-    auto request = NewRequest("allgather");
-    EPMOE_ASSIGN_OR_RETURN(const int n, ToInt(static_cast<int64_t>(send.size()), "allgather count", rank_));
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Iallgather(send.data(), n, MPI_INT64_T, recv.data(), n, MPI_INT64_T, comm_,
-                                                  request->Add()),
-                                   "MPI_Iallgather", rank_));
-    return request->Wait();
+    return GatherInt64(send, recv, "allgather");
   }
 
+  // The maximum and the sum are taken locally from every rank's value, in rank order, so every rank
+  // gets the same result (and a timeout names the ranks not heard from).
   Result<int64_t> AllreduceMax(int64_t value) override {
-    int64_t result = 0;
-    auto request = NewRequest("allreduce (max)");
-    EPMOE_RETURN_IF_ERROR(
-        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_INT64_T, MPI_MAX, comm_, request->Add()), "MPI_Iallreduce",
-                 rank_));
-    EPMOE_RETURN_IF_ERROR(request->Wait());
-    return result;
+    EPMOE_RETURN_IF_ERROR(GatherInt64(std::span<const int64_t>(&value, 1), reduce_values_, "allreduce (max)"));
+    return *std::max_element(reduce_values_.begin(), reduce_values_.end());
   }
 
   Result<double> AllreduceSum(double value) override {
-    double result = 0;
-    auto request = NewRequest("allreduce (sum)");
-    EPMOE_RETURN_IF_ERROR(
-        CheckMpi(MPI_Iallreduce(&value, &result, 1, MPI_DOUBLE, MPI_SUM, comm_, request->Add()), "MPI_Iallreduce",
-                 rank_));
-    EPMOE_RETURN_IF_ERROR(request->Wait());
-    return result;
+    const int64_t bits = std::bit_cast<int64_t>(value);
+    EPMOE_RETURN_IF_ERROR(GatherInt64(std::span<const int64_t>(&bits, 1), reduce_values_, "allreduce (sum)"));
+    double sum = 0;
+    for (int64_t b : reduce_values_) sum += std::bit_cast<double>(b);
+    return sum;
   }
 
   Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override {
@@ -419,7 +507,8 @@ class MpiCommunicator : public Communicator {
           rank_));
     }
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, window), "MPI_Win_lock_all", rank_));
-    return std::unique_ptr<Window>(new MpiWindow(window, base, bytes, rank_, options_.timeout_seconds));
+    return std::unique_ptr<Window>(
+        new MpiWindow(window, base, bytes, messages_, rank_, size_, options_.timeout_seconds));
   }
 
   Result<std::unique_ptr<Communicator>> Split(int color, int key) override {
@@ -453,6 +542,7 @@ class MpiCommunicator : public Communicator {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     num_nodes_ = node_ids_.empty() ? 1 : *std::max_element(node_ids_.begin(), node_ids_.end()) + 1;
+    reduce_values_.resize(size_);
   }
   std::unique_ptr<MpiRequest> NewRequest(const char* what) {
     return std::make_unique<MpiRequest>(what, rank_, options_.timeout_seconds);
@@ -461,15 +551,37 @@ class MpiCommunicator : public Communicator {
     if (n == static_cast<size_t>(size_)) return Status::Ok();
     return InvalidArgument(fmt::format("rank {}: {} has {} entries for {} ranks", rank_, what, n, size_));
   }
+  Status CheckOffsets(std::span<const int64_t> offsets, const char* what) const {
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      if (offsets[i] < 0) return InvalidArgument(fmt::format("rank {}: {} {} is negative: {}", rank_, what, i, offsets[i]));
+    }
+    return Status::Ok();
+  }
+  // Every rank's send.size() values into recv, in rank order (recv.size() == size_ * send.size()).
+  Status GatherInt64(std::span<const int64_t> send, std::span<int64_t> recv, const char* what) {
+    EPMOE_CHECK(recv.size() == send.size() * static_cast<size_t>(size_));
+    EPMOE_ASSIGN_OR_RETURN(const int bytes, ToInt(static_cast<int64_t>(send.size() * 8), "allgather bytes", rank_));
+    auto request = NewRequest(what);
+    int64_t* const sent = const_cast<int64_t*>(send.data());
+    EPMOE_RETURN_IF_ERROR(PostMessages(
+        messages_, rank_, size_, kAllgatherTag, *request,
+        [&](int peer) { return Block{recv.data() + peer * send.size(), bytes, bytes > 0}; },
+        [&](int) { return Block{sent, bytes, bytes > 0}; }));
+    std::copy(send.begin(), send.end(), recv.begin() + rank_ * send.size());
+    return request->Wait();
+  }
 
   MPI_Comm comm_;
-  MPI_Comm messages_;  // a duplicate of comm_ that carries only alltoallv's point-to-point messages
+  MPI_Comm messages_;  // a duplicate of comm_ that carries only the point-to-point exchanges (PostMessages)
   std::vector<int> node_ids_;
   CommOptions options_;
   int thread_level_;
   int rank_ = 0;
   int size_ = 1;
   int num_nodes_ = 1;
+  // Every rank's value of AllreduceMax / AllreduceSum. A member, not a local: the receives of an
+  // exchange that timed out are abandoned, and a late peer's value may still land here.
+  std::vector<int64_t> reduce_values_;
 };
 
 void FinalizeMpiAtExit() {
