@@ -375,16 +375,25 @@ TEST(Comm, MissingPeerInCountExchangesIsNamed) {
   ASSERT_TRUE(world->Barrier().ok());
 }
 
-// Closing a window waits for every rank, bounded: when rank 0 never arrives (a stalled or dead
-// peer), every other rank's Close fails within the 0.5 s limit naming rank 0, instead of hanging
-// in MPI_Win_free; the abandoned window refuses further use.
-TEST(Comm, MissingPeerAtWindowCloseIsNamed) {
+// Creating and closing a window wait for every rank, bounded: when rank 0 never arrives (a stalled
+// or dead peer), every other rank's AllocateWindow, and then its Close, fail within the 0.5 s
+// limit naming rank 0, instead of hanging in MPI_Win_allocate or MPI_Win_free; the abandoned
+// window refuses further use.
+TEST(Comm, MissingPeerAtWindowCreateAndCloseIsNamed) {
   auto world = World();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
   auto impatient = World(0, 0.5);
   const int me = world->rank();
   auto window = impatient->AllocateWindow(64);
   ASSERT_TRUE(window.ok()) << window.status().ToString();
+  // Creation is bounded too: a second window that rank 0 never comes to create.
+  if (me != 0) {
+    const Status created = impatient->AllocateWindow(64).status();
+    EXPECT_EQ(created.code(), StatusCode::kUnavailable) << created.ToString();
+    EXPECT_NE(created.message().find("rank " + std::to_string(me) + ": window creation"), std::string::npos)
+        << created.message();
+    EXPECT_TRUE(NamesRankZeroFirst(created.message())) << created.message();
+  }
   if (me == 0) {
     // Stalls: never closes. A real job would be aborted by the ranks that gave up; here the
     // window is left as it is, never freed (destroying it would close it, which waits for peers

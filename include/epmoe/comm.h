@@ -125,7 +125,8 @@ class Communicator {
   virtual Result<int64_t> AllreduceMax(int64_t value) = 0;
   virtual Result<double> AllreduceSum(double value) = 0;
 
-  // Allocates `bytes` (may differ per rank) exposed for one-sided reads (collective).
+  // Allocates `bytes` (may differ per rank) exposed for one-sided reads (collective; waits, bounded
+  // and naming the ranks missing, until every rank has arrived before MPI allocates).
   virtual Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) = 0;
   // Whether one thread may read a Window while another thread runs exchanges on this communicator
   // (the transport's thread support); without it one-sided reads cannot overlap other exchanges.

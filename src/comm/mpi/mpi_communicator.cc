@@ -38,6 +38,7 @@ constexpr int kAllgatherTag = 2;
 constexpr int kCountsTag = 3;
 constexpr int kBarrierTag = 4;
 constexpr int kWindowCloseTag = 5;
+constexpr int kWindowOpenTag = 6;
 
 std::string MpiErrorString(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -485,6 +486,12 @@ class MpiCommunicator : public Communicator {
 
   Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override {
     if (bytes < 0) return InvalidArgument(fmt::format("rank {}: window of {} bytes", rank_, bytes));
+    // MPI_Win_allocate is collective and waits without limit: enter it only once every rank has
+    // arrived (bounded, naming the ranks missing).
+    EPMOE_ASSIGN_OR_RETURN(auto arrived, StartNotifyAll(messages_, rank_, size_, kWindowOpenTag,
+                                                        "window creation (every rank's arrival before MPI_Win_allocate)",
+                                                        options_.timeout_seconds));
+    EPMOE_RETURN_IF_ERROR(arrived->Wait());
     void* base = nullptr;
     MPI_Win window = MPI_WIN_NULL;
     // When every member shares this node's memory, a shared-memory window makes a read a plain copy
