@@ -36,12 +36,11 @@ void ExpectEveryOptionChecked(const nlohmann::json& j, int ranks) {
 }
 
 TEST(EpRunCli, OneProcessWithoutMpirun) {
-  // Interleaved: every option's executor alive at once, their steps alternating.
-  const CommandRun run = Shell(Binary() + " run --option all --check --interleave --format json" + kSmall, false);
+  const CommandRun run = Shell(Binary() + " run --option all --check --format json" + kSmall, false);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out);
   ExpectEveryOptionChecked(j, 1);
-  EXPECT_TRUE(j["interleaved"].get<bool>());
+  EXPECT_FALSE(j["interleaved"].get<bool>());
   for (const auto& o : j["options"]) {
     EXPECT_EQ(o["bytes_sent_per_rank_step"].get<double>(), 0);  // one rank: nothing travels
     EXPECT_EQ(o["step_ms"].size(), 2u);                          // one time per step
@@ -52,11 +51,16 @@ TEST(EpRunCli, TwoRanksUnderMpirun) {
   const std::string mpirun =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
       "mpirun --oversubscribe --bind-to none -np 2 ";
+  // Interleaved: every option's executor alive at once, their steps alternating (dwdp settles its
+  // read-ahead after each step), every layer checked.
   const CommandRun run = Shell(
-      mpirun + Binary() + " run --option all --check --format json --origin tp --model deepseek-v3" + kSmall, false);
+      mpirun + Binary() + " run --option all --check --interleave --format json --origin tp --model deepseek-v3" +
+          kSmall,
+      false);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto j = nlohmann::json::parse(run.out);
   ExpectEveryOptionChecked(j, 2);
+  EXPECT_TRUE(j["interleaved"].get<bool>());
   for (const auto& o : j["options"]) {
     if (o["option"] == "a2a") {
       EXPECT_GT(o["bytes_sent_per_rank_step"].get<double>(), 0);

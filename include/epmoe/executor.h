@@ -140,6 +140,11 @@ class MoeExecutor {
   // calls only (a step's layers keep the placement they started with).
   virtual RebalanceTarget* rebalance_target() { return nullptr; }
 
+  // Waits for what the executor runs in the background between Forward calls (dwdp: the read-ahead
+  // of the next layer's experts), so that the time until the next Forward belongs to the caller
+  // alone; what was read stays for that Forward. Not collective; no-op for the other options.
+  virtual Status Settle() { return Status::Ok(); }
+
   // Releases what this executor shares with the other ranks (dwdp: its one-sided window), after
   // which Forward fails. Collective and bounded by the communicator's timeout: Unavailable names
   // the ranks that did not arrive, and the job should then be aborted (see Window::Close). The

@@ -43,6 +43,12 @@ class DwdpExecutor : public MoeExecutor {
 
   // Completes this rank's reads (the helper thread's too) and closes the window (Window::Close:
   // nobody frees it while a peer may still read from it; bounded, naming the ranks missing).
+  Status Settle() override {
+    // Complete keeps each half's layer and piece, so the next Forward still finds its read there.
+    for (Buffer& b : buffers_) EPMOE_RETURN_IF_ERROR(Complete(b));
+    return Status::Ok();
+  }
+
   Status Close() override {
     if (closed_) return Status::Ok();
     closed_ = true;

@@ -258,7 +258,10 @@ class OptionRun {
     return run;
   }
 
-  Status Step(int step, const Inputs& inputs, const std::vector<std::unique_ptr<MoeLayer>>& references) {
+  // settle: wait for the executor's background work before returning (see MoeExecutor::Settle), so
+  // that none of it runs into the next option's step.
+  Status Step(int step, const Inputs& inputs, const std::vector<std::unique_ptr<MoeLayer>>& references,
+              bool settle) {
     const int g = comm_.size(), me = comm_.rank();
     const bool tensor_parallel = eo_.origin == RowOrigin::kTensorParallel;
     OptionResult* result = result_;
@@ -344,7 +347,7 @@ class OptionRun {
     }
     result->step_ms.push_back(step_us / 1000);
     for (int s = 0; s < 7; ++s) result->stage_ms[s].push_back(stage_us[s] / 1000);
-    return Status::Ok();
+    return settle ? executor_->Settle() : Status::Ok();
   }
 
   Status Finish(int steps) {
@@ -358,7 +361,7 @@ class OptionRun {
     result->bytes_balance = balance_samples_ ? bytes_balance_ / balance_samples_ : 1;
     EPMOE_ASSIGN_OR_RETURN(const int64_t max_error_bits, comm_.AllreduceMax(std::bit_cast<int64_t>(result->max_error)));
     result->max_error = std::bit_cast<double>(max_error_bits);  // non-negative doubles order as their bits
-    return Status::Ok();
+    return executor_->Close();
   }
 
  private:
@@ -451,7 +454,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     return OptionRun::Start(*comm, o, model, options[i], eo, pool, &results[i]);
   };
   auto step = [&](size_t i, OptionRun& run, int s) -> Status {
-    EPMOE_RETURN_IF_ERROR(run.Step(s, inputs, references));
+    EPMOE_RETURN_IF_ERROR(run.Step(s, inputs, references, /*settle=*/o.interleave));
     ++done;
     if (comm->rank() == 0) progress.Update(done, fmt::format("{} step {}/{}", results[i].name, s + 1, inputs.steps()));
     return Status::Ok();
