@@ -239,8 +239,11 @@ class MpiWindow : public Window {
       : window_(window), base_(base), bytes_(bytes), messages_(messages), rank_(rank), size_(size),
         timeout_seconds_(timeout_seconds) {}
   ~MpiWindow() override {
-    // The last resort when the owner did not Close: bounded like Close, abandoned on failure.
-    if (state_ == State::kOpen) (void)Close();
+    // The last resort when the owner did not Close: bounded like Close, abandoned on failure. A
+    // window held past MPI_Finalize has nothing left to free.
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (state_ == State::kOpen && !finalized) (void)Close();
   }
   void* local() override { return state_ == State::kClosed ? nullptr : base_; }
   int64_t local_bytes() const override { return bytes_; }
