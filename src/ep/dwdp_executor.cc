@@ -41,14 +41,14 @@ class DwdpExecutor : public MoeExecutor {
   // The last resort when Close was not called (e.g. an error ended the run): bounded like Close.
   ~DwdpExecutor() override { (void)Close(); }
 
-  // Completes this rank's reads (the helper thread's too) and closes the window (Window::Close:
-  // nobody frees it while a peer may still read from it; bounded, naming the ranks missing).
   Status Settle() override {
     // Complete keeps each half's layer and piece, so the next Forward still finds its read there.
     for (Buffer& b : buffers_) EPMOE_RETURN_IF_ERROR(Complete(b));
     return Status::Ok();
   }
 
+  // Completes this rank's reads (the helper thread's too) and closes the window (Window::Close:
+  // nobody frees it while a peer may still read from it; bounded, naming the ranks missing).
   Status Close() override {
     if (closed_) return Status::Ok();
     closed_ = true;
