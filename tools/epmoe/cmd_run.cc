@@ -233,7 +233,8 @@ struct OptionResult {
 };
 
 // One option's executor over the steps: Start builds it (and its EPLB session), Step runs one step
-// and adds its figures to the result, Finish turns the sums into per-step figures. Steps of
+// and adds its figures to the result, Finish turns the sums into per-step figures and closes the
+// executor (collective). Steps of
 // different options may alternate (--interleave) because each run keeps its own executor and state.
 class OptionRun {
  public:
