@@ -457,10 +457,11 @@ struct FourBit {
       __m512 acc[R][B];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
-      // Up to 4 rows, each chunk's codes are loaded one chunk ahead, so that its expansion and dot
-      // products do not wait for them (one thread from memory, 4 rows: mxfp4 15 - 25%, nvfp4 about
-      // 3% faster); the 8-row tiles have no registers to spare for that (they spill).
-      constexpr bool kLoadAhead = R <= 4;
+      // Each chunk's codes are loaded one chunk ahead, so that its expansion and dot products do not
+      // wait for them (one thread from memory, 4 rows: mxfp4 15 - 25%, nvfp4 about 3% faster; nvfp4
+      // 8 - 16 rows 3 - 6%). Not in mxfp4's tiles of 5 - 8 rows: with two chunks per scale block
+      // in flight GCC spills their registers (18% slower).
+      constexpr bool kLoadAhead = R <= 4 || kScaleBlock == 16;
       __m512i raw[B][2];
       if constexpr (kLoadAhead) {
         for (int j = 0; j < B; ++j) {
