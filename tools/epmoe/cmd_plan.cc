@@ -125,14 +125,17 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
       const double p = SignTestP(std::max(a_faster, b_faster), n);
       const json& fast = rows[a_first ? a : b];
       const json& slow = rows[a_first ? b : a];
-      const bool predicted_same =
-          fast["predicted_us_per_layer"].get<double>() < slow["predicted_us_per_layer"].get<double>();
+      const double fast_predicted = fast["predicted_us_per_layer"].get<double>();
+      const double slow_predicted = slow["predicted_us_per_layer"].get<double>();
       const bool is_separated = n > 0 && p <= 0.05;
       separated += is_separated;
-      agreeing += is_separated && predicted_same;
+      agreeing += is_separated && fast_predicted < slow_predicted;
       pairs.push_back({{"faster", fast["option"]}, {"slower", slow["option"]},
                        {"steps_faster", std::max(a_faster, b_faster)}, {"steps", n}, {"sign_test_p", p},
-                       {"separated", is_separated}, {"predicted_faster", predicted_same ? fast["option"] : slow["option"]}});
+                       {"separated", is_separated},
+                       {"predicted_faster", fast_predicted < slow_predicted   ? fast["option"]
+                                            : slow_predicted < fast_predicted ? slow["option"]
+                                                                              : json("neither")}});
     }
   }
   *out = {{"run", path}, {"ranks", ranks}, {"tokens", tokens}, {"layers", layers}, {"options", rows},
@@ -166,9 +169,10 @@ void PrintComparison(const json& cmp) {
                 p["faster"].get<std::string>().c_str(), p["slower"].get<std::string>().c_str(),
                 p["steps_faster"].get<int>(), p["steps"].get<int>(), cmp["interleaved"].get<bool>() ? "interleaved" : "paired",
                 p["sign_test_p"].get<double>(),
-                !p["separated"].get<bool>() ? "not separated"
-                : p["predicted_faster"] == p["faster"] ? "predicted so"
-                                                       : "predicted the other way");
+                !p["separated"].get<bool>()            ? "not separated"
+                : p["predicted_faster"] == p["faster"]  ? "predicted so"
+                : p["predicted_faster"] == "neither"    ? "predicted equal"
+                                                        : "predicted the other way");
   if (cmp["pairs"].empty())
     std::printf("  same order: %s (the run has no per-step times; medians compared)", cmp["same_order"].get<bool>() ? "yes" : "no");
   else
