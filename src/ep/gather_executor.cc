@@ -15,6 +15,15 @@
 namespace epmoe::ep_internal {
 namespace {
 
+// Makes m a rows x cols matrix in the storage it already has (it grows only when it must);
+// zero: every value 0, else the values are left as they were and the caller overwrites them.
+void Reshape(int64_t rows, int64_t cols, bool zero, Matrix* m) {
+  m->rows = rows;
+  m->cols = cols;
+  m->data.resize(rows * cols);
+  if (zero) std::fill(m->data.begin(), m->data.end(), 0.0f);
+}
+
 class GatherExecutor : public MoeExecutor {
  public:
   GatherExecutor(Communicator& comm, const ModelConfig& model, const ExecutorOptions& options, ThreadPool& pool)
@@ -158,8 +167,15 @@ class GatherExecutor : public MoeExecutor {
     *out = Matrix(rows.rows, h);
     std::vector<int64_t> nth(tables_.empty() ? 0 : static_cast<size_t>(g) * model_.num_experts, 0);
     std::vector<int64_t> chunk(g), chunk_first(g);
-    std::vector<uint8_t> send, recv;
-    Matrix gathered_rows, partial, work_in, work_out, reduced;
+    // Buffers kept across layers and steps, reshaped in place (grow-only, and bounded like the
+    // rounds above): fresh ones cost a page fault per 4 KB on first touch every layer (at T = 64 and
+    // G = 2 a sliced rank's pick rows in and out are 2 MB each).
+    std::vector<uint8_t>& send = scratch_.send;
+    std::vector<uint8_t>& recv = scratch_.recv;
+    Matrix& gathered_rows = scratch_.gathered_rows;
+    Matrix& partial = scratch_.partial;
+    Matrix& work_in = scratch_.work_in;
+    Matrix& work_out = scratch_.work_out;
     std::vector<int32_t> gathered_experts;
     std::vector<float> gathered_weights;
     std::vector<int32_t> gathered_home;
@@ -173,7 +189,7 @@ class GatherExecutor : public MoeExecutor {
         for (int64_t c : chunk) s += c;
         return s;
       }();
-      gathered_rows = Matrix(round_total, h);
+      Reshape(round_total, h, /*zero=*/false, &gathered_rows);  // every row decoded below
       gathered_experts.resize(round_total * k);
       gathered_weights.resize(round_total * k);
       gathered_home.resize(round_total);
@@ -233,7 +249,7 @@ class GatherExecutor : public MoeExecutor {
       }
 
       // Picks of this rank's experts, grouped by local expert (stable: row order, then pick order).
-      partial = Matrix(round_total, h);
+      Reshape(round_total, h, /*zero=*/true, &partial);  // summed into
       const std::vector<int32_t>& local_of = local_of_[layer];
       const int local_count = store ? store->num_experts() : 0;
       std::vector<int64_t> offsets(local_count + 1, 0);
@@ -257,7 +273,7 @@ class GatherExecutor : public MoeExecutor {
       const int64_t items = offsets[local_count];
       std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
       std::vector<int64_t> position(round_total * k, -1);
-      work_in = Matrix(items, h);
+      Reshape(items, h, /*zero=*/false, &work_in);  // every pick's row copied below
       for (int64_t q = 0; q < round_total; ++q) {
         for (int j = 0; j < k; ++j) {
           const int32_t li = item_local[q * k + j];
@@ -268,7 +284,7 @@ class GatherExecutor : public MoeExecutor {
         }
       }
       st.pack_us += watch.Lap();
-      work_out = Matrix(items, h);
+      Reshape(items, h, /*zero=*/false, &work_out);  // Run writes every pick's output
       if (items > 0) store->Run(work_in.data.data(), offsets, work_out.data.data(), pool_);
       for (int e = 0; e < local_count; ++e) {
         if (offsets[e + 1] > offsets[e]) st.expert_bytes_read += store->expert_bytes(e);
@@ -336,6 +352,10 @@ class GatherExecutor : public MoeExecutor {
   bool shared_copied_ = false;
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
   std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_ and placement_
+  struct Scratch {
+    std::vector<uint8_t> send, recv;
+    Matrix gathered_rows, partial, work_in, work_out;
+  } scratch_;  // Forward's buffers (see there)
 };
 
 }  // namespace
