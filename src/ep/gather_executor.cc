@@ -4,6 +4,7 @@
 // The three options differ only in what a rank holds: hybrid with m ranks per expert; whole is
 // m = 1 (placed by the Placement), sliced is m = G.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -167,14 +168,15 @@ class GatherExecutor : public MoeExecutor {
     *out = Matrix(rows.rows, h);
     std::vector<int64_t> nth(tables_.empty() ? 0 : static_cast<size_t>(g) * model_.num_experts, 0);
     std::vector<int64_t> chunk(g), chunk_first(g);
-    // Buffers kept across layers and steps, reshaped in place (grow-only, and bounded like the
+    // Buffers kept across layers and steps, resized in place (grow-only, and bounded like the
     // rounds above): fresh ones cost a page fault per 4 KB on first touch every layer (at T = 64 and
-    // G = 2 a sliced rank's pick rows in and out are 2 MB each).
+    // G = 2 a sliced rank's pick outputs are 2 MB).
     std::vector<uint8_t>& send = scratch_.send;
     std::vector<uint8_t>& recv = scratch_.recv;
     Matrix& gathered_rows = scratch_.gathered_rows;
     Matrix& partial = scratch_.partial;
-    Matrix& work_in = scratch_.work_in;
+    std::vector<std::byte>& quantized = scratch_.quantized;
+    std::vector<std::byte>& work_in = scratch_.work_in;
     Matrix& work_out = scratch_.work_out;
     std::vector<int32_t> gathered_experts;
     std::vector<float> gathered_weights;
@@ -273,19 +275,27 @@ class GatherExecutor : public MoeExecutor {
       const int64_t items = offsets[local_count];
       std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
       std::vector<int64_t> position(round_total * k, -1);
-      Reshape(items, h, /*zero=*/false, &work_in);  // every pick's row copied below
+      // Each gathered row with a pick here is put in the kernel's input format once (QuantizeRows);
+      // its picks then take copies of those smaller rows, and RunQuantized gives what Run would on
+      // the fp32 rows, bit for bit.
+      const int64_t act = store ? store->activation_row_bytes() : 0;
+      quantized.resize(static_cast<size_t>(round_total * act));
+      work_in.resize(static_cast<size_t>(items * act));
+      st.pack_us += watch.Lap();
+      if (items > 0) store->QuantizeRows(gathered_rows.data.data(), round_total, quantized.data(), pool_);
+      st.experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
       for (int64_t q = 0; q < round_total; ++q) {
         for (int j = 0; j < k; ++j) {
           const int32_t li = item_local[q * k + j];
           if (li < 0) continue;
           const int64_t p = cursor[li]++;
           position[q * k + j] = p;
-          std::copy(gathered_rows.row(q), gathered_rows.row(q) + h, work_in.row(p));
+          std::memcpy(work_in.data() + p * act, quantized.data() + q * act, act);
         }
       }
       st.pack_us += watch.Lap();
-      Reshape(items, h, /*zero=*/false, &work_out);  // Run writes every pick's output
-      if (items > 0) store->Run(work_in.data.data(), offsets, work_out.data.data(), pool_);
+      Reshape(items, h, /*zero=*/false, &work_out);  // RunQuantized writes every pick's output
+      if (items > 0) store->RunQuantized(work_in.data(), offsets, work_out.data.data(), pool_);
       for (int e = 0; e < local_count; ++e) {
         if (offsets[e + 1] > offsets[e]) st.expert_bytes_read += store->expert_bytes(e);
       }
@@ -306,8 +316,8 @@ class GatherExecutor : public MoeExecutor {
         st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), gathered_rows, &partial, pool_);
         st.shared_us += watch.Lap();
       }
-      buffer_bytes += static_cast<int64_t>(gathered_rows.data.size() + partial.data.size() + work_in.data.size() +
-                                           work_out.data.size()) * 4;
+      buffer_bytes += static_cast<int64_t>(gathered_rows.data.size() + partial.data.size() + work_out.data.size()) * 4 +
+                      static_cast<int64_t>(quantized.size() + work_in.size());
 
       // Sum the partials: each rank gets its own rows (or, tensor-parallel, all of them).
       if (tensor_parallel) {
@@ -354,7 +364,8 @@ class GatherExecutor : public MoeExecutor {
   std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_ and placement_
   struct Scratch {
     std::vector<uint8_t> send, recv;
-    Matrix gathered_rows, partial, work_in, work_out;
+    Matrix gathered_rows, partial, work_out;
+    std::vector<std::byte> quantized, work_in;  // gathered rows, then pick rows, in the kernel's input format
   } scratch_;  // Forward's buffers (see there)
 };
 
