@@ -16,12 +16,21 @@
 namespace epmoe::ep_internal {
 namespace {
 
-// Makes m a rows x cols matrix in the storage it already has (it grows only when it must);
-// zero: every value 0, else the values are left as they were and the caller overwrites them.
+// Resizes a buffer kept across steps. It grows only when it must and then to exactly `size` (a
+// plain resize may double it), so what stays held is each buffer's largest step, which the rounds
+// keep within the bound.
+template <typename T>
+void Fit(size_t size, std::vector<T>* v) {
+  v->reserve(size);
+  v->resize(size);
+}
+
+// Makes m a rows x cols matrix in the storage it already has (Fit); zero: every value 0, else the
+// values are left as they were and the caller overwrites them.
 void Reshape(int64_t rows, int64_t cols, bool zero, Matrix* m) {
   m->rows = rows;
   m->cols = cols;
-  m->data.resize(rows * cols);
+  Fit(static_cast<size_t>(rows * cols), &m->data);
   if (zero) std::fill(m->data.begin(), m->data.end(), 0.0f);
 }
 
@@ -147,7 +156,10 @@ class GatherExecutor : public MoeExecutor {
     const int64_t record_bytes = k * 8 + RowBytes(options_.dispatch_format, h);
     const ExpertStore* store = stores_[layer].get();
     const int64_t local_picks_per_row = std::min<int64_t>(k, store ? store->num_experts() : 0);
-    const int64_t per_row = 2 * record_bytes + 2 * h * 4 + 2 * local_picks_per_row * h * 4;
+    const int64_t act = store ? store->activation_row_bytes() : 0;  // a row in the kernel's input format
+    // Per row: its record sent and received, its fp32 row and partial sum, its kernel-format copy,
+    // and per local pick a kernel-format row in and an fp32 output.
+    const int64_t per_row = 2 * record_bytes + 2 * h * 4 + act + local_picks_per_row * (act + h * 4);
     int64_t max_count = 0;
     for (int64_t c : counts) max_count = std::max(max_count, c);
     auto round_rows = [&](int64_t rounds) {
@@ -219,8 +231,8 @@ class GatherExecutor : public MoeExecutor {
         std::vector<int64_t> bytes(g);
         for (int r = 0; r < g; ++r) bytes[r] = chunk[r] * record_bytes;
         const auto offsets = PrefixOffsets(bytes);
-        send.resize(bytes[me]);
-        recv.resize(offsets[g]);
+        Fit(static_cast<size_t>(bytes[me]), &send);
+        Fit(static_cast<size_t>(offsets[g]), &recv);
         buffer_bytes += static_cast<int64_t>(send.size() + recv.size());
         for (int64_t i = 0; i < chunk[me]; ++i) {
           const int64_t row = chunk_first[me] + i;
@@ -278,9 +290,8 @@ class GatherExecutor : public MoeExecutor {
       // Each gathered row with a pick here is put in the kernel's input format once (QuantizeRows);
       // its picks then take copies of those smaller rows, and RunQuantized gives what Run would on
       // the fp32 rows, bit for bit.
-      const int64_t act = store ? store->activation_row_bytes() : 0;
-      quantized.resize(static_cast<size_t>(round_total * act));
-      work_in.resize(static_cast<size_t>(items * act));
+      Fit(static_cast<size_t>(round_total * act), &quantized);
+      Fit(static_cast<size_t>(items * act), &work_in);
       st.pack_us += watch.Lap();
       if (items > 0) store->QuantizeRows(gathered_rows.data.data(), round_total, quantized.data(), pool_);
       st.experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
