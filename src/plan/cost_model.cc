@@ -25,10 +25,11 @@ class RankRates {
   RankRates(const HardwareProfile& hw, int gpus) : hw_(hw) {
     share_ = hw.ranks_share_device ? std::min(gpus, hw.gpus_per_node) : 1;
   }
-  // Microseconds per byte of weights in `format` read by an expert kernel.
+  // Microseconds per byte of weights in `format` read by an expert kernel: its measured line, else
+  // plain memory traffic.
   double UsPerByte(WeightFormat format) const {
     if (auto line = hw_.LineFor(format)) return line->us_per_gb * 1e-9 * share_;
-    return share_ / (hw_.memory_bandwidth_gbs * 1e3 * hw_.memory_read_efficiency);
+    return UsPerMemoryByte();
   }
   // Grouped expert kernels (routed experts) reach arithmetic_efficiency of the peak; plain GEMMs
   // (shared expert, dense layers) gemm_efficiency.
