@@ -67,7 +67,7 @@ int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts) {
     case WeightFormat::kFp32: input = 4 * d; break;
     case WeightFormat::kBf16: input = 2 * d; break;
     case WeightFormat::kInt8: input = d; break;
-    case WeightFormat::kNvfp4: input = d / 2 + (d + 15) / 16; break;
+    case WeightFormat::kNvfp4: input = RowBytes(m, RowFormat::kFp4); break;  // an NVFP4 row, as rows travel
     case WeightFormat::kMxfp4: input = d / 2 + (d + 31) / 32; break;
   }
   return input + 2 * RowBytes(m, RowFormat::kBf16);
