@@ -232,6 +232,20 @@ struct OptionResult {
   nlohmann::json eplb;  // with --eplb
 };
 
+// The executor options of `option` on `ranks` ranks: hybrid slices each expert --tp-in-ep ways
+// (default 2 when G is even), the others ignore that flag; a2a and dwdp copy the shared expert.
+ExecutorOptions OptionExecutorOptions(const ExecutorOptions& base, const RunOptions& o, EpOption option, int ranks) {
+  ExecutorOptions eo = base;
+  eo.option = option;
+  if (option == EpOption::kHybrid) {
+    eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (ranks % 2 == 0 && ranks > 1 ? 2 : 1);
+  } else if (o.tp_in_ep > 0) {
+    eo.tp_in_ep = 1;
+  }
+  if (option == EpOption::kA2a || option == EpOption::kDwdp) eo.shared = SharedMode::kDefault;
+  return eo;
+}
+
 // One option's executor over the steps: Start builds it (and its EPLB session), Step runs one step
 // and adds its figures to the result, Finish turns the sums into per-step figures and closes the
 // executor (collective). Steps of
@@ -243,11 +257,7 @@ class OptionRun {
                                                   OptionResult* result) {
     auto run = std::unique_ptr<OptionRun>(new OptionRun(comm, o, model, pool, result));
     ExecutorOptions& eo = run->eo_;
-    eo = base;
-    eo.option = option;
-    const int g = comm.size();
-    if (option == EpOption::kHybrid) eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (g % 2 == 0 && g > 1 ? 2 : 1);
-    if (option == EpOption::kDwdp || option == EpOption::kA2a) eo.shared = SharedMode::kDefault;
+    eo = OptionExecutorOptions(base, o, option, comm.size());
     result->name = EpOptionName(option);
     EPMOE_ASSIGN_OR_RETURN(run->executor_, CreateExecutor(comm, model, eo, pool));
     if (o.eplb.enabled) {
@@ -431,13 +441,8 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   // Refuse what cannot run, before any work: one option fails the command, `all` skips it.
   std::vector<OptionResult> results(options.size());
   for (size_t i = 0; i < options.size(); ++i) {
-    ExecutorOptions eo = base;
-    eo.option = options[i];
-    if (options[i] == EpOption::kHybrid) eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (g % 2 == 0 && g > 1 ? 2 : 1);
-    if (options[i] == EpOption::kA2a || options[i] == EpOption::kDwdp) eo.shared = SharedMode::kDefault;
-    if (o.tp_in_ep > 0 && options[i] != EpOption::kHybrid) eo.tp_in_ep = 1;
     results[i].name = EpOptionName(options[i]);
-    const Status fits = CheckExecutorShape(model, eo, g);
+    const Status fits = CheckExecutorShape(model, OptionExecutorOptions(base, o, options[i], g), g);
     if (!fits.ok()) {
       if (options.size() == 1) return fits;
       results[i].refused = fits.message();
@@ -458,9 +463,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * inputs.steps());
   int64_t done = 0;
   auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
-    ExecutorOptions eo = base;
-    if (o.tp_in_ep > 0 && options[i] != EpOption::kHybrid) eo.tp_in_ep = 1;
-    return OptionRun::Start(*comm, o, model, options[i], eo, pool, &results[i]);
+    return OptionRun::Start(*comm, o, model, options[i], base, pool, &results[i]);
   };
   auto step = [&](size_t i, OptionRun& run, int s) -> Status {
     EPMOE_RETURN_IF_ERROR(run.Step(s, inputs, references, /*settle=*/o.interleave));
