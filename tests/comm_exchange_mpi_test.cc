@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <thread>
@@ -415,6 +416,65 @@ TEST(Comm, MissingPeerAtWindowCreateAndCloseIsNamed) {
     EXPECT_EQ((*window)->Close().code(), StatusCode::kUnavailable);
   }
   ASSERT_TRUE(world->Barrier().ok());
+}
+
+// Creating a communicator, splitting one, and creating and closing a window are MPI collectives
+// without a time limit, entered only after every rank agreed to. Rank 0 comes 1.2 s late to each
+// in turn, against a 0.4 s limit: every other rank gives up naming rank 0, and rank 0, arriving
+// after they gave up, returns naming them instead of entering a collective nobody else enters
+// (before, it hung there). Each is followed by a world barrier: the job stays usable for the test.
+TEST(Comm, LatePeerAtCreationSplitAndWindowsIsNamedNotAHang) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  const int me = world->rank();
+  constexpr double kLimit = 0.4;
+  constexpr auto kLate = std::chrono::milliseconds(1200);
+  const auto seconds_since = [](std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  // Runs `step` with rank 0 late and checks every rank's error: the others name rank 0 (or, when
+  // one of them was itself descheduled past the limit, the ranks that gave up), rank 0 names the
+  // ranks that gave up; nobody waits for the late rank.
+  const auto expect_named = [&](const std::string& what, const std::function<Status()>& step) {
+    SCOPED_TRACE(what);
+    if (me == 0) std::this_thread::sleep_for(kLate);
+    const auto start = std::chrono::steady_clock::now();
+    const Status status = step();
+    const double waited = seconds_since(start);
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": " + what), std::string::npos)
+        << status.message();
+    if (me == 0) {
+      EXPECT_NE(status.message().find("gave up"), std::string::npos) << status.message();
+      // Rank 1 is among the ranks named first (each names the ranks that gave up, in order).
+      EXPECT_TRUE(status.message().find("rank 1 gave up") != std::string::npos ||
+                  status.message().find("ranks 1, ") != std::string::npos)
+          << status.message();
+      EXPECT_LT(waited, 0.5);  // the others' decisions were waiting for it
+    } else {
+      EXPECT_TRUE(NamesRankZeroFirst(status.message()) || status.message().find("gave up") != std::string::npos)
+          << status.message();
+      EXPECT_LT(waited, 1.1);  // gave up before rank 0 came
+    }
+    EXPECT_NE(status.message().find("was not entered"), std::string::npos) << status.message();
+    ASSERT_TRUE(world->Barrier().ok());
+  };
+
+  CommOptions impatient_options;
+  impatient_options.timeout_seconds = kLimit;
+  expect_named("world communicator creation", [&] { return WorldCommunicator(impatient_options).status(); });
+
+  auto impatient = World(0, kLimit);
+  expect_named("split", [&] { return impatient->Split(me % 2, me).status(); });
+  expect_named("window creation", [&] { return impatient->AllocateWindow(64).status(); });
+
+  // The same communicator still creates a window when every rank comes: each agreement's messages
+  // were all matched, the late rank's included.
+  auto window = impatient->AllocateWindow(64);
+  ASSERT_TRUE(window.ok()) << window.status().ToString();
+  ASSERT_TRUE(world->Barrier().ok());
+  expect_named("window close", [&] { return (*window)->Close(); });
+  EXPECT_NE((*window)->local(), nullptr);  // abandoned, not freed, on every rank
 }
 
 }  // namespace

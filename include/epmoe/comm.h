@@ -10,6 +10,18 @@
 // was still waiting for ("still waiting for ranks 0, 3"). After a timeout the exchange is
 // abandoned: a late peer may still write its receive buffers and read its send buffers, so they
 // must stay allocated until the job ends.
+//
+// Creating a communicator (WorldCommunicator, Split), allocating a Window and closing one run MPI
+// collectives that have no time limit. Each is entered only after every rank has agreed to enter it,
+// in two rounds of messages bounded by the timeout each: when a rank does not arrive in time, every
+// rank that did returns Unavailable naming it ("still waiting for rank 0"), and a rank that
+// arrives after its peers gave up returns Unavailable naming them ("ranks 1, 2 gave up waiting"),
+// instead of entering a collective the others never enter. After such an error nothing was
+// created or freed, and the job is expected to abort (Communicator::Abort or AbortJob): the
+// communicator it was called on (or, for WorldCommunicator, MPI_COMM_WORLD's agreement tags) may
+// still have messages in flight, so it must not be used for a retry. The one case left unbounded:
+// a rank that stalls for longer than the timeout between the two rounds may leave a peer inside the
+// collective, which the abort then ends.
 // A Communicator is used by one thread at a time (thread-compatible, not thread-safe); Requests and
 // Windows belong to the communicator that made them and must not outlive it.
 #pragma once
@@ -55,12 +67,13 @@ class Request {
 // all reads this rank started on this window. The owner writes its local() memory before a
 // Barrier and keeps it constant while others may read. Created and closed collectively.
 //
-// Close() ends it: every rank completes its reads, then waits (bounded by the timeout) until every
-// rank has arrived at Close, and only then is the memory freed (MPI_Win_free, collective and
-// unbounded in MPI, returns promptly once all have arrived). When a rank does not arrive in time,
-// Close returns Unavailable naming the ranks missing and abandons the window: its memory stays
-// allocated and exposed (a late peer may still read it) and is never freed; Get, Flush and Close
-// then fail with Unavailable, and the process is expected to abort the job (Communicator::Abort).
+// Close() ends it: every rank completes its reads, then agrees with every rank (bounded by the
+// timeout, see above) to free the memory, and only then is it freed (MPI_Win_free, collective and
+// unbounded in MPI, returns promptly once all have agreed). When a rank does not arrive in time,
+// Close returns Unavailable naming the ranks missing (on the late rank itself: naming the ranks
+// that gave up) and abandons the window: its memory stays allocated and exposed (a late peer may
+// still read it) and is never freed; Get, Flush and Close then fail with Unavailable, and the
+// process is expected to abort the job (Communicator::Abort).
 // Destroying a window that was not closed closes it as a last resort (errors dropped): call Close
 // to learn whether it worked.
 class Window {
@@ -126,13 +139,14 @@ class Communicator {
   virtual Result<double> AllreduceSum(double value) = 0;
 
   // Allocates `bytes` (may differ per rank) exposed for one-sided reads (collective; waits, bounded
-  // and naming the ranks missing, until every rank has arrived before MPI allocates).
+  // and naming the ranks missing, until every rank has agreed before MPI allocates).
   virtual Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) = 0;
   // Whether one thread may read a Window while another thread runs exchanges on this communicator
   // (the transport's thread support); without it one-sided reads cannot overlap other exchanges.
   virtual bool concurrent_windows() const = 0;
 
-  // Ranks with the same color form a new communicator, ordered by key (collective).
+  // Ranks with the same color form a new communicator, ordered by key (collective; bounded like
+  // AllocateWindow).
   virtual Result<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
 
   // Ends every rank of the job with this exit code (after an unrecoverable Unavailable).
@@ -152,7 +166,17 @@ std::vector<int64_t> PrefixOffsets(std::span<const int64_t> sizes);
 
 // The whole job (MPI_COMM_WORLD). Initializes MPI on first use when the program has not (a program
 // started without mpirun is a world of one rank); MPI is finalized at exit by the library when it
-// initialized it. Fails with Internal when MPI cannot start.
+// initialized it. Fails with Internal when MPI cannot start, and with Unavailable when a rank does
+// not arrive within options.timeout_seconds (see above; the agreement uses point-to-point messages
+// on MPI_COMM_WORLD with tags 32766 and 32767, which a program sharing MPI_COMM_WORLD must not
+// receive with MPI_ANY_TAG while ranks create a world communicator). Not bounded: MPI_Init itself
+// (Open MPI waits for every process of the job there), and MPI_Finalize at exit (Open MPI waits
+// for every process there as well); a job whose rank failed is ended by AbortJob.
 Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& options);
+
+// Ends every rank of the job with this exit code (MPI_Abort on MPI_COMM_WORLD when MPI is running,
+// else this process only). Needs no communicator, so a rank that gave up on a peer can end the job
+// without another collective (creating a communicator to call Abort would wait for the peers).
+[[noreturn]] void AbortJob(int exit_code);
 
 }  // namespace epmoe

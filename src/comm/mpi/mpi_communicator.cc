@@ -7,6 +7,11 @@
 // duplicate of the communicator, so that a timeout can say which ranks were not heard from. Only the
 // float reductions (reduce-scatter, allreduce of arrays) stay MPI collectives, whose algorithm the
 // library picks; their timeout cannot name a peer.
+//
+// MPI's communicator and window creation and MPI_Win_free are collectives with no nonblocking form
+// and no time limit. Every rank enters them only after an arrival agreement (AgreeToEnter): two
+// rounds of point-to-point messages, each bounded by the timeout, after which either every rank
+// enters the collective or none does.
 #include <mpi.h>
 
 #include <algorithm>
@@ -33,12 +38,18 @@ using Clock = std::chrono::steady_clock;
 // within a tag, so exchanges of one kind started in the same order on every rank stay apart, and a
 // rank that started a different kind of exchange than its peer times out instead of taking the
 // wrong bytes.
+// An arrival agreement (AgreeToEnter) uses its tag and the next one.
 constexpr int kAlltoallvTag = 1;
 constexpr int kAllgatherTag = 2;
 constexpr int kCountsTag = 3;
 constexpr int kBarrierTag = 4;
-constexpr int kWindowCloseTag = 5;
-constexpr int kWindowOpenTag = 6;
+constexpr int kWindowCloseTag = 5;  // and 6
+constexpr int kWindowOpenTag = 7;   // and 8
+constexpr int kSplitTag = 9;        // and 10
+// The agreement before the world communicator's own creation has no private communicator yet: it
+// runs on MPI_COMM_WORLD with these two tags (the MPI standard guarantees tags up to 32767), named
+// in comm.h.
+constexpr int kWorldCreationTag = 32766;  // and 32767
 
 std::string MpiErrorString(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -146,6 +157,9 @@ class MpiRequest : public Request {
     MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE);
     return done != 0;
   }
+  // Gives up on the unfinished messages without waiting (as a timeout does): the destructor then
+  // leaves them to the transport, whose buffers must stay allocated.
+  void Abandon() { timed_out_ = true; }
   // Marks the requests added so far as the receiving side (WaitReceived completes those).
   void MarkReceives() { receives_ = static_cast<ptrdiff_t>(requests_.size()); }
   // A new request slot; peer: the rank it waits for (-1: a collective). The slot stays valid until
@@ -228,11 +242,82 @@ Result<std::unique_ptr<MpiRequest>> StartNotifyAll(MPI_Comm messages, int rank, 
   return request;
 }
 
+// The buffers of an agreement's second round, which a late peer may still write after this rank
+// gave up: those of an abandoned round are kept until the process ends (a few bytes per rank).
+struct Decisions {
+  int mine = 0;             // 1: every rank arrived here in time; 0: this rank gave up
+  std::vector<int> theirs;  // each peer's decision; -1 until it lands
+};
+
+void KeepUntilExit(std::unique_ptr<Decisions> decisions) {
+  static auto* const kept = new std::vector<std::unique_ptr<Decisions>>();  // never destroyed: see above
+  kept->push_back(std::move(decisions));
+}
+
+// Bounds a collective that MPI cannot time out (communicator creation, window allocation and
+// MPI_Win_free): returns Ok only when every rank will enter it, and otherwise Unavailable naming
+// the ranks that were missing, without entering it. Two rounds of point-to-point messages on
+// `messages` (tags `tag` and `tag` + 1), each bounded by the timeout:
+//  1. arrival: an empty message to every other rank; complete once every other rank's has landed.
+//     A rank that times out here names the ranks it did not hear from.
+//  2. decision: every rank then sends every other whether its first round completed (1) or timed
+//     out (0), and enters the collective only when it receives 1 from every rank. So a rank that
+//     arrives after its peers gave up learns it from their 0 ("ranks 1, 2 gave up") instead of
+//     entering a collective they will never enter.
+// A rank sends its decision even after giving up, and posts its receives for both rounds, so
+// every rank that eventually gets here sends and receives exactly two messages per peer and the
+// next agreement on the same tags matches its own messages. Once every first round has completed,
+// each peer's decision is on its way within the timeout (a peer gives up at most that long after
+// it arrived, which was before this rank's first round completed), so the second round's bound
+// fails only when a peer stalls between its two messages for longer than the timeout. Then that
+// rank may enter while this one does not: the job must be aborted (Communicator::Abort or
+// AbortJob end ranks waiting inside MPI collectives). With no timeout (0) there is nothing to
+// bound: Ok at once.
+Status AgreeToEnter(MPI_Comm messages, int rank, int size, int tag, const std::string& what, const char* collective,
+                    double timeout_seconds) {
+  if (size == 1 || timeout_seconds <= 0) return Status::Ok();
+  EPMOE_ASSIGN_OR_RETURN(auto arrivals,
+                         StartNotifyAll(messages, rank, size, tag,
+                                        fmt::format("{} (every rank's arrival before {})", what, collective),
+                                        timeout_seconds));
+  const Status arrived = arrivals->Wait();
+  if (!arrived.ok() && arrived.code() != StatusCode::kUnavailable) return arrived;
+  auto decisions = std::make_unique<Decisions>();
+  decisions->mine = arrived.ok() ? 1 : 0;
+  decisions->theirs.assign(static_cast<size_t>(size), -1);
+  MpiRequest decided(fmt::format("{} (every rank's decision to enter {})", what, collective), rank, timeout_seconds);
+  const Status posted = PostMessages(
+      messages, rank, size, tag + 1, decided,
+      [&](int peer) { return Block{&decisions->theirs[peer], static_cast<int>(sizeof(int)), true}; },
+      [&](int) { return Block{&decisions->mine, static_cast<int>(sizeof(int)), true}; });
+  if (!arrived.ok() || !posted.ok()) {
+    decided.Abandon();
+    KeepUntilExit(std::move(decisions));
+    if (!arrived.ok()) return Unavailable(fmt::format("{}; {} was not entered", arrived.message(), collective));
+    return posted;
+  }
+  const Status heard = decided.Wait();
+  if (!heard.ok()) {
+    KeepUntilExit(std::move(decisions));
+    if (heard.code() != StatusCode::kUnavailable) return heard;
+    return Unavailable(fmt::format("{}; {} was not entered", heard.message(), collective));
+  }
+  std::vector<int> gave_up;
+  for (int r = 0; r < size; ++r)
+    if (r != rank && decisions->theirs[r] != 1) gave_up.push_back(r);
+  if (gave_up.empty()) return Status::Ok();
+  return Unavailable(fmt::format(
+      "rank {}: {}: rank{} {} gave up waiting for every rank to arrive (this rank or another came later than their "
+      "{} s limit, or stopped); {} was not entered (--comm-timeout raises the limit)",
+      rank, what, gave_up.size() == 1 ? "" : "s", fmt::join(gave_up, ", "), timeout_seconds, collective));
+}
+
 // A window of MPI_Win_allocate(_shared) in a passive-target epoch (lock_all) from creation to
-// Close. Close completes this rank's reads, waits (bounded, peer-naming) until every rank has
-// arrived at Close, and only then calls MPI_Win_free, which is collective and unbounded: once every
-// rank has arrived it returns promptly. A window whose reads or close timed out is abandoned: it
-// stays allocated and exposed, and nothing waits on it again.
+// Close. Close completes this rank's reads, agrees with every rank to free it (AgreeToEnter:
+// bounded, peer-naming) and only then calls MPI_Win_free, which is collective and unbounded: once
+// every rank has agreed it returns promptly. A window whose reads or close timed out, or whose
+// peers gave up on its close, is abandoned: it stays allocated and exposed, and nothing waits on it
+// again.
 class MpiWindow : public Window {
  public:
   MpiWindow(MPI_Win window, void* base, int64_t bytes, MPI_Comm messages, int rank, int size, double timeout_seconds)
@@ -283,10 +368,8 @@ class MpiWindow : public Window {
     EPMOE_RETURN_IF_ERROR(Flush());
     // Nobody frees the window while a peer may still read from it: every rank completes its reads
     // before it announces its arrival here.
-    EPMOE_ASSIGN_OR_RETURN(auto arrived, StartNotifyAll(messages_, rank_, size_, kWindowCloseTag,
-                                                        "window close (every rank's arrival before MPI_Win_free)",
-                                                        timeout_seconds_));
-    const Status status = arrived->Wait();
+    const Status status =
+        AgreeToEnter(messages_, rank_, size_, kWindowCloseTag, "window close", "MPI_Win_free", timeout_seconds_);
     if (!status.ok()) {
       state_ = State::kAbandoned;
       if (status.code() != StatusCode::kUnavailable) return status;
@@ -489,12 +572,10 @@ class MpiCommunicator : public Communicator {
 
   Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override {
     if (bytes < 0) return InvalidArgument(fmt::format("rank {}: window of {} bytes", rank_, bytes));
-    // MPI_Win_allocate is collective and waits without limit: enter it only once every rank has
-    // arrived (bounded, naming the ranks missing).
-    EPMOE_ASSIGN_OR_RETURN(auto arrived, StartNotifyAll(messages_, rank_, size_, kWindowOpenTag,
-                                                        "window creation (every rank's arrival before MPI_Win_allocate)",
-                                                        options_.timeout_seconds));
-    EPMOE_RETURN_IF_ERROR(arrived->Wait());
+    // MPI_Comm_split_type and MPI_Win_allocate are collective and wait without limit: enter them
+    // only once every rank has agreed to (bounded, naming the ranks missing).
+    EPMOE_RETURN_IF_ERROR(AgreeToEnter(messages_, rank_, size_, kWindowOpenTag, "window creation",
+                                       "MPI_Win_allocate", options_.timeout_seconds));
     void* base = nullptr;
     MPI_Win window = MPI_WIN_NULL;
     // When every member shares this node's memory, a shared-memory window makes a read a plain copy
@@ -522,6 +603,10 @@ class MpiCommunicator : public Communicator {
   }
 
   Result<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    // MPI_Comm_split, the all-gather of nodes and Create's MPI_Comm_dup are collectives without a
+    // time limit: enter them only once every rank has agreed to (bounded, naming the ranks missing).
+    EPMOE_RETURN_IF_ERROR(
+        AgreeToEnter(messages_, rank_, size_, kSplitTag, "split", "MPI_Comm_split", options_.timeout_seconds));
     MPI_Comm sub = MPI_COMM_NULL;
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", rank_));
     int sub_size = 0;
@@ -602,6 +687,14 @@ void FinalizeMpiAtExit() {
 
 }  // namespace
 
+void AbortJob(int exit_code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
+}
+
 Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& options) {
   if (options.ranks_per_node < 0)
     return InvalidArgument(fmt::format("ranks per node must not be negative, got {}", options.ranks_per_node));
@@ -620,6 +713,10 @@ Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& optio
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
+  // MPI_Comm_split_type, the node all-gathers and Create's MPI_Comm_dup are collectives without a
+  // time limit: enter them only once every rank has agreed to (bounded, naming the ranks missing).
+  EPMOE_RETURN_IF_ERROR(AgreeToEnter(MPI_COMM_WORLD, rank, size, kWorldCreationTag, "world communicator creation",
+                                     "MPI_Comm_split_type / MPI_Comm_dup", options.timeout_seconds));
   std::vector<int> nodes(size);
   if (options.ranks_per_node > 0) {
     for (int r = 0; r < size; ++r) nodes[r] = r / options.ranks_per_node;
