@@ -75,6 +75,16 @@ TEST(EpRunCli, TwoRanksUnderMpirun) {
     EXPECT_NE(text.out.find(name), std::string::npos) << name;
 }
 
+TEST(EpRunCli, RunsTheListedOptionsInTheirOrder) {
+  const CommandRun run = Shell(Binary() + " run --option dwdp,sliced --check --format json" + kSmall, false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  ASSERT_EQ(j["options"].size(), 2u);
+  EXPECT_EQ(j["options"][0]["option"], "dwdp");
+  EXPECT_EQ(j["options"][1]["option"], "sliced");
+  for (const auto& o : j["options"]) EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2);
+}
+
 TEST(EpRunCli, RefusesWithOneLineReasons) {
   // q8 rows need a hidden size that is a multiple of 32.
   CommandRun run = Shell(Binary() + " run --option a2a --dispatch-format q8 --hidden 48 --intermediate 32", true);
@@ -90,6 +100,16 @@ TEST(EpRunCli, RefusesWithOneLineReasons) {
   EXPECT_EQ(refused, 0);  // a2a and dwdp copy the shared expert whatever --shared says
   run = Shell(Binary() + " run --option sideways", true);
   EXPECT_NE(run.exit_code, 0);
+  run = Shell(Binary() + " run --option a2a,a2a", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("listed twice"), std::string::npos) << run.out;
+  run = Shell(Binary() + " run --option all,a2a", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("all cannot be listed"), std::string::npos) << run.out;
+  // A listed option that cannot run for the shape fails the command (all would skip it).
+  run = Shell(Binary() + " run --option dwdp,a2a --dispatch-format q8 --hidden 48 --intermediate 32", true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("multiple of 32"), std::string::npos) << run.out;
   run = Shell(Binary() + " run --tokens -3", true);
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.out.find("must not be negative"), std::string::npos) << run.out;

@@ -28,7 +28,7 @@ namespace {
 
 struct RunOptions {
   std::string model = "qwen3-30b-a3b";
-  std::string option = "a2a";
+  std::vector<std::string> options = {"a2a"};  // in the order given; "all" alone for every option
   int64_t tokens = 64;
   int steps = 5;
   int layers = 2;
@@ -429,22 +429,28 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   base.seed = o.seed;
 
   std::vector<EpOption> options;
-  if (o.option == "all") {
+  const bool all = o.options.size() == 1 && o.options[0] == "all";
+  if (all) {
     options = AllEpOptions();
   } else {
-    EPMOE_ASSIGN_OR_RETURN(EpOption one, ParseEpOption(o.option));
-    options.push_back(one);
+    for (const std::string& name : o.options) {
+      if (name == "all") return InvalidArgument("--option: all cannot be listed with other options");
+      EPMOE_ASSIGN_OR_RETURN(EpOption one, ParseEpOption(name));
+      if (std::find(options.begin(), options.end(), one) != options.end())
+        return InvalidArgument(fmt::format("--option: {} is listed twice", name));
+      options.push_back(one);
+    }
   }
   if (o.eplb.enabled || !o.eplb.metrics_file.empty()) {
     EPMOE_ASSIGN_OR_RETURN(base.placement, EplbInitialPlacement(o.eplb, model, o.layers, *comm, options));
   }
-  // Refuse what cannot run, before any work: one option fails the command, `all` skips it.
+  // Refuse what cannot run, before any work: a named option fails the command, `all` skips it.
   std::vector<OptionResult> results(options.size());
   for (size_t i = 0; i < options.size(); ++i) {
     results[i].name = EpOptionName(options[i]);
     const Status fits = CheckExecutorShape(model, OptionExecutorOptions(base, o, options[i], g), g);
     if (!fits.ok()) {
-      if (options.size() == 1) return fits;
+      if (!all) return fits;
       results[i].refused = fits.message();
     }
   }
@@ -473,15 +479,18 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   };
   if (o.interleave) {
     // Every option's executor at once; step s of each option in turn, so drift of a shared machine
-    // (memory or cores taken by others for seconds) falls on all options alike.
+    // (memory or cores taken by others for seconds) falls on all options alike. Step s starts at
+    // option s mod n, so every option runs equally often in every place of the round.
     std::vector<std::unique_ptr<OptionRun>> runs(options.size());
     for (size_t i = 0; i < options.size(); ++i) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(runs[i], start(i));
     }
     for (int s = 0; s < inputs.steps(); ++s)
-      for (size_t i = 0; i < options.size(); ++i)
+      for (size_t j = 0; j < options.size(); ++j) {
+        const size_t i = (static_cast<size_t>(s) + j) % options.size();
         if (runs[i]) EPMOE_RETURN_IF_ERROR(step(i, *runs[i], s));
+      }
     for (auto& run : runs)
       if (run) EPMOE_RETURN_IF_ERROR(run->Finish(inputs.steps()));
   } else {
@@ -598,7 +607,8 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
       "run", "Run MoE layers across MPI ranks (start under mpirun) with one option or all of them side by side");
   cmd->add_option("--model", o->model, "Model preset name or .json path")->capture_default_str();
-  cmd->add_option("--option", o->option, "How rows meet experts")
+  cmd->add_option("--option", o->options, "How rows meet experts: one, several comma separated (run in that order), or all")
+      ->delimiter(',')
       ->check(CLI::IsMember({"sliced", "whole", "hybrid", "a2a", "dwdp", "all"}))
       ->capture_default_str();
   cmd->add_option("--tokens,-t", o->tokens, "Rows per step over all ranks (T)")
