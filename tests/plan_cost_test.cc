@@ -122,6 +122,34 @@ TEST(PlanCostTest, HandPricedTinyModel) {
   EXPECT_NEAR(rows.copies_per_row, 0.5, 1e-12);  // (G-1)/G x sum of coverage = 1/2 x 1
 }
 
+TEST(PlanCostTest, Fp32PartialSumsPriceOutputsAndReduceScatterAtFourBytes) {
+  // The tiny model of HandPricedTinyModel on a runtime whose pick outputs and partial sums are fp32
+  // (epmoe's CPU executors): a pick moves its fp32 input (64 B) and its fp32 output written and read
+  // (2 x 64 B) = 192 B; the all-gather still moves bf16 rows, the reduce-scatter fp32 partials.
+  const ModelConfig m = TinyModel(2);
+  EXPECT_EQ(PickRowBytes(m, WeightFormat::kFp32, 4), 192);
+  ExpertLoad trace(1, 1, 4, 2);
+  trace.rows[0] = 2;
+  trace.at(0, 0)[0] = 2;
+  trace.at(0, 0)[1] = 2;
+  PlanConfig config;
+  config.batches = {2};
+  config.gpus = {2};
+  config.options = {PlanOption::kSliced, PlanOption::kTravelingRows};
+  config.formats = {WeightFormat::kFp32, WeightFormat::kFp32, WeightFormat::kFp32};
+  config.samples = 1;
+  HardwareProfile hw = UnitProfile();
+  hw.partial_sum_bytes = 4;
+  const PlanResult r = Plan(m, hw, config, &trace);
+  // Sliced: 5 + 2 x 1,536 + 4 picks x 192 B = 3,845 us; all-gather 32 B, reduce-scatter 64 B, + 2 x 10.
+  const OptionCost& sliced = Find(r, PlanOption::kSliced, 2, 2);
+  EXPECT_NEAR(sliced.rows_us, 768, 1e-6);
+  EXPECT_NEAR(sliced.kernel_us, 3845, 1e-6);
+  EXPECT_NEAR(sliced.comm_us, 116, 1e-6);
+  // Traveling rows come back weighted in bf16 whatever the partial sums: the comm of the bf16 case.
+  EXPECT_NEAR(Find(r, PlanOption::kTravelingRows, 2, 2).comm_us, 84, 1e-6);
+}
+
 TEST(PlanCostTest, MoreBytesNeverFaster) {
   const ModelConfig m = Preset("glm-5.3");
   PlanConfig config;

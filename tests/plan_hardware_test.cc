@@ -140,6 +140,24 @@ TEST(PlanHardwareTest, CopyRateIsOptional) {
   EXPECT_EQ(json::parse(HardwareToJson(*measured))["memory"]["copy_gbs"], 12.5);
 }
 
+// Pick outputs and partial sums are bf16 unless the profile says fp32; anything else is refused.
+TEST(PlanHardwareTest, PartialSumsAreBf16UnlessSaid) {
+  json j = B300();
+  ASSERT_FALSE(j.contains("partial_sums"));
+  auto plain = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_EQ(plain->partial_sum_bytes, 2);
+  j["partial_sums"] = "fp32";
+  auto fp32 = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(fp32.ok()) << fp32.status().message();
+  EXPECT_EQ(fp32->partial_sum_bytes, 4);
+  EXPECT_EQ(json::parse(HardwareToJson(*fp32))["partial_sums"], "fp32");
+  j["partial_sums"] = "fp16";
+  ExpectRefused(j, {"partial_sums", "fp16"});
+  j["partial_sums"] = 4;
+  ExpectRefused(j, {"partial_sums"});
+}
+
 // One-sided reads (DWDP) get their own share of the link when measured, and collectives' otherwise.
 TEST(PlanHardwareTest, OneSidedEfficiencyIsOptional) {
   json j = B300();

@@ -25,6 +25,10 @@
 //   intra_node, inter_node: {bandwidth_gbs, efficiency, latency_us}
 //                                         per rank and direction; latency_us = fixed cost of one
 //                                         collective step (launch + synchronization), not wire time
+//   partial_sums (optional)               "bf16" (default) or "fp32": the format of the runtime's
+//                                         expert outputs per pick and of the partial sums the
+//                                         all-gather options reduce-scatter: bf16 in GPU runtimes
+//                                         (SGLang), fp32 in epmoe's CPU executors
 //   kernel_lines (optional): [{format, fixed_us, us_per_gb, source, sliced_extra_us (optional)}]
 //                                         a measured line "time = fixed + us_per_gb x GB read" for
 //                                         experts stored in `format`; it replaces the bandwidth
@@ -86,6 +90,7 @@ struct HardwareProfile {
   double arithmetic_efficiency = 0;
   double gemm_efficiency = 0;
   double kernel_fixed_us = 0;
+  int partial_sum_bytes = 2;  // bytes per number of pick outputs and partial sums: 2 (bf16) or 4 (fp32)
   LinkSpec intra_node;
   LinkSpec inter_node;
   std::vector<KernelLine> kernel_lines;

@@ -57,9 +57,9 @@ double CopiesSentPerRow(const ModelConfig& model, int gpus);
 int64_t RowBytes(const ModelConfig& model, RowFormat format);   // bf16: 2d; fp4: d/2 + d/16
 // Memory traffic of one pick through an expert kernel (or a slice of one), weights aside: its input
 // row in the activation format the format's kernel takes (fp32 4 bytes, bf16 2, int8 1, nvfp4
-// d/2 + d/16, mxfp4 d/2 + d/32) plus its bf16 output row, written by the kernel and read by the
-// combine (4d).
-int64_t PickRowBytes(const ModelConfig& model, WeightFormat experts);
+// d/2 + d/16, mxfp4 d/2 + d/32) plus its output row, written by the kernel and read by the combine
+// (2 x d x output_bytes: 4d in bf16, 8d in fp32; HardwareProfile::partial_sum_bytes).
+int64_t PickRowBytes(const ModelConfig& model, WeightFormat experts, int output_bytes = 2);
 // All-to-all bytes per token per layer: dispatch + combine of k copies, 2 x k x hidden x bytes.
 int64_t AllToAllBytesPerToken(const ModelConfig& model, int bytes_per_number);
 

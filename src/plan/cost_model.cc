@@ -220,8 +220,9 @@ double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows,
         rates, /*gemm=*/true);
   double comm = 0;
   if (sliced && gpus > 1) {
-    const double bytes = rows_per_rank * (gpus - 1) * RowBytes(c.model, RowFormat::kBf16);
-    comm = 2 * CollectiveLatencyUs(c.hw, gpus) + 2 * TransferUs(c.hw, gpus, bytes);
+    const double gathered = rows_per_rank * (gpus - 1) * RowBytes(c.model, RowFormat::kBf16);
+    const double reduced = rows_per_rank * (gpus - 1) * c.model.hidden * c.hw.partial_sum_bytes;
+    comm = 2 * CollectiveLatencyUs(c.hw, gpus) + TransferUs(c.hw, gpus, gathered) + TransferUs(c.hw, gpus, reduced);
   }
   return k.total() + comm;
 }
@@ -250,7 +251,8 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   if (option == PlanOption::kSliced || option == PlanOption::kHybrid) fixed += rates.SlicedExtraUs(c.config.formats.experts);
   // Every pick moves its row through the kernel, however narrow the slice: the input row in the
   // kernel's activation format, the output row written and read back by the combine.
-  const double row_us = static_cast<double>(PickRowBytes(c.model, c.config.formats.experts)) * rates.UsPerMemoryByte();
+  const double row_us =
+      static_cast<double>(PickRowBytes(c.model, c.config.formats.experts, c.hw.partial_sum_bytes)) * rates.UsPerMemoryByte();
   for (auto& k : per_rank) {
     k.fixed = fixed;
     k.rows = k.picks * row_us;
@@ -276,9 +278,12 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   if (option != PlanOption::kSliced && picks_max > 0) cost.balancedness = picks_sum / gpus / picks_max;
 
   // Rows travel quantized only with traveling rows (the a2a path); the all-gather moves 16-bit rows.
+  // Traveling rows come back weighted in bf16; the all-gather options reduce-scatter partial sums.
   const double out_row = static_cast<double>(
       RowBytes(c.model, option == PlanOption::kTravelingRows ? c.config.rows : RowFormat::kBf16));
-  const double back_row = static_cast<double>(RowBytes(c.model, RowFormat::kBf16));
+  const double back_row = option == PlanOption::kTravelingRows
+                              ? static_cast<double>(RowBytes(c.model, RowFormat::kBf16))
+                              : static_cast<double>(c.model.hidden) * c.hw.partial_sum_bytes;
   const double latency = CollectiveLatencyUs(c.hw, gpus);
   switch (option) {
     case PlanOption::kSliced:

@@ -60,7 +60,7 @@ int64_t RowBytes(const ModelConfig& m, RowFormat format) {
   return m.hidden / 2 + m.hidden / 16;  // 4-bit values + one 1-byte scale per 16 (NVFP4)
 }
 
-int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts) {
+int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts, int output_bytes) {
   const int64_t d = m.hidden;
   int64_t input = 0;
   switch (experts) {
@@ -70,7 +70,7 @@ int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts) {
     case WeightFormat::kNvfp4: input = RowBytes(m, RowFormat::kFp4); break;  // an NVFP4 row, as rows travel
     case WeightFormat::kMxfp4: input = d / 2 + (d + 31) / 32; break;
   }
-  return input + 2 * RowBytes(m, RowFormat::kBf16);
+  return input + 2LL * output_bytes * d;
 }
 
 int64_t AllToAllBytesPerToken(const ModelConfig& m, int bytes_per_number) {

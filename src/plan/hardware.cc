@@ -127,6 +127,9 @@ Status ValidateHardware(const HardwareProfile& p, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Fraction(source, "arithmetic_efficiency", p.arithmetic_efficiency));
   EPMOE_RETURN_IF_ERROR(Fraction(source, "gemm_efficiency", p.gemm_efficiency));
   EPMOE_RETURN_IF_ERROR(NonNegative(source, "kernel_fixed_us", p.kernel_fixed_us));
+  if (p.partial_sum_bytes != 2 && p.partial_sum_bytes != 4)
+    return InvalidArgument(fmt::format("{}: field 'partial_sums' must be bf16 or fp32 (2 or 4 bytes), got {} bytes",
+                                       source, p.partial_sum_bytes));
   EPMOE_RETURN_IF_ERROR(ValidateLink(source, "intra_node", p.intra_node));
   EPMOE_RETURN_IF_ERROR(ValidateLink(source, "inter_node", p.inter_node));
   for (size_t i = 0; i < p.kernel_lines.size(); ++i) {
@@ -153,7 +156,7 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j, source, "",
                                        {"name", "description", "sources", "gpus_per_node", "ranks_share_device",
                                         "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us",
-                                        "intra_node", "inter_node", "kernel_lines"}));
+                                        "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
   HardwareProfile p;
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "name", &p.name));
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "description", &p.description));
@@ -189,6 +192,12 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "arithmetic_efficiency", &p.arithmetic_efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "gemm_efficiency", &p.gemm_efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "kernel_fixed_us", &p.kernel_fixed_us));
+  if (auto partial = j.find("partial_sums"); partial != j.end()) {
+    if (!partial->is_string() || (*partial != "bf16" && *partial != "fp32"))
+      return InvalidArgument(fmt::format("{}: field 'partial_sums' must be \"bf16\" or \"fp32\", got {}", source,
+                                         partial->dump()));
+    p.partial_sum_bytes = *partial == "fp32" ? 4 : 2;
+  }
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "intra_node", &p.intra_node));
   EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["intra_node"], source, "intra_node.",
                                        {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency"}));
@@ -247,6 +256,7 @@ std::string HardwareToJson(const HardwareProfile& p) {
             {"intra_node", link(p.intra_node)},
             {"inter_node", link(p.inter_node)}};
   if (!p.kernel_lines.empty()) j["kernel_lines"] = lines;
+  if (p.partial_sum_bytes != 2) j["partial_sums"] = "fp32";
   return j.dump(2);
 }
 

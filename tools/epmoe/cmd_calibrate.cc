@@ -121,6 +121,11 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   if (lines > 0) p->memory_read_efficiency = std::clamp(read_efficiency / lines, 0.05, 1.0);
   if (points > 0) p->arithmetic_efficiency = std::clamp(arithmetic_efficiency / points, 0.01, 1.0);
   if (!p->kernel_lines.empty()) p->kernel_fixed_us = p->kernel_lines.front().fixed_us;
+  // The profile prices epmoe's own executors, which write each pick's output and sum partials in fp32.
+  p->partial_sum_bytes = 4;
+  p->sources.push_back(
+      "partial_sums fp32: epmoe's CPU executors write each pick's output and reduce-scatter the partial sums in fp32 "
+      "(src/ep)");
   p->sources.push_back(fmt::format(
       "read_efficiency {:.2f}: mean of the kernel lines' read rate over the measured bandwidth; arithmetic_efficiency "
       "{:.2f}: mean kernel G operations/s at {} tokens over the path's peak",
