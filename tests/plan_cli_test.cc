@@ -107,6 +107,49 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
   EXPECT_NE(other.out.find("--gpus 8 --batch 64"), std::string::npos) << other.out;
 }
 
+TEST(PlanCliTest, SeveralMeasuredRunsPoolTheirSteps) {
+  // Run A favours a2a over whole in all 6 steps, run B (the options in the other order) whole in all
+  // 6: pooled, a2a is faster in 6 of 12 paired steps, which separates nothing; each option's measured
+  // time is the median of its 12 steps.
+  const std::string a = ::testing::TempDir() + "plan_cli_pool_a.json";
+  const std::string b = ::testing::TempDir() + "plan_cli_pool_b.json";
+  const std::string other = ::testing::TempDir() + "plan_cli_pool_other.json";
+  auto write = [](const std::string& path, int ranks, const char* options) {
+    std::ofstream out(path);
+    out << R"({"ranks": )" << ranks << R"(, "tokens": 64, "layers": 1, "interleaved": true, "options": [)" << options
+        << "]}";
+  };
+  write(a, 8,
+        R"({"option": "whole", "step_ms_median": 5, "step_ms": [5, 5, 5, 5, 5, 5]},)"
+        R"({"option": "a2a", "step_ms_median": 4, "step_ms": [4, 4, 4, 4, 4, 4]})");
+  write(b, 8,
+        R"({"option": "a2a", "step_ms_median": 5, "step_ms": [5, 5, 5, 5, 5, 5]},)"
+        R"({"option": "whole", "step_ms_median": 4, "step_ms": [4, 4, 4, 4, 4, 4]})");
+  write(other, 4, R"({"option": "a2a", "step_ms_median": 5, "step_ms": [5, 5]})");
+  const std::string plan = "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured ";
+  CommandRun run = Epmoe(plan + a);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  auto j = nlohmann::json::parse(run.out)["calibration_check"];
+  ASSERT_EQ(j["pairs"].size(), 1u);
+  EXPECT_TRUE(j["pairs"][0]["separated"].get<bool>());  // one run alone: 6 of 6
+  run = Epmoe(plan + a + "," + b);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  j = nlohmann::json::parse(run.out)["calibration_check"];
+  ASSERT_EQ(j["pairs"].size(), 1u);
+  EXPECT_EQ(j["pairs"][0]["steps"], 12);
+  EXPECT_EQ(j["pairs"][0]["steps_faster"], 6);
+  EXPECT_FALSE(j["pairs"][0]["separated"].get<bool>());
+  for (const auto& o : j["options"]) {
+    EXPECT_EQ(o["steps"], 12);
+    EXPECT_DOUBLE_EQ(o["measured_us_per_layer"].get<double>(), 4500.0);
+  }
+  EXPECT_EQ(j["runs"].size(), 2u);
+  // Runs of different shapes are not pooled.
+  run = Epmoe(plan + a + "," + other);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("compare runs of one shape"), std::string::npos) << run.out;
+}
+
 TEST(PlanCliTest, MeasuredOrderIsJudgedOnPairsTheStepsSeparate) {
   // 6 paired steps: a2a beats sliced in all 6 (sign test p = 1/64, separated); dwdp beats a2a in 4
   // of 6 (p = 0.34, not separated, so the plan's order of that pair is not judged).

@@ -50,7 +50,7 @@ struct PlanFlags {
   int redundant = 0;
   std::string format = "text";
   std::string plot;
-  std::string measured;
+  std::vector<std::string> measured;
 };
 
 // Options the model prices within this fraction of each other are predicted equal: it does not
@@ -64,43 +64,76 @@ double SignTestP(int wins, int n) {
   return p;
 }
 
-// `epmoe run --format json` output against the plan: measured and predicted time per MoE layer for
-// each option both have, and whether the orders agree. The run's steps pair the options (step s of
-// every option ran on the same rows; with --interleave also back to back), so a pair's measured order
-// counts as established when one option was faster in so many steps that a coin would do that with
-// probability <= 5% (sign test); pairs the measurement does not separate are reported, not judged.
-Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out) {
-  EPMOE_ASSIGN_OR_RETURN(const json run, ReadRunReport(path));
-  for (const char* field : {"ranks", "tokens", "layers"})
-    if (!run.contains(field)) return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
-  const int ranks = run["ranks"].get<int>();
-  const int64_t tokens = run["tokens"].get<int64_t>();
-  const int layers = run["layers"].get<int>();
-  if (layers < 1) return InvalidArgument(fmt::format("{}: field 'layers' must be positive", path));
+// `epmoe run --format json` output of one or more runs against the plan: measured and predicted time
+// per MoE layer for each option they have, and whether the orders agree. A run's steps pair the
+// options (step s of every option ran on the same rows; with --interleave also back to back), so a
+// pair's measured order counts as established when one option was faster in so many of the paired
+// steps of all runs that a coin would do that with probability <= 5% (sign test); pairs the
+// measurement does not separate are reported, not judged. Several runs (e.g. the options listed in
+// opposite orders) pool their steps: where an option's weights sit in memory depends on when the run
+// allocated them, which favours some options by a few percent within one run.
+Status CompareWithRuns(const PlanResult& plan, const std::vector<std::string>& paths, json* out) {
   // The run's option names and the planner's.
   const std::pair<const char*, PlanOption> names[] = {{"sliced", PlanOption::kSliced},
                                                       {"whole", PlanOption::kWholeAllRows},
                                                       {"hybrid", PlanOption::kHybrid},
                                                       {"a2a", PlanOption::kTravelingRows},
                                                       {"dwdp", PlanOption::kTravelingWeights}};
+  constexpr int kOptions = std::size(names);
+  int ranks = 0, layers = 0;
+  int64_t tokens = 0;
+  bool interleaved = true;
+  // Per option, per run: its step times (empty when that run lacks the option), or its median alone
+  // when the run has no per-step times.
+  std::vector<std::vector<std::vector<double>>> steps(kOptions, std::vector<std::vector<double>>(paths.size()));
+  std::vector<bool> per_step(paths.size(), true);
+  for (size_t r = 0; r < paths.size(); ++r) {
+    const std::string& path = paths[r];
+    EPMOE_ASSIGN_OR_RETURN(const json run, ReadRunReport(path));
+    for (const char* field : {"ranks", "tokens", "layers"})
+      if (!run.contains(field)) return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
+    if (r == 0) {
+      ranks = run["ranks"].get<int>();
+      tokens = run["tokens"].get<int64_t>();
+      layers = run["layers"].get<int>();
+      if (layers < 1) return InvalidArgument(fmt::format("{}: field 'layers' must be positive", path));
+    } else if (run["ranks"].get<int>() != ranks || run["tokens"].get<int64_t>() != tokens || run["layers"].get<int>() != layers) {
+      return InvalidArgument(fmt::format("{}: {} ranks, {} tokens, {} layers; {} has {}, {}, {}: compare runs of one shape",
+                                         path, run["ranks"].get<int>(), run["tokens"].get<int64_t>(), run["layers"].get<int>(),
+                                         paths[0], ranks, tokens, layers));
+    }
+    interleaved = interleaved && run.value("interleaved", false);
+    for (const auto& measured : run["options"]) {
+      const std::string name = measured.value("option", "");
+      const auto it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return name == n.first; });
+      if (it == std::end(names) || !measured.contains("step_ms_median")) continue;
+      auto& times = steps[it - std::begin(names)][r];
+      if (measured.contains("step_ms")) {
+        times = measured["step_ms"].get<std::vector<double>>();
+      } else {
+        times = {measured["step_ms_median"].get<double>()};
+        per_step[r] = false;
+      }
+    }
+  }
   json rows = json::array();
-  std::vector<std::vector<double>> step_ms;  // per row of `rows`, empty when the run has no per-step times
-  for (const auto& measured : run["options"]) {
-    const std::string name = measured.value("option", "");
-    const auto it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return name == n.first; });
-    if (it == std::end(names) || !measured.contains("step_ms_median")) continue;
+  std::vector<int> row_option;  // index into names of each row of `rows`
+  for (int i = 0; i < kOptions; ++i) {
+    std::vector<double> pooled;
+    for (const auto& times : steps[i]) pooled.insert(pooled.end(), times.begin(), times.end());
+    if (pooled.empty()) continue;
     for (const auto& c : plan.costs) {
-      if (c.option != it->second || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
-      const double measured_us = measured["step_ms_median"].get<double>() * 1000.0 / layers;
-      rows.push_back({{"option", PlanOptionName(c.option)}, {"run_option", name}, {"measured_us_per_layer", measured_us},
-                      {"predicted_us_per_layer", c.layer_us}, {"predicted_over_measured", c.layer_us / measured_us}});
-      step_ms.push_back(measured.contains("step_ms") ? measured["step_ms"].get<std::vector<double>>()
-                                                     : std::vector<double>{});
+      if (c.option != names[i].second || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
+      const double measured_us = Median(pooled) * 1000.0 / layers;
+      rows.push_back({{"option", PlanOptionName(c.option)}, {"run_option", names[i].first}, {"measured_us_per_layer", measured_us},
+                      {"predicted_us_per_layer", c.layer_us}, {"predicted_over_measured", c.layer_us / measured_us},
+                      {"steps", pooled.size()}});
+      row_option.push_back(i);
     }
   }
   if (rows.empty())
     return InvalidArgument(fmt::format("{}: no option of the run ({} ranks, {} tokens) is in the plan: give --gpus {} --batch {}",
-                                       path, ranks, tokens, ranks, tokens));
+                                       paths[0], ranks, tokens, ranks, tokens));
   auto order = [&](const char* key) {
     std::vector<std::pair<double, std::string>> v;
     for (const auto& r : rows) v.emplace_back(r[key].get<double>(), r["option"].get<std::string>());
@@ -116,14 +149,20 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
   int separated = 0, agreeing = 0, separated_predicted_equal = 0;
   for (size_t a = 0; a < rows.size(); ++a) {
     for (size_t b = a + 1; b < rows.size(); ++b) {
-      const auto& ta = step_ms[a];
-      const auto& tb = step_ms[b];
-      if (ta.empty() || ta.size() != tb.size()) continue;
+      // Step s of option a against step s of option b, in every run that has both per step.
       int a_faster = 0, b_faster = 0;
-      for (size_t s = 0; s < ta.size(); ++s) {
-        a_faster += ta[s] < tb[s];
-        b_faster += tb[s] < ta[s];
+      bool paired = false;
+      for (size_t r = 0; r < paths.size(); ++r) {
+        const auto& ta = steps[row_option[a]][r];
+        const auto& tb = steps[row_option[b]][r];
+        if (!per_step[r] || ta.empty() || ta.size() != tb.size()) continue;
+        paired = true;
+        for (size_t s = 0; s < ta.size(); ++s) {
+          a_faster += ta[s] < tb[s];
+          b_faster += tb[s] < ta[s];
+        }
       }
+      if (!paired) continue;
       const int n = a_faster + b_faster;
       const bool a_first = a_faster >= b_faster;
       const double p = SignTestP(std::max(a_faster, b_faster), n);
@@ -148,8 +187,8 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
                                                                               : slow["option"]}});
     }
   }
-  *out = {{"run", path}, {"ranks", ranks}, {"tokens", tokens}, {"layers", layers}, {"options", rows},
-          {"interleaved", run.value("interleaved", false)},
+  *out = {{"runs", paths}, {"ranks", ranks}, {"tokens", tokens}, {"layers", layers}, {"options", rows},
+          {"interleaved", interleaved},
           {"measured_order", order("measured_us_per_layer")}, {"predicted_order", order("predicted_us_per_layer")},
           {"within_25_percent", within}, {"pairs", pairs}, {"pairs_separated", separated},
           {"pairs_separated_as_predicted", agreeing}, {"pairs_separated_predicted_equal", separated_predicted_equal}};
@@ -159,8 +198,9 @@ Status CompareWithRun(const PlanResult& plan, const std::string& path, json* out
 }
 
 void PrintComparison(const json& cmp) {
-  std::printf("\ncalibration check against %s (%d ranks, %lld tokens, %d layers): time per MoE layer\n",
-              cmp["run"].get<std::string>().c_str(), cmp["ranks"].get<int>(), static_cast<long long>(cmp["tokens"].get<int64_t>()),
+  std::string runs;
+  for (const auto& path : cmp["runs"]) runs += (runs.empty() ? "" : ", ") + path.get<std::string>();
+  std::printf("\ncalibration check against %s (%d ranks, %lld tokens, %d layers): time per MoE layer\n", runs.c_str(), cmp["ranks"].get<int>(), static_cast<long long>(cmp["tokens"].get<int64_t>()),
               cmp["layers"].get<int>());
   std::printf("  %-8s %14s %14s %10s\n", "option", "measured us", "predicted us", "pred/meas");
   for (const auto& r : cmp["options"])
@@ -478,7 +518,7 @@ int RunPlanCommand(const PlanFlags& f) {
       if (entry["gpus"].get<int>() == g) entry["copies_sent_per_row_trace_picks"] = c;
   json comparison;
   if (!f.measured.empty()) {
-    if (Status s = CompareWithRun(*result, f.measured, &comparison); !s.ok()) return ReportError(s);
+    if (Status s = CompareWithRuns(*result, f.measured, &comparison); !s.ok()) return ReportError(s);
   }
 
   if (!f.plot.empty()) {
@@ -557,7 +597,9 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   AddFormatOption(cmd, &f->format, {"text", "md", "csv", "json"});
   cmd->add_option("--measured", f->measured,
-                  "Compare with `epmoe run --option all --format json` output (same model shape, ranks, tokens)");
+                  "Compare with `epmoe run --option all --format json` output (same model shape, ranks, tokens); "
+                  "several runs, comma separated, pool their steps")
+      ->delimiter(',');
   cmd->add_option("--plot", f->plot, "Write an SVG: time against batch, copies per row and balancedness against GPUs");
   cmd->callback([f, exit_code] { *exit_code = RunPlanCommand(*f); });
 
