@@ -107,6 +107,45 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
   EXPECT_NE(other.out.find("--gpus 8 --batch 64"), std::string::npos) << other.out;
 }
 
+// `epmoe calibrate` measures this machine into a profile `plan` loads, and `calibrate --links`
+// under mpirun adds the links to it (small settings: one format, one thread, 1 MB all-gathers).
+TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
+  const std::string machine = ::testing::TempDir() + "plan_cli_calibrated.json";
+  const std::string linked = ::testing::TempDir() + "plan_cli_linked.json";
+  CommandRun run = Epmoe("calibrate --formats int8 --prefill-tokens 64 --threads 1 --out " + machine);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  std::ifstream in(machine);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["name"], "local");
+  EXPECT_TRUE(j["ranks_share_device"].get<bool>());
+  EXPECT_EQ(j["partial_sums"], "fp32");  // epmoe's executors sum in fp32
+  EXPECT_GT(j["memory"]["bandwidth_gbs"].get<double>(), 0.1);
+  EXPECT_GT(j["memory"]["copy_gbs"].get<double>(), 0.1);
+  ASSERT_EQ(j["kernel_lines"].size(), 1u);
+  EXPECT_EQ(j["kernel_lines"][0]["format"], "int8");
+  EXPECT_GT(j["kernel_lines"][0]["us_per_gb"].get<double>(), 0);
+  run = Epmoe(
+      "plan --model qwen3-30b-a3b --hardware " + machine + " --gpus 2 --batch 64 --weights int8 --samples 2 --format json");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+
+  run = epmoe::testing::RunCommand(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 2 " +
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --base " + machine + " --out " + linked);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  std::ifstream linked_in(linked);
+  const auto l = nlohmann::json::parse(linked_in);
+  EXPECT_EQ(l["kernel_lines"], j["kernel_lines"]);  // the machine part is kept
+  EXPECT_GT(l["intra_node"]["bandwidth_gbs"].get<double>(), 0);
+  EXPECT_GT(l["intra_node"]["one_sided_efficiency"].get<double>(), 0);
+  run = Epmoe("plan --model qwen3-30b-a3b --hardware " + linked + " --gpus 2 --batch 64 --weights int8 --samples 2");
+  EXPECT_EQ(run.exit_code, 0) << run.out;
+  // --links needs peers.
+  run = Epmoe("calibrate --links --base " + machine);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("at least 2 ranks"), std::string::npos) << run.out;
+}
+
 TEST(PlanCliTest, SeveralMeasuredRunsPoolTheirSteps) {
   // Run A favours a2a over whole in all 6 steps, run B (the options in the other order) whole in all
   // 6: pooled, a2a is faster in 6 of 12 paired steps, which separates nothing; each option's measured
