@@ -105,6 +105,23 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
       Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 16 --batch 64 --samples 2 --measured " + path);
   EXPECT_NE(other.exit_code, 0);
   EXPECT_NE(other.out.find("--gpus 8 --batch 64"), std::string::npos) << other.out;
+  // A run of another model shape or weight format is refused, naming the field; --hidden and
+  // --intermediate give the plan the run's shape.
+  const std::string scaled = ::testing::TempDir() + "plan_cli_scaled_run.json";
+  {
+    std::ofstream out(scaled);
+    out << R"({"ranks": 8, "tokens": 64, "layers": 2, "hidden": 1024, "expert_intermediate": 512, "num_experts": 256,)"
+        << R"( "top_k": 8, "weight_format": "nvfp4", "options": [{"option": "a2a", "step_ms_median": 0.5}]})";
+  }
+  const std::string plan = "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --measured " + scaled;
+  CommandRun refused = Epmoe(plan);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.out.find("hidden 1024"), std::string::npos) << refused.out;
+  refused = Epmoe(plan + " --hidden 1024 --intermediate 512 --weights bf16");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.out.find("nvfp4"), std::string::npos) << refused.out;
+  const CommandRun matched = Epmoe(plan + " --hidden 1024 --intermediate 512");
+  EXPECT_EQ(matched.exit_code, 0) << matched.out;
 }
 
 // `epmoe calibrate` measures this machine into a profile `plan` loads, and `calibrate --links`

@@ -30,6 +30,8 @@ using nlohmann::json;
 
 struct PlanFlags {
   std::string model;
+  int hidden = 0;        // overrides of the model's shape (0: keep), as `epmoe run` has them
+  int intermediate = 0;
   std::string hardware;
   std::string trace;
   std::string trace_format = "auto";
@@ -72,7 +74,8 @@ double SignTestP(int wins, int n) {
 // measurement does not separate are reported, not judged. Several runs (e.g. the options listed in
 // opposite orders) pool their steps: where an option's weights sit in memory depends on when the run
 // allocated them, which favours some options by a few percent within one run.
-Status CompareWithRuns(const PlanResult& plan, const std::vector<std::string>& paths, json* out) {
+Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightFormat experts,
+                       const std::vector<std::string>& paths, json* out) {
   // The run's option names and the planner's.
   const std::pair<const char*, PlanOption> names[] = {{"sliced", PlanOption::kSliced},
                                                       {"whole", PlanOption::kWholeAllRows},
@@ -102,6 +105,18 @@ Status CompareWithRuns(const PlanResult& plan, const std::vector<std::string>& p
                                          path, run["ranks"].get<int>(), run["tokens"].get<int64_t>(), run["layers"].get<int>(),
                                          paths[0], ranks, tokens, layers));
     }
+    // The run must have run the model and weights the plan prices.
+    const std::pair<const char*, int64_t> shape[] = {{"hidden", model.hidden},
+                                                     {"expert_intermediate", model.expert_intermediate},
+                                                     {"num_experts", model.num_experts},
+                                                     {"top_k", model.top_k}};
+    for (const auto& [field, planned] : shape)
+      if (run.contains(field) && run[field].get<int64_t>() != planned)
+        return InvalidArgument(fmt::format("{}: the run has {} {}, the plan's model {} (give --hidden/--intermediate as "
+                                           "the run had them)", path, field, run[field].get<int64_t>(), planned));
+    if (run.contains("weight_format") && run["weight_format"].get<std::string>() != WeightFormatName(experts))
+      return InvalidArgument(fmt::format("{}: the run's experts are {}, the plan's --weights {}", path,
+                                         run["weight_format"].get<std::string>(), WeightFormatName(experts)));
     interleaved = interleaved && run.value("interleaved", false);
     for (const auto& measured : run["options"]) {
       const std::string name = measured.value("option", "");
@@ -442,6 +457,8 @@ void PrintCsv(const PlanResult& r) {
 int RunPlanCommand(const PlanFlags& f) {
   auto model = LoadModel(f.model);
   if (!model.ok()) return ReportError(model.status());
+  *model = ScaledModel(*model, f.hidden, f.intermediate);
+  if (Status s = ValidateModel(*model, "--hidden/--intermediate"); !s.ok()) return ReportError(s);
   auto hardware = LoadHardware(f.hardware);
   if (!hardware.ok()) return ReportError(hardware.status());
   PlanConfig config;
@@ -518,7 +535,8 @@ int RunPlanCommand(const PlanFlags& f) {
       if (entry["gpus"].get<int>() == g) entry["copies_sent_per_row_trace_picks"] = c;
   json comparison;
   if (!f.measured.empty()) {
-    if (Status s = CompareWithRuns(*result, f.measured, &comparison); !s.ok()) return ReportError(s);
+    if (Status s = CompareWithRuns(*result, *model, config.formats.experts, f.measured, &comparison); !s.ok())
+      return ReportError(s);
   }
 
   if (!f.plot.empty()) {
@@ -555,6 +573,9 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<PlanFlags>();
   auto* cmd = app.add_subcommand("plan", "Predict each option's kernel, communication and step time on a hardware profile");
   cmd->add_option("--model", f->model, "Model preset name or .json path")->required();
+  cmd->add_option("--hidden", f->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
+  cmd->add_option("--intermediate", f->intermediate, "Override the experts' intermediate size (0: keep)")
+      ->check(kNonNegative);
   cmd->add_option("--hardware", f->hardware, "Hardware profile name (see `epmoe hardware list`) or .json path")->required();
   cmd->add_option("--trace", f->trace, "Routing trace (any format `epmoe trace` reads); default: an even router");
   cmd->add_option("--trace-format", f->trace_format, "Trace format (auto detects)")->capture_default_str();
