@@ -24,6 +24,11 @@
 //                 alltoallv), each as the last rank to arrive spends it (minimum over ranks).
 //   raw_fresh_ms  the raw pair with its send buffers written just before each call (as the
 //                 executor's are), same statistic.
+//   raw_cold_ms   the same, with each rank's caches first filled with 4 MiB of other data (as the
+//                 executor's work between exchanges fills them), same statistic.
+//   out_skew_ms, out_last_post_ms, out_last_wait_ms  the output alltoallv on the rank that started
+//                 it last: how long after the first rank it started, how long posting its
+//                 messages took, and how long it then waited for what was sent to it.
 //   sends_ms      finishing the previous step's row and output sends (the executor waits only for
 //                 what it receives and finishes its sends before it reuses their buffers), same
 //                 statistic; part of exchange_ms.
@@ -72,12 +77,18 @@ class TimingCommunicator : public Communicator {
  public:
   explicit TimingCommunicator(Communicator& inner) : inner_(inner) {}
 
-  // Microseconds of each wait since the last Clear(), in order, and what it was.
+  // Microseconds of each wait since the last Clear(), in order, and what it was; and for each, when
+  // its exchange was started and when the wait returned (steady_clock, microseconds: one clock for
+  // every rank of a machine), and how long starting it took.
   std::vector<double> wait_us;
   std::vector<std::string> wait_what;
+  std::vector<double> started_at_us, done_at_us, start_us;
   void Clear() {
     wait_us.clear();
     wait_what.clear();
+    started_at_us.clear();
+    done_at_us.clear();
+    start_us.clear();
   }
 
   int rank() const override { return inner_.rank(); }
@@ -125,8 +136,9 @@ class TimingCommunicator : public Communicator {
  private:
   class TimedRequest : public Request {
    public:
-    TimedRequest(TimingCommunicator* owner, const char* what, double start_us, std::unique_ptr<Request> inner)
-        : owner_(owner), what_(what), start_us_(start_us), inner_(std::move(inner)) {}
+    TimedRequest(TimingCommunicator* owner, const char* what, double started_at_us, double start_us,
+                 std::unique_ptr<Request> inner)
+        : owner_(owner), what_(what), started_at_us_(started_at_us), start_us_(start_us), inner_(std::move(inner)) {}
     Status Wait() override { return Timed(&Request::Wait, ""); }
     Status WaitReceived() override { return Timed(&Request::WaitReceived, " received"); }
     bool Test() override { return inner_->Test(); }
@@ -136,15 +148,19 @@ class TimingCommunicator : public Communicator {
     Status Timed(Status (Request::*wait)(), const char* side) {
       const auto start = std::chrono::steady_clock::now();
       Status status = (inner_.get()->*wait)();
-      owner_->wait_us.push_back(
-          start_us_ + std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+      const auto done = std::chrono::steady_clock::now();
+      owner_->wait_us.push_back(start_us_ + std::chrono::duration<double, std::micro>(done - start).count());
       owner_->wait_what.push_back(std::string(what_) + side);
+      owner_->started_at_us.push_back(started_at_us_);
+      owner_->done_at_us.push_back(AbsoluteUs(done));
+      owner_->start_us.push_back(start_us_);
       start_us_ = 0;
       return status;
     }
 
     TimingCommunicator* owner_;
     const char* what_;
+    double started_at_us_;
     double start_us_;  // the time starting it took, counted with its first wait
     std::unique_ptr<Request> inner_;
   };
@@ -154,7 +170,11 @@ class TimingCommunicator : public Communicator {
     Result<std::unique_ptr<Request>> started = start_exchange();
     const double start_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
     if (!started.ok()) return started.status();
-    return std::unique_ptr<Request>(new TimedRequest(this, what, start_us, std::move(started).value()));
+    return std::unique_ptr<Request>(
+        new TimedRequest(this, what, AbsoluteUs(start), start_us, std::move(started).value()));
+  }
+  static double AbsoluteUs(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::micro>(t.time_since_epoch()).count();
   }
 
   Communicator& inner_;
@@ -223,7 +243,8 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
       cs(cs_d.back() + combine_send.back()), cr(cr_d.back() + combine_recv.back());
 
   std::vector<double> exchange_us, raw_us, wrapper_us, wait_us, pack_us, counts_us, rows_us, outputs_us, nbc_us,
-      fresh_us, sends_us;
+      fresh_us, cold_us, sends_us, out_skew_us, out_post_us, out_wait_us;
+  std::vector<char> evict(4 << 20);
   std::vector<int64_t> ds_b(dispatch_send.begin(), dispatch_send.end()),
       dr_b(dispatch_recv.begin(), dispatch_recv.end()), cs_b(combine_send.begin(), combine_send.end()),
       cr_b(combine_recv.begin(), combine_recv.end());
@@ -285,6 +306,26 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
     counts_us.push_back(MinOverRanks(counts));
     rows_us.push_back(MinOverRanks(alltoallv[0]));
     outputs_us.push_back(MinOverRanks(alltoallv[1]));
+    {
+      // The output exchange on the rank that started it last: how long after the first rank it
+      // started (skew), how long posting its messages took, and how long it then waited.
+      std::vector<size_t> at;
+      for (size_t i = 0; i < timed.wait_what.size(); ++i)
+        if (timed.wait_what[i] == "alltoallv received") at.push_back(i);
+      const size_t i = at[1];
+      const double mine[3] = {timed.started_at_us[i], timed.start_us[i], timed.done_at_us[i]};
+      std::vector<double> all(3 * g);
+      MPI_Allgather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, MPI_COMM_WORLD);
+      int last = 0;
+      double first_start = all[0];
+      for (int r = 0; r < g; ++r) {
+        if (all[3 * r] > all[3 * last]) last = r;
+        first_start = std::min(first_start, all[3 * r]);
+      }
+      out_skew_us.push_back(all[3 * last] - first_start);
+      out_post_us.push_back(all[3 * last + 1]);
+      out_wait_us.push_back(all[3 * last + 2] - all[3 * last] - all[3 * last + 1]);
+    }
     sends_us.push_back(MinOverRanks(sends));
     const double raw = time_pair(untouched, raw_alltoallv);
     // The raw pair again with its send buffers written just before each call, as the executor's
@@ -292,6 +333,16 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
     const char fill = static_cast<char>(raw_us.size());
     fresh_us.push_back(time_pair(
         [&](int side) {
+          std::vector<char>& send = side == 0 ? ds : cs;
+          std::fill(send.begin(), send.end(), fill);
+        },
+        raw_alltoallv));
+    // The raw pair again with its send buffers written just before each call and this rank's
+    // caches first filled with other data (4 MiB written, more than a core's L2), as the
+    // executor's work between exchanges fills them: the bytes land in memory that is not cached.
+    cold_us.push_back(time_pair(
+        [&](int side) {
+          std::fill(evict.begin(), evict.end(), fill);
           std::vector<char>& send = side == 0 ? ds : cs;
           std::fill(send.begin(), send.end(), fill);
         },
@@ -338,8 +389,12 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   state.counters["rows_ms"] = median(rows_us) / 1000;
   state.counters["outputs_ms"] = median(outputs_us) / 1000;
   state.counters["sends_ms"] = median(sends_us) / 1000;
+  state.counters["out_skew_ms"] = median(out_skew_us) / 1000;
+  state.counters["out_last_post_ms"] = median(out_post_us) / 1000;
+  state.counters["out_last_wait_ms"] = median(out_wait_us) / 1000;
   state.counters["nbc_wait_ms"] = median(nbc_us) / 1000;
   state.counters["raw_fresh_ms"] = median(fresh_us) / 1000;
+  state.counters["raw_cold_ms"] = median(cold_us) / 1000;
   state.counters["comm_alltoallv_ms"] = median(wrapper_us) / 1000;
   state.counters["wait_ms"] = median(wait_us) / 1000;
   state.counters["pack_ms"] = median(pack_us) / 1000;

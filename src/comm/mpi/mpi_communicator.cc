@@ -103,6 +103,13 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
   int remaining = 0;
   for (const MPI_Request& r : requests) remaining += r != MPI_REQUEST_NULL;
   std::vector<int> completed(requests.size());
+  // Open MPI's MPI_Testsome first collects the requests already complete and, only when there are
+  // none, runs the progress engine once, which is where messages land (a large receive's single
+  // copy included); it does not look again, so what that progress completed is only reported by
+  // the next poll. So the core is given away only after two polls in a row found nothing: the
+  // poll that reports a receive completed by the previous poll's progress is not behind a yield
+  // (on a loaded machine a yield can cost another process's whole time slice).
+  bool previous_empty = false;
   for (;;) {
     if (remaining == 0) return Status::Ok();
     int outcount = 0;
@@ -111,6 +118,8 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
     if (outcount == MPI_UNDEFINED) return Status::Ok();
     remaining -= outcount;
     if (remaining == 0) return Status::Ok();
+    const bool give_away = outcount == 0 && previous_empty;
+    previous_empty = outcount == 0 && !give_away;
     const auto now = Clock::now();
     if (now > deadline) {
       // Name the peers whose messages are still outstanding, when known.
@@ -128,6 +137,7 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
       return Unavailable(fmt::format("rank {}: {} did not complete within {} s; {} (--comm-timeout raises the limit)",
                                      rank, what, timeout_seconds, who));
     }
+    if (!give_away) continue;
     if (now - start < kYieldPhase) {
       std::this_thread::yield();
     } else {
