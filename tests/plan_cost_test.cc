@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "epmoe/hardware.h"
 #include "epmoe/model.h"
@@ -80,22 +81,34 @@ ModelConfig TinyModel(int top_k) {
   return m;
 }
 
+// One step of 2 rows, top-2: expert 0 twice, expert 1 twice (rows {0,1} and {0,1}); experts 2, 3
+// idle.
+ExpertLoad TinyTrace() {
+  ExpertLoad trace(1, 1, 4, 2);
+  trace.rows[0] = 2;
+  trace.at(0, 0)[0] = 2;
+  trace.at(0, 0)[1] = 2;
+  return trace;
+}
+
+// The tiny model's plan at 2 rows on 2 GPUs, fp32 weights, one sample: the trace's load.
+PlanConfig TinyConfig(std::vector<PlanOption> options) {
+  PlanConfig config;
+  config.batches = {2};
+  config.gpus = {2};
+  config.options = std::move(options);
+  config.formats = {WeightFormat::kFp32, WeightFormat::kFp32, WeightFormat::kFp32};
+  config.samples = 1;
+  return config;
+}
+
 TEST(PlanCostTest, HandPricedTinyModel) {
   // Top-2, fp32 weights: 3 x 16 x 16 x 4 = 3,072 B per expert, 2 x 768 = 1,536 flops per pick.
   const ModelConfig m = TinyModel(2);
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
-  ExpertLoad trace(1, 1, 4, 2);
-  trace.rows[0] = 2;
-  // Picks: expert 0 twice, expert 1 twice (rows {0,1} and {0,1}); experts 2, 3 idle.
-  trace.at(0, 0)[0] = 2;
-  trace.at(0, 0)[1] = 2;
-  PlanConfig config;
-  config.batches = {2};
-  config.gpus = {2};
-  config.options = {PlanOption::kSliced, PlanOption::kWholeAllRows, PlanOption::kTravelingRows};
-  config.formats = {WeightFormat::kFp32, WeightFormat::kFp32, WeightFormat::kFp32};
-  config.samples = 1;
-  const PlanResult r = Plan(m, UnitProfile(), config, &trace);
+  const ExpertLoad trace = TinyTrace();
+  const PlanResult r = Plan(
+      m, UnitProfile(), TinyConfig({PlanOption::kSliced, PlanOption::kWholeAllRows, PlanOption::kTravelingRows}), &trace);
   // Every pick moves 128 B of rows: its fp32 input (64 B) and its bf16 output written and read (2 x 32 B).
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kFp32), 128);
   // Sliced, 2 ranks: each rank reads half of experts 0 and 1 (1,536 B each, read-bound: 1,536 us vs
@@ -128,19 +141,10 @@ TEST(PlanCostTest, Fp32PartialSumsPriceOutputsAndReduceScatterAtFourBytes) {
   // (2 x 64 B) = 192 B; the all-gather still moves bf16 rows, the reduce-scatter fp32 partials.
   const ModelConfig m = TinyModel(2);
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kFp32, 4), 192);
-  ExpertLoad trace(1, 1, 4, 2);
-  trace.rows[0] = 2;
-  trace.at(0, 0)[0] = 2;
-  trace.at(0, 0)[1] = 2;
-  PlanConfig config;
-  config.batches = {2};
-  config.gpus = {2};
-  config.options = {PlanOption::kSliced, PlanOption::kTravelingRows};
-  config.formats = {WeightFormat::kFp32, WeightFormat::kFp32, WeightFormat::kFp32};
-  config.samples = 1;
+  const ExpertLoad trace = TinyTrace();
   HardwareProfile hw = UnitProfile();
   hw.partial_sum_bytes = 4;
-  const PlanResult r = Plan(m, hw, config, &trace);
+  const PlanResult r = Plan(m, hw, TinyConfig({PlanOption::kSliced, PlanOption::kTravelingRows}), &trace);
   // Sliced: 5 + 2 x 1,536 + 4 picks x 192 B = 3,845 us; all-gather 32 B, reduce-scatter 64 B, + 2 x 10.
   const OptionCost& sliced = Find(r, PlanOption::kSliced, 2, 2);
   EXPECT_NEAR(sliced.rows_us, 768, 1e-6);
