@@ -8,6 +8,8 @@
 //   build/benchmarks/kernels_matmul_bench --benchmark_filter='int8|Read'
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <random>
@@ -132,19 +134,16 @@ void BM_Peak(benchmark::State& state) {
   state.SetLabel(ArithmeticPathName(path));
 }
 
-// 24 experts of the qwen3-30b-a3b shape (64 MB in the 4-bit formats, twice the L3), each with
-// `rows` rows, run by a pool of one thread (which runs inline, so CPU time is the kernel's).
-void BM_ExpertStore(benchmark::State& state) {
-  const auto format = static_cast<WeightFormat>(state.range(0));
-  const int64_t rows = state.range(1);
-  constexpr int kExperts = 24;
-  constexpr int64_t kIntermediate = 768;
-  static std::map<WeightFormat, std::unique_ptr<ExpertStore>> stores;
-  std::unique_ptr<ExpertStore>& store = stores[format];
-  std::mt19937 rng(4);
-  std::uniform_real_distribution<float> dist(-0.02f, 0.02f);
+constexpr int64_t kIntermediate = 768;  // qwen3-30b-a3b expert intermediate size
+
+// `count` experts of the qwen3-30b-a3b shape in `format`, packed once per (format, count).
+ExpertStore* StoreFor(WeightFormat format, int count, benchmark::State& state) {
+  static std::map<std::pair<WeightFormat, int>, std::unique_ptr<ExpertStore>> stores;
+  std::unique_ptr<ExpertStore>& store = stores[{format, count}];
   if (store == nullptr) {
-    std::vector<ExpertWeights> experts(kExperts);
+    std::mt19937 rng(4);
+    std::uniform_real_distribution<float> dist(-0.02f, 0.02f);
+    std::vector<ExpertWeights> experts(count);
     std::vector<const ExpertWeights*> pointers;
     for (ExpertWeights& e : experts) {
       e = {Matrix(kIntermediate, kCols), Matrix(kIntermediate, kCols), Matrix(kCols, kIntermediate)};
@@ -155,24 +154,62 @@ void BM_ExpertStore(benchmark::State& state) {
     auto packed = PackExperts(pointers, {.format = format});
     if (!packed.ok()) {
       state.SkipWithError(packed.status().ToString().c_str());
-      return;
+      return nullptr;
     }
     store = std::move(packed).value();
   }
-  Matrix x(kExperts * rows, kCols);
+  return store.get();
+}
+
+// Runs `store` on rows per expert `counts` with `pool` for every benchmark iteration.
+void RunStore(benchmark::State& state, const ExpertStore& store, const std::vector<int64_t>& counts, ThreadPool& pool) {
+  std::vector<int64_t> offsets(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) offsets[e + 1] = offsets[e] + counts[e];
+  Matrix x(offsets.back(), kCols);
+  std::mt19937 rng(5);
   std::uniform_real_distribution<float> unit(-1, 1);
   for (float& v : x.data) v = unit(rng);
-  std::vector<int64_t> offsets(kExperts + 1);
-  for (int e = 0; e <= kExperts; ++e) offsets[e] = e * rows;
-  Matrix out(kExperts * rows, kCols);
-  ThreadPool pool(1);
+  Matrix out(offsets.back(), kCols);
   for (auto _ : state) {
-    store->Run(x.data.data(), offsets, out.data.data(), pool);
+    store.Run(x.data.data(), offsets, out.data.data(), pool);
     benchmark::DoNotOptimize(out.data.data());
   }
-  state.counters["GOP/s"] = benchmark::Counter(2.0 * 3 * kIntermediate * kCols * rows * kExperts * state.iterations(),
+  state.counters["GOP/s"] = benchmark::Counter(2.0 * 3 * kIntermediate * kCols * offsets.back() * state.iterations(),
                                                benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
-  state.SetLabel(store->kernel_name());
+  state.SetLabel(store.kernel_name());
+}
+
+// 24 experts of the qwen3-30b-a3b shape (64 MB in the 4-bit formats, twice the L3), each with
+// `rows` rows, run by a pool of one thread (which runs inline, so CPU time is the kernel's).
+void BM_ExpertStore(benchmark::State& state) {
+  constexpr int kExperts = 24;
+  const ExpertStore* store = StoreFor(static_cast<WeightFormat>(state.range(0)), kExperts, state);
+  if (store == nullptr) return;
+  ThreadPool pool(1);
+  RunStore(state, *store, std::vector<int64_t>(kExperts, state.range(1)), pool);
+}
+
+// The layer of `epmoe bench kernels` at T = 64 in miniature: 48 experts (127 MB in the 4-bit
+// formats) with that point's skew of rows per expert (1 to 10, about 4.2 on average: 202 picks),
+// in a fixed shuffled order, on a pool of state.range(1) threads. Time is the process's CPU time
+// (all threads; idle pool threads sleep), so GOP/s is per CPU second: with 2 threads against 1 it
+// shows what running two threads costs each (shared reads, waits at the phase ends), and holds
+// up on a shared machine; wall_ms is the wall time per run.
+void BM_ExpertStoreSkewed(benchmark::State& state) {
+  // Rows per expert -> experts, scaled from the T = 64 point's 121 touched experts.
+  constexpr std::pair<int, int> kHistogram[] = {{1, 3}, {2, 7}, {3, 10}, {4, 11}, {5, 6},
+                                                {6, 4}, {7, 2}, {8, 3},  {9, 1},  {10, 1}};
+  std::vector<int64_t> counts;
+  for (const auto& [rows, experts] : kHistogram) counts.insert(counts.end(), experts, rows);
+  std::shuffle(counts.begin(), counts.end(), std::mt19937(6));
+  const ExpertStore* store =
+      StoreFor(static_cast<WeightFormat>(state.range(0)), static_cast<int>(counts.size()), state);
+  if (store == nullptr) return;
+  ThreadPool pool(static_cast<int>(state.range(1)));
+  const auto start = std::chrono::steady_clock::now();
+  RunStore(state, *store, counts, pool);
+  const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  state.counters["wall_ms"] = wall_ms / std::max<double>(1, static_cast<double>(state.iterations()));
 }
 
 void MatMulArguments(benchmark::internal::Benchmark* b) {
@@ -188,6 +225,10 @@ BENCHMARK(BM_MatMulCached)
 BENCHMARK(BM_ExpertStore)
     ->ArgsProduct({benchmark::CreateDenseRange(1, static_cast<int>(AllWeightFormats().size()) - 1, 1),
                    {1, 4, 8, 16, 32, 64}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ExpertStoreSkewed)
+    ->ArgsProduct({benchmark::CreateDenseRange(2, static_cast<int>(AllWeightFormats().size()) - 1, 1), {1, 2}})
+    ->MeasureProcessCPUTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Peak)->DenseRange(0, 2)->Unit(benchmark::kMillisecond);
 
