@@ -358,6 +358,8 @@ template <WeightFormat kFormat>
 struct FourBit {
   static constexpr int kScaleBlock = kFormat == WeightFormat::kNvfp4 ? 16 : 32;  // inputs per block scale
   static constexpr int kGroupsPerScale = kScaleBlock / 4;
+  // Scale blocks whose codes span kPrefetchBytes (128 code bytes per 16 inputs).
+  static constexpr int64_t kScaleBlocksAhead = kPrefetchBytes / (128 * kScaleBlock / 16);
 
   static int64_t ScaleOffset(int64_t cols) { return FourBitCorrectionOffset(cols) + cols / kScaleBlock * 4; }
   // What LaneScales' values are multiplied by to give the block scales.
@@ -470,6 +472,14 @@ struct FourBit {
         }
       }
       for (int64_t sb = 0; sb < scale_blocks; ++sb) {
+        // Each block's scales are a second, smaller stream (16 bytes per scale block), too short
+        // for the hardware prefetcher to pick up in time (2 KB a block at 2048 inputs): prefetched
+        // as far ahead in time as the codes, once per cache line (one thread, the skewed T = 64
+        // layer: nvfp4 about 4%, mxfp4 about 2% less time).
+        if (sb % (64 / kLanes) == 0) {
+          for (int j = 0; j < B; ++j)
+            PrefetchStream(s[0], j, B, scale_blocks * kLanes, (sb + kScaleBlocksAhead) * kLanes);
+        }
         __m512i sum[R][B];
         for (int r = 0; r < R; ++r) {
           const __m512i correction =
