@@ -7,7 +7,7 @@
 //    rounding and summation order), much tighter, so a kernel bug cannot hide in quantization noise.
 // Rows per expert 0, 1, 2, 3, 4, 7 (decode path), 20 (several decode tiles; the 4-bit kernels stream
 // up to 48 rows), 64 and 1000 (prefill path), uneven, with experts that get no rows; input sizes
-// that are not multiples of the vector or group width.
+// that are not multiples of the vector or group width; the work split over 1 - 4 threads.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -158,6 +158,27 @@ TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   // The result of a row depends neither on the thread count nor on the other rows.
   const Matrix single = RunStore(**store, rows, offsets, 1);
   EXPECT_EQ(single.data, actual.data);
+}
+
+// The work split: many experts of 1 - 10 rows (the skew of a T = 64 step), each in several work
+// items of both phases, on 1 - 4 threads. Threads take runs of one expert's consecutive items,
+// long while much is left and single items at the end; whichever thread runs an item, every output
+// is written once and is the same bit for bit.
+TEST_P(KernelHarness, WorkSplitOverThreadsGivesTheSameRows) {
+  const auto [format, isa] = GetParam();
+  constexpr int64_t kHidden = 256, kInter = 512;  // decode items: 4 per expert for gate/up, 2 for down
+  const std::vector<int64_t> counts = {3, 1, 0, 10, 2, 4, 4, 9, 1, 2, 5, 0, 3, 8, 6, 2, 4, 7, 3, 1, 2, 4, 5, 3};
+  const int n = static_cast<int>(counts.size());
+  const std::vector<ExpertWeights> experts = RandomExperts(n, kHidden, kInter, 17);
+  const std::vector<int64_t> offsets = Offsets(counts);
+  std::mt19937 rng(19);
+  const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
+  auto store = PackExperts(Pointers(experts), PackOptions{format, IsaName(isa)});
+  ASSERT_TRUE(store.ok()) << store.status().message();
+  const Matrix single = RunStore(**store, rows, offsets, 1);
+  ASSERT_EQ(FirstNonFinite(single.data), -1);
+  EXPECT_LE(NormalizedMaxError(single, ReferenceOutputs(experts, rows, offsets)), FormatTolerance(format));
+  for (int threads : {2, 3, 4}) EXPECT_EQ(RunStore(**store, rows, offsets, threads).data, single.data) << threads;
 }
 
 // Uneven counts, zero-pick experts, and sizes that are multiples of the format's block but not of

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <cstring>
 
 #include "epmoe/thread_pool.h"
@@ -47,6 +49,35 @@ std::vector<WorkItem> MakeItems(std::span<const int64_t> offsets, int64_t channe
       items.push_back({static_cast<int>(e), n, std::min(channels, n + step)});
   }
   return items;
+}
+
+// Runs body(i) for every work item i of `items` (each expert's items consecutive, in channel
+// order) on all of the pool's threads. A thread claims a run of one expert's consecutive items at a
+// time, at most a (2 x threads)-th of the items left, so that runs are long while much is left and
+// single items at the end (the threads finish together). Runs rather than single items: a thread's
+// streaming tiles prefetch past the end of their item into the next one, and the hardware
+// prefetchers follow one long sequential stream, both of which need the thread's next item to be
+// the one after; with items handed out one at a time two threads alternate along an expert and
+// each starts every item cold (one thread on the skewed T = 64 layer, items taken in that
+// alternating order: 1.11 - 1.16 x the time; two threads with runs: 0.76 x the time of single
+// items, the same CPU time as one thread alone).
+void ForEachItemInRuns(ThreadPool& pool, const std::vector<WorkItem>& items,
+                       const std::function<void(const WorkItem&)>& body) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t divisor = 2 * static_cast<int64_t>(pool.size());
+  std::atomic<int64_t> next{0};
+  pool.RunOnAll([&](int) {
+    int64_t begin = next.load(std::memory_order_relaxed);
+    while (begin < n) {
+      const int64_t limit = begin + std::max<int64_t>(1, (n - begin) / divisor);
+      int64_t end = begin + 1;
+      while (end < limit && items[end].expert == items[begin].expert) ++end;
+      // On failure `begin` is reloaded with what another thread left: claim again from there.
+      if (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) continue;
+      for (int64_t i = begin; i < end; ++i) body(items[i]);
+      begin = next.load(std::memory_order_relaxed);
+    }
+  });
 }
 
 // `count` fp32 rows of `cols` features into the kernel's activation format, `stride` bytes apart,
@@ -202,24 +233,21 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   mid.resize(total * intermediate_);
   const std::vector<WorkItem> gate_items =
       MakeItems(offsets, intermediate_, experts_[0].gate.row_bytes, 2, kernel.channel_tile());
-  pool.ParallelFor(static_cast<int64_t>(gate_items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& item = gate_items[i];
-      const PackedExpert& expert = experts_[item.expert];
-      const int64_t first = offsets[item.expert];
-      const int64_t count = offsets[item.expert + 1] - first;
-      const int64_t width = item.n_end - item.n_begin;
-      const int64_t block = RowsPerBlock(count, hidden_stride);
-      std::vector<float> gate(block * width), up(block * width);
-      for (int64_t r0 = 0; r0 < count; r0 += block) {
-        const int64_t n_rows = std::min(block, count - r0);
-        const uint8_t* acts = inputs + (first + r0) * hidden_stride;
-        kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width);
-        kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width);
-        for (int64_t r = 0; r < n_rows; ++r)
-          kernel.SwiGlu(gate.data() + r * width, up.data() + r * width, width,
-                        mid.data() + (first + r0 + r) * intermediate_ + item.n_begin);
-      }
+  ForEachItemInRuns(pool, gate_items, [&](const WorkItem& item) {
+    const PackedExpert& expert = experts_[item.expert];
+    const int64_t first = offsets[item.expert];
+    const int64_t count = offsets[item.expert + 1] - first;
+    const int64_t width = item.n_end - item.n_begin;
+    const int64_t block = RowsPerBlock(count, hidden_stride);
+    std::vector<float> gate(block * width), up(block * width);
+    for (int64_t r0 = 0; r0 < count; r0 += block) {
+      const int64_t n_rows = std::min(block, count - r0);
+      const uint8_t* acts = inputs + (first + r0) * hidden_stride;
+      kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width);
+      kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width);
+      for (int64_t r = 0; r < n_rows; ++r)
+        kernel.SwiGlu(gate.data() + r * width, up.data() + r * width, width,
+                      mid.data() + (first + r0 + r) * intermediate_ + item.n_begin);
     }
   });
 
@@ -232,17 +260,14 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   // Phase 4: down projection straight into the output rows.
   const std::vector<WorkItem> down_items =
       MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1, kernel.channel_tile());
-  pool.ParallelFor(static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& item = down_items[i];
-      const int64_t first = offsets[item.expert];
-      const int64_t count = offsets[item.expert + 1] - first;
-      const int64_t block = RowsPerBlock(count, mid_stride);
-      for (int64_t r0 = 0; r0 < count; r0 += block) {
-        const int64_t n_rows = std::min(block, count - r0);
-        kernel.MatMul(experts_[item.expert].down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride,
-                      n_rows, out + (first + r0) * hidden_ + item.n_begin, hidden_);
-      }
+  ForEachItemInRuns(pool, down_items, [&](const WorkItem& item) {
+    const int64_t first = offsets[item.expert];
+    const int64_t count = offsets[item.expert + 1] - first;
+    const int64_t block = RowsPerBlock(count, mid_stride);
+    for (int64_t r0 = 0; r0 < count; r0 += block) {
+      const int64_t n_rows = std::min(block, count - r0);
+      kernel.MatMul(experts_[item.expert].down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride,
+                    n_rows, out + (first + r0) * hidden_ + item.n_begin, hidden_);
     }
   });
 }
