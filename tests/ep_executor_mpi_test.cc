@@ -348,6 +348,29 @@ TEST(Executor, MemoryBoundRunsSkewInRounds) {
   }
 }
 
+// Buffers of 1 MiB or more take whole 2 MiB pages when the rounded total fits the bound, and exact
+// sizes when it does not: both give the single-process result bit for bit, within the bound.
+TEST(Executor, A2aLargeBuffersRoundedToHugePagesOnlyWithinTheBound) {
+  const int g = World().size();
+  const int64_t total = 1100 * g;  // about 4,400 picks (1.1 MB of fp32 expert outputs) per rank
+  Case c;
+  const StepStats roomy = RunAndCheck(c, EvenishRows(total), nullptr, 1);
+  EXPECT_EQ(roomy.rounds, 1);
+  // Some buffer was rounded up to whole 2 MiB pages.
+  EXPECT_GE(roomy.peak_buffer_bytes, int64_t{2} << 20);
+  // A bound (the same on every rank) just under what the fullest rank's rounded buffers hold: that
+  // rank runs the same step in exact sizes, still in one round.
+  auto fullest = World().AllreduceMax(roomy.peak_buffer_bytes);
+  ASSERT_TRUE(fullest.ok()) << fullest.status().ToString();
+  c.max_buffer_bytes = *fullest - 1;
+  const StepStats tight = RunAndCheck(c, EvenishRows(total), nullptr, 1);
+  EXPECT_EQ(tight.rounds, 1);
+  EXPECT_LE(tight.peak_buffer_bytes, c.max_buffer_bytes);
+  if (roomy.peak_buffer_bytes == *fullest) {
+    EXPECT_LT(tight.peak_buffer_bytes, roomy.peak_buffer_bytes);
+  }
+}
+
 // dwdp moves packed experts (values and scales), read straight into the double buffer's slots, so
 // with a quantized weight format it equals the single-process layer packed in the same format, bit
 // for bit; a bound that holds only a few experts (two halves of P) makes every layer arrive in

@@ -322,11 +322,13 @@ class A2aExecutor : public MoeExecutor {
     int64_t own_send = 0;
     for (int d = 0; d < g; ++d) own_send += send_count_[d] * record_bytes_;
     bool packed = false;
+    int64_t packed_generation = 0;  // send_'s memory the records were packed into
     if (returns_bytes_ + own_send <= options_.max_buffer_bytes) {
       const int64_t needs[kBuffers] = {returns_bytes_, own_send, 0, 0, 0, 0, 0, 0};
       Reserve(needs);
       PackRound(0, 1, rows, picks);
       packed = true;
+      packed_generation = send_.generation();
     }
     st.pack_us += watch.Lap();
     EPMOE_RETURN_IF_ERROR(counting->Wait());
@@ -360,6 +362,9 @@ class A2aExecutor : public MoeExecutor {
     st.rounds = static_cast<int>(rounds);
     if (rounds > 1) packed = false;  // packed for one round: pack again, round by round
     st.peak_buffer_bytes = ReserveBuffers(rounds);
+    // Reserving the whole step's buffers may have released and replaced send_ (to stay within the
+    // bound): then the records are packed again.
+    if (send_.generation() != packed_generation) packed = false;
     if (partial) partial_row_.resize(h);
     st.pack_us += watch.Lap();
 
@@ -569,13 +574,17 @@ class A2aExecutor : public MoeExecutor {
       if (allocated != bytes) (void)madvise(memory, static_cast<size_t>(allocated), MADV_HUGEPAGE);
       data_.reset(static_cast<uint8_t*>(memory));
       capacity_ = allocated;
+      ++generation_;
     }
     // Frees the memory when it holds more than `bytes` (the next Reserve allocates what it needs).
     void ShrinkTo(int64_t bytes) {
       if (capacity_ <= bytes) return;
       data_.reset();
       capacity_ = 0;
+      ++generation_;
     }
+    // Changes whenever the memory is released or replaced (its contents are then lost).
+    int64_t generation() const { return generation_; }
     int64_t capacity() const { return capacity_; }
     uint8_t* data() { return data_.get(); }
     float* floats() { return reinterpret_cast<float*>(data_.get()); }
@@ -586,6 +595,7 @@ class A2aExecutor : public MoeExecutor {
     };
     std::unique_ptr<uint8_t, Free> data_;
     int64_t capacity_ = 0;
+    int64_t generation_ = 0;
   };
 
 
