@@ -677,10 +677,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       // reported by the rank that noticed, and the job is ended.
       if (is_root || status.code() == StatusCode::kUnavailable) *exit_code = ReportError(status);
       *exit_code = 1;
-      if (status.code() == StatusCode::kUnavailable) {
-        auto comm = WorldCommunicator(CommOptions{});
-        if (comm.ok()) (*comm)->Abort(1);
-      }
+      if (status.code() == StatusCode::kUnavailable) AbortJob(1);
       return;
     }
     if (is_root) {
