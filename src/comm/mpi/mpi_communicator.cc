@@ -14,7 +14,10 @@
 // enters the collective or none does.
 #include <mpi.h>
 
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <climits>
@@ -83,8 +86,21 @@ Result<std::vector<int>> ToInts(std::span<const int64_t> values, const char* wha
 // Polling busily without yielding was tried on a 2-vCPU machine shared with other jobs: exchanges
 // were no faster overall, and ranks that kept their cores were preempted for longer afterwards
 // (docs/performance.md, "Where the remaining excess goes").
+// When the ranks on a node outnumber its cores (4 ranks on 2 cores), a rank that waits longer
+// shares a core with a peer still packing or computing what it waits for, and a yield does not
+// give that peer the core for long (the yielding rank stays runnable): there a wait starts
+// sleeping after kOversubscribedYieldPhase. G = 4 on 2 cores, q8 rows at T = 256 (packing takes a
+// few ms, so ranks arrive at the exchanges apart): dispatch + combine went from -2% (runs from
+// -41% to +103%) to -37% against the raw MPI_Alltoallv pair, T = 64 from -17% to -27% (12
+// alternated runs each; G = 2 is not oversubscribed and unchanged). Yielding after every empty
+// poll instead (the core given away twice as often) made it worse: +21% and +51%.
 constexpr auto kYieldPhase = std::chrono::milliseconds(2);
+constexpr auto kOversubscribedYieldPhase = std::chrono::microseconds(300);
 constexpr auto kSleepStep = std::chrono::microseconds(20);
+
+// Whether the ranks on this node outnumber the cores this process may run on (set once, when the
+// world communicator is created).
+std::atomic<bool> g_cores_oversubscribed{false};
 
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
 // for (-1: a collective, any rank), named in the timeout's message.
@@ -110,6 +126,9 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
   // poll that reports a receive completed by the previous poll's progress is not behind a yield
   // (on a loaded machine a yield can cost another process's whole time slice).
   bool previous_empty = false;
+  const Clock::duration yield_phase = g_cores_oversubscribed.load(std::memory_order_relaxed)
+                                          ? Clock::duration(kOversubscribedYieldPhase)
+                                          : Clock::duration(kYieldPhase);
   for (;;) {
     if (remaining == 0) return Status::Ok();
     int outcount = 0;
@@ -138,7 +157,7 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
                                      rank, what, timeout_seconds, who));
     }
     if (!give_away) continue;
-    if (now - start < kYieldPhase) {
+    if (now - start < yield_phase) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(kSleepStep);
@@ -728,14 +747,22 @@ Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& optio
   EPMOE_RETURN_IF_ERROR(AgreeToEnter(MPI_COMM_WORLD, rank, size, kWorldCreationTag, "world communicator creation",
                                      "MPI_Comm_split_type / MPI_Comm_dup", options.timeout_seconds));
   std::vector<int> nodes(size);
+  // The ranks sharing this machine's memory (and cores), whatever --ranks-per-node says.
+  MPI_Comm shared = MPI_COMM_NULL;
+  EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared),
+                                 "MPI_Comm_split_type", rank));
+  int local_ranks = 1;
+  MPI_Comm_size(shared, &local_ranks);
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  g_cores_oversubscribed.store(cores > 0 && local_ranks > cores, std::memory_order_relaxed);
   if (options.ranks_per_node > 0) {
+    MPI_Comm_free(&shared);
     for (int r = 0; r < size; ++r) nodes[r] = r / options.ranks_per_node;
   } else {
     // A node is the set of ranks sharing memory; it is named by its lowest world rank, and nodes
     // are numbered in the order of those ranks.
-    MPI_Comm shared = MPI_COMM_NULL;
-    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared),
-                                   "MPI_Comm_split_type", rank));
     int leader = rank;
     MPI_Allreduce(&rank, &leader, 1, MPI_INT, MPI_MIN, shared);
     MPI_Comm_free(&shared);
