@@ -1,4 +1,4 @@
-// Memory the executors keep across steps for their exchanges (not part of the public API).
+// Memory the a2a executor keeps across steps for its exchanges (not part of the public API).
 #pragma once
 
 #include <sys/mman.h>
