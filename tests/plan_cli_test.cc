@@ -122,6 +122,17 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
   EXPECT_NE(refused.out.find("nvfp4"), std::string::npos) << refused.out;
   const CommandRun matched = Epmoe(plan + " --hidden 1024 --intermediate 512");
   EXPECT_EQ(matched.exit_code, 0) << matched.out;
+  // A field of the wrong type is refused in one line naming the file, not a crash.
+  const std::string typo = ::testing::TempDir() + "plan_cli_typo_run.json";
+  {
+    std::ofstream out(typo);
+    out << R"({"ranks": 8, "tokens": 64, "layers": 2, "options": [{"option": "a2a", "step_ms_median": 0.5,)"
+        << R"( "step_ms": [0.5, "fast"]}]})";
+  }
+  refused = Epmoe("plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --measured " + typo);
+  EXPECT_EQ(refused.exit_code, 1) << refused.out;
+  EXPECT_NE(refused.out.find(typo), std::string::npos) << refused.out;
+  EXPECT_LE(std::count(refused.out.begin(), refused.out.end(), '\n'), 1) << refused.out;
 }
 
 // `epmoe calibrate` measures this machine into a profile `plan` loads, and `calibrate --links`

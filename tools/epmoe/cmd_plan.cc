@@ -90,9 +90,9 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
   // when the run has no per-step times.
   std::vector<std::vector<std::vector<double>>> steps(kOptions, std::vector<std::vector<double>>(paths.size()));
   std::vector<bool> per_step(paths.size(), true);
-  for (size_t r = 0; r < paths.size(); ++r) {
+  // Reads run r into the above; a field of the wrong type throws (caught below).
+  auto read_run = [&](size_t r, const json& run) -> Status {
     const std::string& path = paths[r];
-    EPMOE_ASSIGN_OR_RETURN(const json run, ReadRunReport(path));
     for (const char* field : {"ranks", "tokens", "layers"})
       if (!run.contains(field)) return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
     if (r == 0) {
@@ -118,7 +118,7 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
       return InvalidArgument(fmt::format("{}: the run's experts are {}, the plan's --weights {}", path,
                                          run["weight_format"].get<std::string>(), WeightFormatName(experts)));
     interleaved = interleaved && run.value("interleaved", false);
-    for (const auto& measured : run["options"]) {
+    for (const auto& measured : run.at("options")) {
       const std::string name = measured.value("option", "");
       const auto it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return name == n.first; });
       if (it == std::end(names) || !measured.contains("step_ms_median")) continue;
@@ -129,6 +129,15 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
         times = {measured["step_ms_median"].get<double>()};
         per_step[r] = false;
       }
+    }
+    return Status::Ok();
+  };
+  for (size_t r = 0; r < paths.size(); ++r) {
+    EPMOE_ASSIGN_OR_RETURN(const json run, ReadRunReport(paths[r]));
+    try {
+      EPMOE_RETURN_IF_ERROR(read_run(r, run));
+    } catch (const json::exception& e) {
+      return InvalidArgument(fmt::format("{}: {} (expected `epmoe run --format json`)", paths[r], e.what()));
     }
   }
   json rows = json::array();
