@@ -119,6 +119,9 @@ struct Context {
   ModelBytes bytes;
   double expert_flops_per_pick = 0;  // 2 x weights of one expert
   const Placement* placement = nullptr;  // whole experts' placement at the EP size priced; null: trivial
+
+  // A row of partial sums, as the all-gather options reduce-scatter them (bf16 or fp32).
+  double PartialSumRowBytes() const { return static_cast<double>(model.hidden) * hw.partial_sum_bytes; }
 };
 
 // Whole experts under a balancer's placement: an expert's picks are dealt evenly over its copies.
@@ -221,7 +224,7 @@ double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows,
   double comm = 0;
   if (sliced && gpus > 1) {
     const double gathered = rows_per_rank * (gpus - 1) * RowBytes(c.model, RowFormat::kBf16);
-    const double reduced = rows_per_rank * (gpus - 1) * c.model.hidden * c.hw.partial_sum_bytes;
+    const double reduced = rows_per_rank * (gpus - 1) * c.PartialSumRowBytes();
     comm = 2 * CollectiveLatencyUs(c.hw, gpus) + TransferUs(c.hw, gpus, gathered) + TransferUs(c.hw, gpus, reduced);
   }
   return k.total() + comm;
@@ -283,7 +286,7 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
       RowBytes(c.model, option == PlanOption::kTravelingRows ? c.config.rows : RowFormat::kBf16));
   const double back_row = option == PlanOption::kTravelingRows
                               ? static_cast<double>(RowBytes(c.model, RowFormat::kBf16))
-                              : static_cast<double>(c.model.hidden) * c.hw.partial_sum_bytes;
+                              : c.PartialSumRowBytes();
   const double latency = CollectiveLatencyUs(c.hw, gpus);
   switch (option) {
     case PlanOption::kSliced:

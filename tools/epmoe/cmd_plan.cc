@@ -146,9 +146,9 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
     std::vector<double> pooled;
     for (const auto& times : steps[i]) pooled.insert(pooled.end(), times.begin(), times.end());
     if (pooled.empty()) continue;
+    const double measured_us = Median(pooled) * 1000.0 / layers;
     for (const auto& c : plan.costs) {
       if (c.option != names[i].second || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
-      const double measured_us = Median(pooled) * 1000.0 / layers;
       rows.push_back({{"option", PlanOptionName(c.option)}, {"run_option", names[i].first}, {"measured_us_per_layer", measured_us},
                       {"predicted_us_per_layer", c.layer_us}, {"predicted_over_measured", c.layer_us / measured_us},
                       {"steps", pooled.size()}});
@@ -222,22 +222,21 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
 }
 
 void PrintComparison(const json& cmp) {
-  std::string runs;
-  for (const auto& path : cmp["runs"]) runs += (runs.empty() ? "" : ", ") + path.get<std::string>();
-  std::printf("\ncalibration check against %s (%d ranks, %lld tokens, %d layers): time per MoE layer\n", runs.c_str(), cmp["ranks"].get<int>(), static_cast<long long>(cmp["tokens"].get<int64_t>()),
-              cmp["layers"].get<int>());
+  auto join = [](const json& names, const char* separator) {
+    std::string text;
+    for (const auto& n : names) text += (text.empty() ? "" : separator) + n.get<std::string>();
+    return text;
+  };
+  std::printf("\ncalibration check against %s (%d ranks, %lld tokens, %d layers): time per MoE layer\n",
+              join(cmp["runs"], ", ").c_str(), cmp["ranks"].get<int>(),
+              static_cast<long long>(cmp["tokens"].get<int64_t>()), cmp["layers"].get<int>());
   std::printf("  %-8s %14s %14s %10s\n", "option", "measured us", "predicted us", "pred/meas");
   for (const auto& r : cmp["options"])
     std::printf("  %-8s %14.1f %14.1f %10.2f\n", r["option"].get<std::string>().c_str(),
                 r["measured_us_per_layer"].get<double>(), r["predicted_us_per_layer"].get<double>(),
                 r["predicted_over_measured"].get<double>());
-  auto join = [](const json& names) {
-    std::string text;
-    for (const auto& n : names) text += (text.empty() ? "" : " < ") + n.get<std::string>();
-    return text;
-  };
-  std::printf("  measured order (medians):  %s\n  predicted order:           %s\n", join(cmp["measured_order"]).c_str(),
-              join(cmp["predicted_order"]).c_str());
+  std::printf("  measured order (medians):  %s\n  predicted order:           %s\n",
+              join(cmp["measured_order"], " < ").c_str(), join(cmp["predicted_order"], " < ").c_str());
   const std::string tie = fmt::format("priced within {:.1f}% by the model", 100 * kPredictedTie);
   for (const auto& p : cmp["pairs"])
     std::printf("  %-7s faster than %-7s in %2d of %2d %s steps (sign test p = %.3f): %s\n",
