@@ -39,6 +39,11 @@ TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
   auto bw = MeasureMemoryBandwidth(pool, {int64_t{64} << 20, 1});
   ASSERT_TRUE(bw.ok());
   EXPECT_GT(*bw, 0.1);
+  EXPECT_FALSE(MemoryReadProbe::Create(pool, MemoryReadProbe::kMinBytes - 1).ok());
+  auto probe = MemoryReadProbe::Create(pool, MemoryReadProbe::kMinBytes);
+  ASSERT_TRUE(probe.ok());
+  EXPECT_GT(probe->Read(pool), 0.1);  // and again: the buffer is reusable
+  EXPECT_GT(probe->Read(pool), 0.1);
   EXPECT_EQ(PathForFormat(WeightFormat::kNvfp4, Isa::kAvx512), ArithmeticPath::kInt8Vnni);
   EXPECT_EQ(PathForFormat(WeightFormat::kBf16, Isa::kAvx2), ArithmeticPath::kFp32Fma);
 }
@@ -58,8 +63,7 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   o.decode_min_tokens = 2;
   o.decode_max_tokens = 4;
   o.decode_repetitions = 1;
-  o.flush_bytes = int64_t{1} << 20;
-  o.bandwidth_buffer_bytes = int64_t{64} << 20;
+  o.probe_bytes = int64_t{64} << 20;
   auto report = RunKernelBench(o, pool);
   ASSERT_TRUE(report.ok()) << report.status().message();
   ASSERT_EQ(report->points.size(), 6u);
@@ -72,6 +76,7 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
     EXPECT_NEAR(p.roofline_fraction, p.bound_us / p.us, 1e-12);
     EXPECT_NEAR(p.bandwidth_fraction, p.gbps / p.read_gbps_used, 1e-12);
     EXPECT_GT(p.peak_used, 0);
+    EXPECT_GT(p.read_gbps_used, 0);
     EXPECT_NEAR(p.bound_us, std::max(p.bytes / (p.read_gbps_used * 1e3), p.operations / (p.peak_used * 1e3)),
                 1e-6 * p.bound_us);
   }
@@ -81,7 +86,11 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
     for (const auto& s : d.samples) {
       EXPECT_GT(s.picks, 0);
       EXPECT_EQ(s.bytes % ExpertByteCount(d.format, 256, 256), 0);
+      EXPECT_GT(s.read_gbps, 0);
     }
+    EXPECT_GT(d.median_read_gbps, 0);
+    EXPECT_GE(d.correlation_bytes_steady, -1);
+    EXPECT_LE(d.correlation_bytes_steady, 1);
   }
   o.experts = 10;  // does not split into 4 ranks of whole experts
   EXPECT_FALSE(RunKernelBench(o, pool).ok());

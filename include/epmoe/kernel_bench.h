@@ -37,11 +37,14 @@ struct KernelBenchOptions {
   int decode_max_tokens = 16;
   int decode_ranks = 8;
   int decode_repetitions = 5;
-  int64_t flush_bytes = int64_t{128} << 20;             // read before each timed run so weights come from DRAM
-  int64_t bandwidth_buffer_bytes = int64_t{512} << 20;  // for MeasureMemoryBandwidth
+  // The MemoryReadProbe read before each timed run and before each read of the run's weights: it
+  // flushes the caches (so that both come from memory) and samples the machine's bandwidth.
+  int64_t probe_bytes = int64_t{128} << 20;
 };
 
-// Medians of the limits measured at the start and again before each format.
+// The machine's limits over the run: the peaks are medians of measurements at the start and before
+// each format, the read bandwidth the median of every MemoryReadProbe read (at the start and
+// beside each timed run). The points are judged against their own weights' read rate instead.
 struct MachineFigures {
   double read_gbps = 0;
   double fp32_gflops = 0;  // G operations/s, a multiply-add counts 2
@@ -59,9 +62,11 @@ struct KernelBenchPoint {
   double us = 0;      // median time of the layer's routed experts
   int64_t bytes = 0;  // expert weight bytes read (touched experts, scales included)
   double gbps = 0;
-  // The run's medians (MachineFigures): bandwidth, and the peak of the kernel's arithmetic path.
-  // Medians, not the figures measured next to the format: on a virtual machine one measurement
-  // can land on faster memory (1.6x seen) and would misjudge that format alone.
+  // The bandwidth the point is judged against: the rate at which its touched experts' bytes are
+  // read by a plain read loop (MeasureReadRate) just before each timed run, median. On a shared
+  // virtual machine how fast memory delivers differs by up to 1.6x between allocations and over
+  // time; this keeps either from being taken for the kernel's speed. The peak: the run's median
+  // for the kernel's arithmetic path (MachineFigures).
   double read_gbps_used = 0;
   double peak_used = 0;
   double bandwidth_fraction = 0;  // gbps / read_gbps_used
@@ -79,6 +84,7 @@ struct DecodeSample {
   int64_t picks = 0;
   int64_t bytes = 0;
   double us = 0;
+  double read_gbps = 0;  // its weights' read rate beside its timed runs (KernelBenchPoint::read_gbps_used)
 };
 
 struct DecodeExperiment {
@@ -88,6 +94,11 @@ struct DecodeExperiment {
   double us_per_gb = 0;
   double correlation_bytes = 0;  // Pearson, time vs bytes read
   double correlation_picks = 0;  // Pearson, time vs picks
+  // Pearson, time vs bytes read with each sample's time scaled to the experiment's median bandwidth
+  // (us * read_gbps / median read_gbps): what is left once the memory's own changes of speed
+  // between samples are taken out.
+  double correlation_bytes_steady = 0;
+  double median_read_gbps = 0;  // of the samples' read_gbps
 };
 
 struct KernelBenchReport {

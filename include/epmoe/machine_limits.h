@@ -6,6 +6,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
+#include <memory>
+#include <span>
 #include <string_view>
 
 #include "epmoe/cpu.h"
@@ -28,13 +31,40 @@ const char* ArithmeticPathName(ArithmeticPath path);  // "fp32_fma", "bf16_dot",
 // the 4-bit formats).
 ArithmeticPath PathForFormat(WeightFormat format, Isa isa);
 
+// Reads `ranges` (any sizes) once with all threads of the pool, each range cut into pieces that the
+// threads share out, with the widest loads `isa` has (lowered to what the CPU has), prefetching
+// ahead as the kernels' streams do: GB/s (1e9 bytes per second). Where the ranges are a kernel's
+// weights, this is the speed at which that memory can be read at that moment: the memory term of
+// the kernel's roofline.
+double MeasureReadRate(ThreadPool& pool, std::span<const std::span<const std::byte>> ranges, Isa isa = Isa::kAvx512);
+
+// A buffer far larger than the caches that all threads of a pool read whole, each thread a
+// disjoint part, with the widest loads an instruction set has. One read measures the memory's read
+// bandwidth at that moment and leaves in the caches nothing of what ran before it, so a benchmark
+// can read it before each timed run and judge the run against the bandwidth of that moment (on a
+// shared or virtual machine the memory's speed changes by 1.6x within seconds).
+class MemoryReadProbe {
+ public:
+  static constexpr int64_t kMinBytes = int64_t{64} << 20;  // twice the largest last-level cache seen
+  // Allocates and touches `bytes` (rounded down to whole MB). Fails if they cannot be allocated or
+  // are under kMinBytes (the reads would come from cache).
+  static Result<MemoryReadProbe> Create(ThreadPool& pool, int64_t bytes, Isa isa = Isa::kAvx512);
+  // Reads the buffer once; GB/s (1e9 bytes per second).
+  double Read(ThreadPool& pool);
+
+ private:
+  MemoryReadProbe(std::unique_ptr<std::byte[]> buffer, int64_t bytes, Isa isa)
+      : buffer_(std::move(buffer)), bytes_(bytes), isa_(isa) {}
+  std::unique_ptr<std::byte[]> buffer_;
+  int64_t bytes_;
+  Isa isa_;
+};
+
 struct BandwidthOptions {
   int64_t buffer_bytes = int64_t{512} << 20;  // far larger than the caches, so reads come from DRAM
   int repetitions = 7;
 };
-// Read bandwidth in GB/s (1e9 bytes per second): all threads of the pool sum disjoint parts of the
-// buffer with the widest loads `isa` has; median over the repetitions. Fails if the buffer cannot
-// be allocated or is smaller than 64 MB.
+// Read bandwidth in GB/s: a MemoryReadProbe of buffer_bytes, the median of `repetitions` reads.
 Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options = {}, Isa isa = Isa::kAvx512);
 
 struct PeakOptions {

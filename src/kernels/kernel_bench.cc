@@ -62,24 +62,6 @@ std::vector<int64_t> OffsetsOf(const std::vector<int64_t>& counts) {
   return offsets;
 }
 
-// Reads a buffer larger than the last-level cache so the next run reads its weights from DRAM.
-class CacheFlusher {
- public:
-  explicit CacheFlusher(int64_t bytes) : data_(std::max<int64_t>(bytes / 8, 1), 1) {}
-  void Flush(ThreadPool& pool) {
-    const int64_t n = static_cast<int64_t>(data_.size());
-    pool.ParallelFor(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
-      uint64_t s = 0;
-      for (int64_t i = begin; i < end; ++i) s += data_[i];
-      sink_.fetch_add(s, std::memory_order_relaxed);  // keeps the reads alive
-    });
-  }
-
- private:
-  std::vector<uint64_t> data_;
-  std::atomic<uint64_t> sink_{0};
-};
-
 double TimeRun(const ExpertStore& store, const Matrix& rows, const std::vector<int64_t>& offsets, Matrix* out,
                ThreadPool& pool) {
   const auto start = std::chrono::steady_clock::now();
@@ -163,11 +145,12 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     Result<double> peak = MeasurePeak(path, pool, options, machine);
     return peak.ok() ? *peak : 0.0;
   };
-  EPMOE_ASSIGN_OR_RETURN(report.limits.read_gbps, MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 7}, machine));
+  EPMOE_ASSIGN_OR_RETURN(MemoryReadProbe probe, MemoryReadProbe::Create(pool, o.probe_bytes, machine));
+  std::vector<double> bandwidths;  // every probe read of the run
+  for (int rep = 0; rep < 7; ++rep) bandwidths.push_back(probe.Read(pool));
   report.limits.fp32_gflops = peak_or_zero(ArithmeticPath::kFp32Fma, {});
   report.limits.bf16_gflops = peak_or_zero(ArithmeticPath::kBf16Dot, {});
   report.limits.int8_gops = peak_or_zero(ArithmeticPath::kInt8Vnni, {});
-  std::vector<double> bandwidths = {report.limits.read_gbps};
   std::vector<double> peaks[3] = {{report.limits.fp32_gflops}, {report.limits.bf16_gflops}, {report.limits.int8_gops}};
   std::vector<ArithmeticPath> point_paths;  // the arithmetic path of each point's kernel
 
@@ -182,8 +165,31 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   for (const auto& e : source) pointers.push_back(&e);
 
   const SkewedRouter router(o.experts, o.top_k, o.skew_sigma, o.seed);
-  CacheFlusher flusher(o.flush_bytes);
   const double operations_per_pick = 2.0 * 3.0 * o.hidden * static_cast<double>(o.intermediate);
+  // The stored bytes of the experts that `counts` gives rows: what a run reads. (Through
+  // MutableExpertParts, only read.)
+  auto touched_bytes = [](ExpertStore& store, const std::vector<int64_t>& counts) {
+    std::vector<std::span<const std::byte>> ranges;
+    for (int e = 0; e < store.num_experts(); ++e) {
+      if (counts[e] == 0) continue;
+      const Result<std::vector<std::span<std::byte>>> parts = store.MutableExpertParts(e);
+      for (const std::span<std::byte> part : *parts) ranges.emplace_back(part);
+    }
+    return ranges;
+  };
+  // One timed run of the layer, judged against the read rate of its own weights at that moment
+  // (which `read_gbps` receives): how fast memory delivers differs between allocations as well as
+  // over time on a virtual machine (in one process, 39 GB/s for the probe's buffer and 50 for the
+  // layer's weights, steadily), so neither the probe nor a measurement a minute away can stand for
+  // it. Each timed read follows a probe read, which flushes the caches.
+  auto timed_run = [&](const ExpertStore& store, std::span<const std::span<const std::byte>> weights,
+                       const Matrix& rows, const std::vector<int64_t>& offsets, Matrix* out,
+                       std::vector<double>* read_gbps) {
+    bandwidths.push_back(probe.Read(pool));
+    read_gbps->push_back(MeasureReadRate(pool, weights, machine));
+    bandwidths.push_back(probe.Read(pool));
+    return TimeRun(store, rows, offsets, out, pool);
+  };
 
   for (WeightFormat format : o.formats) {
     say(fmt::format("packing {}", WeightFormatName(format)));
@@ -194,13 +200,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     const std::string kernel = store->kernel_name();
     const Result<Isa> kernel_isa = ParseIsa(kernel.substr(kernel.find('/') + 1));
     const ArithmeticPath path = PathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
-    // Limits drift when other processes share the machine: measure them again next to each
-    // format; every point is judged against the medians of all measurements (see the end).
-    EPMOE_ASSIGN_OR_RETURN(const double bandwidth,
-                           MeasureMemoryBandwidth(pool, {o.bandwidth_buffer_bytes, 5}, machine));
-    const double effective_peak = peak_or_zero(path, {0.05, 3});
-    bandwidths.push_back(bandwidth);
-    peaks[static_cast<int>(path)].push_back(effective_peak);
+    // The peaks drift when other processes share the machine: measure the kernel's again next to
+    // each format; every point is judged against the median of all measurements (see the end).
+    peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {0.05, 3}));
 
     for (int64_t tokens : o.tokens) {
       const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 7919 + tokens);
@@ -218,17 +220,18 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
         p.bytes += store->expert_bytes(e);
         p.max_rows_per_expert = std::max(p.max_rows_per_expert, counts[e]);
       }
-      std::vector<double> times;
+      const std::vector<std::span<const std::byte>> weights = touched_bytes(*store, counts);
+      std::vector<double> times, read_gbps;
       double spent = 0;
       for (int rep = 0; rep < std::max(1, o.repetitions); ++rep) {
-        flusher.Flush(pool);
-        const double us = TimeRun(*store, rows, offsets, &out, pool);
+        const double us = timed_run(*store, weights, rows, offsets, &out, &read_gbps);
         times.push_back(us);
         spent += us * 1e-6;
         if (spent > o.seconds_per_point) break;
       }
       p.repetitions = static_cast<int>(times.size());
       p.us = Median(times);
+      p.read_gbps_used = Median(read_gbps);
       p.gbps = p.bytes / (p.us * 1e-6) / 1e9;
       p.operations = operations_per_pick * static_cast<double>(p.picks);
       p.gflops = p.operations / (p.us * 1e-6) / 1e9;
@@ -261,27 +264,33 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
           const std::vector<int64_t> offsets = OffsetsOf(local);
           const Matrix rows = RandomRows(s.picks, o.hidden, o.seed + step * 131 + rank, pool);
           Matrix out(rows.rows, rows.cols);
-          std::vector<double> times;
-          for (int rep = 0; rep < std::max(1, o.decode_repetitions); ++rep) {
-            flusher.Flush(pool);
-            times.push_back(TimeRun(*store, rows, offsets, &out, pool));
-          }
+          const std::vector<std::span<const std::byte>> weights = touched_bytes(*store, local);
+          std::vector<double> times, read_gbps;
+          for (int rep = 0; rep < std::max(1, o.decode_repetitions); ++rep)
+            times.push_back(timed_run(*store, weights, rows, offsets, &out, &read_gbps));
           s.us = Median(times);
+          s.read_gbps = Median(read_gbps);
           d.samples.push_back(s);
         }
       }
-      std::vector<double> gb, picks, us;
+      std::vector<double> gb, picks, us, read_gbps;
       for (const auto& s : d.samples) {
         gb.push_back(s.bytes / 1e9);
         picks.push_back(static_cast<double>(s.picks));
         us.push_back(s.us);
+        read_gbps.push_back(s.read_gbps);
       }
       FitLine(gb, us, &d.fixed_us, &d.us_per_gb);
       d.correlation_bytes = Correlation(gb, us);
       d.correlation_picks = Correlation(picks, us);
-      say(fmt::format("{} decode experiment: {} points, {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f}, r(picks) {:.3f}",
+      d.median_read_gbps = Median(read_gbps);
+      std::vector<double> steady_us;
+      for (const auto& s : d.samples) steady_us.push_back(s.us * s.read_gbps / d.median_read_gbps);
+      d.correlation_bytes_steady = Correlation(gb, steady_us);
+      say(fmt::format("{} decode experiment: {} points, {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} at "
+                      "{:.1f} GB/s), r(picks) {:.3f}",
                       WeightFormatName(format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
-                      d.correlation_picks));
+                      d.correlation_bytes_steady, d.median_read_gbps, d.correlation_picks));
       report.decode.push_back(std::move(d));
     }
   }
@@ -292,7 +301,6 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   report.limits.int8_gops = median_peaks[static_cast<int>(ArithmeticPath::kInt8Vnni)];
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
-    p.read_gbps_used = report.limits.read_gbps;
     p.peak_used = median_peaks[static_cast<int>(point_paths[i])];
     p.bandwidth_fraction = p.gbps / p.read_gbps_used;
     const double memory_us = p.bytes / (p.read_gbps_used * 1e9) * 1e6;

@@ -57,38 +57,70 @@ ArithmeticPath PathForFormat(WeightFormat format, Isa isa) {
   }
 }
 
-Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options, Isa isa) {
+double MeasureReadRate(ThreadPool& pool, std::span<const std::span<const std::byte>> ranges, Isa isa) {
+  // Pieces of 256 KB: many per thread for a layer's weights, long enough for the prefetching
+  // stream to run at full speed.
+  constexpr int64_t kPiece = int64_t{256} << 10;
+  struct Piece {
+    const uint8_t* data;
+    int64_t bytes;
+  };
+  std::vector<Piece> pieces;
+  int64_t total = 0;
+  for (const std::span<const std::byte> range : ranges) {
+    const auto* data = reinterpret_cast<const uint8_t*>(range.data());
+    const int64_t size = static_cast<int64_t>(range.size());
+    for (int64_t at = 0; at < size; at += kPiece) pieces.push_back({data + at, std::min(kPiece, size - at)});
+    total += size;
+  }
+  const Isa use = Lowered(isa);
+  // The vector loops take whole 256-byte blocks; a piece's tail is summed byte by byte.
+  auto read = [use](const Piece& piece) {
+    const int64_t whole = piece.bytes / 256 * 256;
+    uint64_t sum = 0;
+    switch (use) {
+      case Isa::kAvx512: sum = kernels::ReadSumAvx512(piece.data, whole); break;
+      case Isa::kAvx2: sum = kernels::ReadSumAvx2(piece.data, whole); break;
+      case Isa::kReference: sum = kernels::ReadSumReference(piece.data, whole); break;
+    }
+    for (int64_t i = whole; i < piece.bytes; ++i) sum += piece.data[i];
+    return sum;
+  };
+  std::atomic<uint64_t> sink{0};  // the sums, kept so that the reads are not optimized away
+  const auto start = std::chrono::steady_clock::now();
+  pool.ParallelFor(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    uint64_t sum = 0;
+    for (int64_t i = begin; i < end; ++i) sum += read(pieces[i]);
+    sink.fetch_add(sum, std::memory_order_relaxed);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return seconds > 0 ? static_cast<double>(total) / seconds / 1e9 : 0.0;
+}
+
+Result<MemoryReadProbe> MemoryReadProbe::Create(ThreadPool& pool, int64_t bytes, Isa isa) {
   constexpr int64_t kChunk = int64_t{1} << 20;
-  if (options.buffer_bytes < (int64_t{64} << 20))
+  if (bytes < kMinBytes)
     return InvalidArgument(
-        fmt::format("bandwidth buffer of {} bytes is under 64 MB: it would be read from cache", options.buffer_bytes));
-  const int64_t bytes = options.buffer_bytes / kChunk * kChunk;
-  std::unique_ptr<uint8_t[]> buffer(new (std::nothrow) uint8_t[bytes]);
+        fmt::format("bandwidth buffer of {} bytes is under 64 MB: it would be read from cache", bytes));
+  bytes = bytes / kChunk * kChunk;
+  std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[bytes]);
   if (buffer == nullptr) return OutOfRange(fmt::format("cannot allocate {} bytes for the bandwidth test", bytes));
   // Touch every page with non-zero data so the reads hit real memory.
   pool.ParallelFor(bytes / kChunk, 1, [&](int64_t begin, int64_t end) {
     std::memset(buffer.get() + begin * kChunk, 1, (end - begin) * kChunk);
   });
-  const Isa use = Lowered(isa);
-  auto read = [use](const uint8_t* p, int64_t n) {
-    switch (use) {
-      case Isa::kAvx512: return kernels::ReadSumAvx512(p, n);
-      case Isa::kAvx2: return kernels::ReadSumAvx2(p, n);
-      case Isa::kReference: break;
-    }
-    return kernels::ReadSumReference(p, n);
-  };
-  std::atomic<uint64_t> sink{0};
+  return MemoryReadProbe(std::move(buffer), bytes, isa);
+}
+
+double MemoryReadProbe::Read(ThreadPool& pool) {
+  const std::span<const std::byte> whole(buffer_.get(), bytes_);
+  return MeasureReadRate(pool, {&whole, 1}, isa_);
+}
+
+Result<double> MeasureMemoryBandwidth(ThreadPool& pool, const BandwidthOptions& options, Isa isa) {
+  EPMOE_ASSIGN_OR_RETURN(MemoryReadProbe probe, MemoryReadProbe::Create(pool, options.buffer_bytes, isa));
   std::vector<double> rates;
-  for (int rep = 0; rep < std::max(1, options.repetitions); ++rep) {
-    const auto start = std::chrono::steady_clock::now();
-    pool.ParallelFor(bytes / kChunk, 4, [&](int64_t begin, int64_t end) {
-      sink.fetch_add(read(buffer.get() + begin * kChunk, (end - begin) * kChunk), std::memory_order_relaxed);
-    });
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    rates.push_back(static_cast<double>(bytes) / seconds / 1e9);
-  }
-  if (sink.load() == 42) rates.push_back(0);  // never true for a buffer of ones; keeps the reads
+  for (int rep = 0; rep < std::max(1, options.repetitions); ++rep) rates.push_back(probe.Read(pool));
   return Median(rates);
 }
 

@@ -60,13 +60,20 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
   for (const auto& d : r.decode) {
     nlohmann::json samples = nlohmann::json::array();
     for (const auto& s : d.samples)
-      samples.push_back({{"step", s.step}, {"rank", s.rank}, {"picks", s.picks}, {"bytes", s.bytes}, {"us", s.us}});
+      samples.push_back({{"step", s.step},
+                         {"rank", s.rank},
+                         {"picks", s.picks},
+                         {"bytes", s.bytes},
+                         {"us", s.us},
+                         {"read_gbps", s.read_gbps}});
     decode.push_back({{"format", WeightFormatName(d.format)},
                       {"points", d.samples.size()},
                       {"fixed_us", d.fixed_us},
                       {"us_per_gb", d.us_per_gb},
                       {"correlation_bytes", d.correlation_bytes},
                       {"correlation_picks", d.correlation_picks},
+                      {"correlation_bytes_steady", d.correlation_bytes_steady},
+                      {"median_read_gbps", d.median_read_gbps},
                       {"samples", samples}});
   }
   return {{"model", model.name},
@@ -90,20 +97,22 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
               model.expert_intermediate, model.hidden, model.top_k, r.threads, r.isa.c_str());
   std::printf("limits: read %.1f GB/s; fp32 FMA %.0f, bf16 dot %.0f GFLOP/s; int8 VNNI %.0f GOP/s\n",
               r.limits.read_gbps, r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops);
-  std::printf("%-14s %6s %7s %7s %11s %10s %7s %6s %8s %10s %5s %6s\n", "kernel", "T", "picks", "touched", "us",
-              "bytes", "GB/s", "bw", "GFLOP/s", "bound us", "by", "roof");
+  std::printf("(limit GB/s: the memory read bandwidth measured just before the point's runs, which bw and the bound"
+              " use)\n");
+  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s\n", "kernel", "T", "picks", "touched", "us",
+              "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof");
   for (const auto& p : r.points) {
-    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %6.2f %8.1f %10.1f %5s %6.2f\n", p.kernel.c_str(),
+    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %6.2f %8.1f %10.1f %5s %6.2f\n", p.kernel.c_str(),
                 static_cast<long long>(p.tokens), static_cast<long long>(p.picks), p.experts_touched, p.us,
-                HumanBytes(p.bytes).c_str(), p.gbps, p.bandwidth_fraction, p.gflops, p.bound_us,
+                HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction, p.gflops, p.bound_us,
                 p.memory_bound ? "mem" : "arith", p.roofline_fraction);
   }
   for (const auto& d : r.decode) {
     std::printf(
-        "decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f, "
-        "with picks %.3f\n",
+        "decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f "
+        "(%.3f with each time scaled to the median bandwidth, %.1f GB/s), with picks %.3f\n",
         WeightFormatName(d.format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
-        d.correlation_picks);
+        d.correlation_bytes_steady, d.median_read_gbps, d.correlation_picks);
   }
 }
 
