@@ -1,6 +1,6 @@
-// The executors' exchange buffers (src/ep/scratch_buffer.h): what rounding up to huge pages takes,
-// and that a buffer grows only when it must, keeps what it was given, and says when its memory
-// was replaced.
+// The executors' exchange buffers (src/ep/scratch_buffer.h): that a buffer rounds up to huge pages
+// only when asked, grows only when it must, keeps what it was given, and says when its memory was
+// replaced.
 #include "ep/scratch_buffer.h"
 
 #include <gtest/gtest.h>
@@ -13,19 +13,11 @@ namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
 
-TEST(ScratchBuffer, OnlyBuffersOfOneMebibyteOrMoreRoundUpToWholeHugePages) {
-  EXPECT_EQ(ScratchBuffer::HugeBytes(0), 0);
-  EXPECT_EQ(ScratchBuffer::HugeBytes(kMiB - 1), kMiB - 1);
-  EXPECT_EQ(ScratchBuffer::HugeBytes(kMiB), 2 * kMiB);
-  EXPECT_EQ(ScratchBuffer::HugeBytes(2 * kMiB), 2 * kMiB);
-  EXPECT_EQ(ScratchBuffer::HugeBytes(2 * kMiB + 1), 4 * kMiB);
-}
-
 TEST(ScratchBuffer, HugeBuffersAreAlignedToTheirPagesAndSmallOnesExact) {
   ScratchBuffer huge;
   huge.Reserve(kMiB + 3, /*huge=*/true);
   EXPECT_EQ(huge.capacity(), 2 * kMiB);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(huge.data()) % ScratchBuffer::kHugePage, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(huge.data()) % kHugePageBytes, 0u);
   std::memset(huge.data(), 1, static_cast<size_t>(huge.capacity()));  // all of it is usable
 
   ScratchBuffer small;

@@ -162,14 +162,14 @@ class A2aExecutor : public MoeExecutor {
   }
   int64_t Reserve(std::span<const int64_t, kBuffers> needs) {
     ScratchBuffer* buffers[kBuffers] = {&returns_, &send_, &recv_, &decoded_, &quantized_, &work_in_, &work_out_, &back_send_};
-    // Large buffers take whole huge pages (ScratchBuffer::HugeBytes) when, rounded up to them,
+    // Large buffers take whole huge pages (HugePageBytes) when, rounded up to them,
     // every buffer still fits the bound; otherwise exactly what they need.
     int64_t rounded = 0;
-    for (int b = 0; b < kBuffers; ++b) rounded += std::max(buffers[b]->capacity(), ScratchBuffer::HugeBytes(needs[b]));
+    for (int b = 0; b < kBuffers; ++b) rounded += std::max(buffers[b]->capacity(), HugePageBytes(needs[b]));
     const bool huge = rounded <= options_.max_buffer_bytes;
     int64_t held = 0;
     for (int b = 0; b < kBuffers; ++b)
-      held += std::max(buffers[b]->capacity(), huge ? ScratchBuffer::HugeBytes(needs[b]) : needs[b]);
+      held += std::max(buffers[b]->capacity(), huge ? HugePageBytes(needs[b]) : needs[b]);
     for (int b = 0; b < kBuffers; ++b) {
       if (held > options_.max_buffer_bytes) buffers[b]->ShrinkTo(needs[b]);
     }

@@ -1,42 +1,32 @@
 // Memory the a2a executor keeps across steps for its exchanges (not part of the public API).
 #pragma once
 
-#include <sys/mman.h>
-
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 
 #include <fmt/format.h>
 
+#include "core/huge_pages.h"
 #include "epmoe/status.h"
 
 namespace epmoe::ep_internal {
 
 // Memory reused across steps, uninitialized: grows when a step needs more. A buffer of 1 MiB or
-// more may be given whole 2 MiB pages (transparent huge pages, asked for with madvise): the
-// exchanges move large blocks by a single copy that pins and copies the other rank's buffer page
-// by page (process_vm_readv), and with 4 KiB pages the 0.5 MB output exchange of G = 2, T = 64
-// took twice as long as the copy of the same bytes between huge pages (0.105 against 0.048 ms as
-// the last rank spends it). Whether to round up is the owner's call (it keeps the total within
-// its buffer bound). Not thread-safe.
+// more may be given whole 2 MiB pages (core/huge_pages.h): the exchanges move large blocks by a
+// single copy that pins and copies the other rank's buffer page by page (process_vm_readv), and
+// with 4 KiB pages the 0.5 MB output exchange of G = 2, T = 64 took twice as long as the copy of
+// the same bytes between huge pages (0.105 against 0.048 ms as the last rank spends it). Whether
+// to round up is the owner's call (it keeps the total within its buffer bound). Not thread-safe.
 class ScratchBuffer {
  public:
-  static constexpr int64_t kHugePage = int64_t{2} << 20;
-  // What a buffer of `bytes` takes when given huge pages.
-  static int64_t HugeBytes(int64_t bytes) {
-    return bytes >= kHugePage / 2 ? (bytes + kHugePage - 1) / kHugePage * kHugePage : bytes;
-  }
   void Reserve(int64_t bytes, bool huge) {
     if (bytes <= capacity_) return;
     data_.reset();
-    const int64_t allocated = huge ? HugeBytes(bytes) : bytes;
-    void* memory = allocated == bytes ? std::malloc(static_cast<size_t>(bytes))
-                                      : std::aligned_alloc(kHugePage, static_cast<size_t>(allocated));
-    EPMOE_CHECK_MSG(memory != nullptr, fmt::format("executor: cannot allocate a buffer of {} bytes", allocated));
-    // Advice only: without transparent huge pages the memory is ordinary pages.
-    if (allocated != bytes) (void)madvise(memory, static_cast<size_t>(allocated), MADV_HUGEPAGE);
-    data_.reset(static_cast<uint8_t*>(memory));
+    const int64_t allocated = huge ? HugePageBytes(bytes) : bytes;
+    data_ = huge ? AllocateHugePageMemory(bytes)
+                 : HugePageMemory(static_cast<uint8_t*>(std::malloc(static_cast<size_t>(bytes))));
+    EPMOE_CHECK_MSG(data_ != nullptr, fmt::format("executor: cannot allocate a buffer of {} bytes", allocated));
     capacity_ = allocated;
     ++generation_;
   }
@@ -54,10 +44,7 @@ class ScratchBuffer {
   float* floats() { return reinterpret_cast<float*>(data_.get()); }
 
  private:
-  struct Free {
-    void operator()(uint8_t* memory) const { std::free(memory); }
-  };
-  std::unique_ptr<uint8_t, Free> data_;
+  HugePageMemory data_;
   int64_t capacity_ = 0;
   int64_t generation_ = 0;
 };

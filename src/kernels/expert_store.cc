@@ -118,6 +118,19 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
   store->intermediate_ = experts[0]->intermediate();
   store->kernel_ = ChooseKernel(format, highest, store->hidden_, store->intermediate_);
   store->experts_.resize(experts.size());
+  // All experts in one allocation on 2 MiB pages (core/huge_pages.h), each expert's gate, up and
+  // down in turn: the decode path streams them, and a single allocation rounds up to whole pages
+  // once (a 4-bit matrix of the qwen3-30b-a3b shape alone is 0.75 MB).
+  const int64_t hidden = store->hidden_, intermediate = store->intermediate_;
+  const int64_t offsets[4] = {0, PackedStorageBytes(format, intermediate, hidden),
+                              2 * PackedStorageBytes(format, intermediate, hidden),
+                              2 * PackedStorageBytes(format, intermediate, hidden) +
+                                  PackedStorageBytes(format, hidden, intermediate)};
+  const int64_t expert_storage = offsets[3];
+  store->weights_memory_ = AllocateHugePageMemory(expert_storage * static_cast<int64_t>(experts.size()));
+  if (store->weights_memory_ == nullptr)
+    return OutOfRange(fmt::format("cannot allocate {} bytes for {} packed experts",
+                                  expert_storage * static_cast<int64_t>(experts.size()), experts.size()));
   std::vector<Status> errors(experts.size());
   const PackLayout layout = store->kernel_->layout();
   auto pack_one = [&](int64_t begin, int64_t end) {
@@ -126,6 +139,7 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
       PackedExpert& packed = store->experts_[e];
       const Matrix* matrices[3] = {&source.gate, &source.up, &source.down};
       PackedMatrix* targets[3] = {&packed.gate, &packed.up, &packed.down};
+      uint8_t* memory = store->weights_memory_.get() + e * expert_storage;
       for (int m = 0; m < 3; ++m) {
         Result<QuantizedMatrix> q = Quantize(format, *matrices[m]);
         if (!q.ok()) {
@@ -133,7 +147,7 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
           errors[e] = q.status().WithContext(fmt::format("expert {} {}", e, kNames[m]));
           break;
         }
-        *targets[m] = PackMatrix(*q, layout);
+        *targets[m] = PackMatrixAt(*q, layout, memory + offsets[m]);
       }
     }
   };

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "epmoe/expert_ffn.h"
 #include "kernels/kernel.h"
 
@@ -54,6 +55,7 @@ class KernelExpertStore final : public ExpertStore {
   int64_t hidden_ = 0;
   int64_t intermediate_ = 0;
   std::unique_ptr<MatrixKernel> kernel_;
+  HugePageMemory weights_memory_;  // every expert's packed matrices
   std::vector<PackedExpert> experts_;
 };
 

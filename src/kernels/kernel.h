@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "epmoe/cpu.h"
@@ -30,7 +31,8 @@ enum class PackLayout {
 };
 
 // One [rows x cols] weight matrix in a kernel's layout. The byte count equals ByteCount(format,
-// rows, cols): the same encoded values as QuantizedMatrix, reordered. Immutable after packing.
+// rows, cols): the same encoded values as QuantizedMatrix, reordered. Immutable after packing
+// (except that an expert store may overwrite its values and scales in place with another expert's).
 struct PackedMatrix {
   WeightFormat format = WeightFormat::kFp32;
   PackLayout layout = PackLayout::kNatural;
@@ -38,18 +40,28 @@ struct PackedMatrix {
   int64_t cols = 0;
   // fp32: floats; bf16: uint16; int8: offset binary (q + 128 as uint8, what VNNI's unsigned operand
   // takes); 4-bit: E2M1 codes, two per byte; in `layout` order.
-  std::vector<uint8_t> values;
+  std::span<uint8_t> values;
   int64_t row_bytes = 0;  // bytes of values per row (output channel)
   // int8: one fp32 per row, in row order; nvfp4: cols/16 E4M3 codes per row; mxfp4: cols/32 E8M0
   // codes per row; 4-bit codes in `layout` order.
-  std::vector<uint8_t> scales;
+  std::span<uint8_t> scales;
   float tensor_scale = 1.0f;  // nvfp4: stored (4 bytes); others: unused and not stored
+  // The memory of values and scales when PackMatrix allocated it; empty when the matrix was packed
+  // into memory its owner keeps (PackMatrixAt).
+  std::shared_ptr<uint8_t> storage;
 
   // Row r's values in the natural layout.
   const uint8_t* row(int64_t r) const { return values.data() + r * row_bytes; }
   int64_t bytes() const;
 };
 
+// Bytes PackMatrixAt writes for a [rows x cols] matrix of `format`: its values, then its scales,
+// each starting at a multiple of 64 bytes.
+int64_t PackedStorageBytes(WeightFormat format, int64_t rows, int64_t cols);
+// Packs q into `memory` (PackedStorageBytes bytes, 64-byte aligned), which the caller keeps for as
+// long as the matrix is used.
+PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* memory);
+// Packs q into memory of its own (on 2 MiB pages when large, core/huge_pages.h).
 PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout);
 
 // Row n of a packed matrix as fp32 (cols values); any layout.

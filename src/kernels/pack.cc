@@ -1,6 +1,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/huge_pages.h"
 #include "kernels/kernel.h"
 
 namespace epmoe::kernels {
@@ -15,6 +16,24 @@ int ValueBytes(WeightFormat format) {
     case WeightFormat::kBf16: return 2;
     default: return 1;
   }
+}
+
+bool IsFourBit(WeightFormat format) {
+  return format == WeightFormat::kNvfp4 || format == WeightFormat::kMxfp4;
+}
+
+int64_t ValueStorageBytes(WeightFormat format, int64_t rows, int64_t cols) {
+  return IsFourBit(format) ? rows * cols / 2 : rows * cols * ValueBytes(format);
+}
+
+// int8: one fp32 per row; 4-bit: one code per scale block.
+int64_t ScaleStorageBytes(WeightFormat format, int64_t rows, int64_t cols) {
+  if (format == WeightFormat::kInt8) return rows * static_cast<int64_t>(sizeof(float));
+  return IsFourBit(format) ? rows * cols / BlockSize(format) : 0;
+}
+
+int64_t RoundUpTo64(int64_t bytes) {
+  return (bytes + 63) / 64 * 64;
 }
 
 // Byte offset of value (n, c) of an fp32, bf16 or int8 matrix in the kChannelBlocked layout.
@@ -56,13 +75,28 @@ int64_t PackedMatrix::bytes() const {
          (format == WeightFormat::kNvfp4 ? static_cast<int64_t>(sizeof(float)) : 0);
 }
 
+int64_t PackedStorageBytes(WeightFormat format, int64_t rows, int64_t cols) {
+  return RoundUpTo64(ValueStorageBytes(format, rows, cols)) + RoundUpTo64(ScaleStorageBytes(format, rows, cols));
+}
+
 PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout) {
+  std::shared_ptr<uint8_t> storage(AllocateHugePageMemory(PackedStorageBytes(q.format, q.rows, q.cols)));
+  EPMOE_CHECK_MSG(storage != nullptr, "cannot allocate a packed matrix");
+  PackedMatrix w = PackMatrixAt(q, layout, storage.get());
+  w.storage = std::move(storage);
+  return w;
+}
+
+PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* memory) {
   EPMOE_CHECK(layout == PackLayout::kNatural || q.rows % kBlockChannels == 0);
   PackedMatrix w;
   w.format = q.format;
   w.layout = layout;
   w.rows = q.rows;
   w.cols = q.cols;
+  const int64_t value_bytes_total = ValueStorageBytes(q.format, q.rows, q.cols);
+  w.values = {memory, static_cast<size_t>(value_bytes_total)};
+  w.scales = {memory + RoundUpTo64(value_bytes_total), static_cast<size_t>(ScaleStorageBytes(q.format, q.rows, q.cols))};
   const int64_t count = q.rows * q.cols;
   const bool blocked = layout == PackLayout::kChannelBlocked;
   switch (q.format) {
@@ -71,18 +105,16 @@ PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout) {
     case WeightFormat::kInt8: {
       const int value_bytes = ValueBytes(q.format);
       w.row_bytes = q.cols * value_bytes;
-      w.values.resize(count * value_bytes);
       // Natural bytes first: int8 as offset binary (q + 128).
       std::vector<uint8_t> natural(count * value_bytes);
       if (q.format == WeightFormat::kFp32) std::memcpy(natural.data(), q.fp32.data(), natural.size());
       if (q.format == WeightFormat::kBf16) std::memcpy(natural.data(), q.bf16.data(), natural.size());
       if (q.format == WeightFormat::kInt8) {
         for (int64_t i = 0; i < count; ++i) natural[i] = static_cast<uint8_t>(static_cast<uint8_t>(q.int8[i]) ^ 0x80);
-        w.scales.resize(q.rows * sizeof(float));
         std::memcpy(w.scales.data(), q.row_scales.data(), w.scales.size());
       }
       if (!blocked) {
-        w.values = std::move(natural);
+        std::memcpy(w.values.data(), natural.data(), natural.size());
         break;
       }
       for (int64_t n = 0; n < q.rows; ++n) {
@@ -97,8 +129,7 @@ PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout) {
       const int block = BlockSize(q.format);
       const int64_t blocks_per_row = q.cols / block;
       w.row_bytes = q.cols / 2;
-      w.values.assign(count / 2, 0);
-      w.scales.resize(count / block);
+      std::memset(w.values.data(), 0, w.values.size());  // codes are or-ed in, nibble by nibble
       w.tensor_scale = q.tensor_scale;
       for (int64_t n = 0; n < q.rows; ++n) {
         for (int64_t b = 0; b < blocks_per_row; ++b) {
