@@ -53,9 +53,12 @@ class MemoryReadProbe {
   double Read(ThreadPool& pool);
 
  private:
-  MemoryReadProbe(std::unique_ptr<std::byte[]> buffer, int64_t bytes, Isa isa)
+  struct Free {
+    void operator()(uint8_t* memory) const;
+  };
+  MemoryReadProbe(std::unique_ptr<uint8_t, Free> buffer, int64_t bytes, Isa isa)
       : buffer_(std::move(buffer)), bytes_(bytes), isa_(isa) {}
-  std::unique_ptr<std::byte[]> buffer_;
+  std::unique_ptr<uint8_t, Free> buffer_;
   int64_t bytes_;
   Isa isa_;
 };

@@ -10,6 +10,7 @@
 #include <new>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "epmoe/thread_pool.h"
 #include "kernels/cpu/limits_kernels.h"
 
@@ -103,17 +104,22 @@ Result<MemoryReadProbe> MemoryReadProbe::Create(ThreadPool& pool, int64_t bytes,
     return InvalidArgument(
         fmt::format("bandwidth buffer of {} bytes is under 64 MB: it would be read from cache", bytes));
   bytes = bytes / kChunk * kChunk;
-  std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[bytes]);
+  // On 2 MiB pages, as the expert stores' weights are.
+  HugePageMemory buffer = AllocateHugePageMemory(bytes);
   if (buffer == nullptr) return OutOfRange(fmt::format("cannot allocate {} bytes for the bandwidth test", bytes));
   // Touch every page with non-zero data so the reads hit real memory.
   pool.ParallelFor(bytes / kChunk, 1, [&](int64_t begin, int64_t end) {
     std::memset(buffer.get() + begin * kChunk, 1, (end - begin) * kChunk);
   });
-  return MemoryReadProbe(std::move(buffer), bytes, isa);
+  return MemoryReadProbe(std::unique_ptr<uint8_t, Free>(buffer.release()), bytes, isa);
+}
+
+void MemoryReadProbe::Free::operator()(uint8_t* memory) const {
+  FreeHugePageMemory{}(memory);
 }
 
 double MemoryReadProbe::Read(ThreadPool& pool) {
-  const std::span<const std::byte> whole(buffer_.get(), bytes_);
+  const std::span<const std::byte> whole(reinterpret_cast<const std::byte*>(buffer_.get()), bytes_);
   return MeasureReadRate(pool, {&whole, 1}, isa_);
 }
 
