@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "epmoe/load.h"
@@ -178,6 +180,27 @@ TEST(ThreadPoolTest, ParallelForCoversEveryIndexOnce) {
     std::atomic<int> calls{0};
     pool.RunOnAll([&](int) { calls++; });
     EXPECT_EQ(calls.load(), threads);
+  }
+}
+
+// Calls back to back (the workers still polling) and after pauses longer than the polling window
+// (the workers asleep), on pools with fewer and more threads than the machine has cores: every call
+// runs on every thread once and returns only when all are done.
+TEST(ThreadPoolTest, CallsWhileWorkersPollAndAfterTheySleep) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  for (int threads : {2, cores + 2}) {
+    ThreadPool pool(threads);
+    for (int call = 0; call < 200; ++call) {
+      std::atomic<int> calls{0};
+      std::vector<int> ran(threads, 0);
+      pool.RunOnAll([&](int thread) {
+        ran[thread] += 1;
+        calls++;
+      });
+      EXPECT_EQ(calls.load(), threads);
+      EXPECT_EQ(ran, std::vector<int>(threads, 1));
+      if (call % 50 == 49) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
   }
 }
 

@@ -2,9 +2,12 @@
 //
 // ParallelFor is called from one thread at a time (the pool is not reentrant: do not call it from
 // inside a task); tasks run on the workers and on the calling thread. With threads = 1 everything
-// runs inline on the caller.
+// runs inline on the caller. While the pool has no more threads than the machine has cores, its
+// threads poll for up to 0.1 ms before they sleep (a worker for the next task, the caller for the
+// workers to finish), so that back-to-back loops do not pay a thread wake-up each.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -39,10 +42,11 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable work_done_;
-  const std::function<void(int)>* task_ = nullptr;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stopping_ = false;
+  const std::function<void(int)>* task_ = nullptr;  // set under mutex_
+  std::atomic<uint64_t> generation_{0};             // changed under mutex_, polled without it
+  std::atomic<int> pending_{0};                     // workers still running the task
+  bool stopping_ = false;                           // under mutex_
+  bool poll_ = false;                               // threads <= cores
 };
 
 }  // namespace epmoe
