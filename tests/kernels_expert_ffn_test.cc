@@ -201,6 +201,25 @@ TEST_P(KernelHarness, OddSizesAndUnevenCounts) {
   for (int e = 0; e < 5; ++e) EXPECT_EQ((*store)->expert_bytes(e), ExpertByteCount(format, hidden, inter));
 }
 
+// fp32, bf16 and int8 avx512 weights are interleaved in groups of 4 channel blocks (64 channels),
+// and a matrix's last group may be short: gate and up of 48 channels (one group of 3 blocks), down
+// of 80 (a group of 4 and one of 1), run by the decode and prefill tiles, whose tiles of 4 and 3
+// blocks then meet groups of other sizes.
+TEST_P(KernelHarness, ShortInterleavedGroups) {
+  const auto [format, isa] = GetParam();
+  if (BlockSize(format) > 1) GTEST_SKIP() << "the 4-bit layouts are not interleaved";
+  constexpr int64_t kHidden = 80, kInter = 48;
+  const std::vector<ExpertWeights> experts = RandomExperts(4, kHidden, kInter, 23);
+  const std::vector<int64_t> offsets = Offsets({1, 3, 7, 40});
+  std::mt19937 rng(29);
+  const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
+  auto store = PackExperts(Pointers(experts), PackOptions{format, IsaName(isa)});
+  ASSERT_TRUE(store.ok()) << store.status().message();
+  EXPECT_EQ((*store)->kernel_name(), std::string(WeightFormatName(format)) + "/" + IsaName(isa));
+  const Matrix actual = RunStore(**store, rows, offsets, 2);
+  EXPECT_LE(NormalizedMaxError(actual, ReferenceOutputs(experts, rows, offsets)), FormatTolerance(format));
+}
+
 // Rows quantized one at a time, elsewhere and in another order (as a row travelling in the kernel's
 // format is quantized on its home rank), then run: bit for bit what Run gives on the fp32 rows.
 TEST_P(KernelHarness, RowsQuantizedApartRunAsRun) {

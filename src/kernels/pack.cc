@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -36,12 +37,16 @@ int64_t RoundUpTo64(int64_t bytes) {
   return (bytes + 63) / 64 * 64;
 }
 
-// Byte offset of value (n, c) of an fp32, bf16 or int8 matrix in the kChannelBlocked layout.
-int64_t BlockedOffset(int64_t cols, int value_bytes, int64_t n, int64_t c) {
+// Byte offset of value (n, c) of an fp32, bf16 or int8 [rows x cols] matrix in the kChannelBlocked
+// layout: its interleaved group of blocks, then input group by input group the group's blocks.
+int64_t BlockedOffset(int64_t rows, int64_t cols, int value_bytes, int64_t n, int64_t c) {
   const int64_t groups = cols * value_bytes / kGroupBytes;
   const int64_t byte = c * value_bytes;
-  return ((n / kBlockChannels) * groups + byte / kGroupBytes) * 64 + (n % kBlockChannels) * kGroupBytes +
-         byte % kGroupBytes;
+  const int64_t block = n / kBlockChannels;
+  const int64_t first = block / kInterleavedBlocks * kInterleavedBlocks;
+  const int64_t blocks_in_group = std::min(kInterleavedBlocks, rows / kBlockChannels - first);
+  const int64_t vector = first * groups + (byte / kGroupBytes) * blocks_in_group + (block - first);
+  return vector * 64 + (n % kBlockChannels) * kGroupBytes + byte % kGroupBytes;
 }
 
 // Position (byte, high nibble?) of 4-bit value (n, c) in the kChannelBlocked layout.
@@ -119,7 +124,7 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
       }
       for (int64_t n = 0; n < q.rows; ++n) {
         for (int64_t c = 0; c < q.cols; ++c)
-          std::memcpy(w.values.data() + BlockedOffset(q.cols, value_bytes, n, c),
+          std::memcpy(w.values.data() + BlockedOffset(q.rows, q.cols, value_bytes, n, c),
                       natural.data() + (n * q.cols + c) * value_bytes, value_bytes);
       }
       break;
@@ -167,7 +172,7 @@ void DequantizePackedRow(const PackedMatrix& w, int64_t n, float* out) {
       if (w.format == WeightFormat::kInt8) std::memcpy(&scale, w.scales.data() + n * sizeof(float), sizeof(float));
       for (int64_t c = 0; c < w.cols; ++c) {
         const uint8_t* at =
-            w.values.data() + (blocked ? BlockedOffset(w.cols, value_bytes, n, c) : (n * w.cols + c) * value_bytes);
+            w.values.data() + (blocked ? BlockedOffset(w.rows, w.cols, value_bytes, n, c) : (n * w.cols + c) * value_bytes);
         if (w.format == WeightFormat::kFp32) {
           std::memcpy(&out[c], at, sizeof(float));
         } else if (w.format == WeightFormat::kBf16) {

@@ -13,9 +13,10 @@
 //          channel's block scale in fp32 (an FMA; mxfp4 prefill: VSCALEFPS by the scale's exponent
 //          and an add, off the VPDPBUSD pipes).
 // A register tile of R rows x B channel blocks takes B weight loads and R broadcasts for R x B
-// multiply-adds. Decode (few rows) streams every weight vector from memory once, the B blocks as B
-// sequential streams; prefill runs taller tiles over weights that stay in L2 (4-bit weights are
-// first expanded to int8 once per panel of channels, then shared by every row tile).
+// multiply-adds. Decode (few rows) streams every weight vector from memory once: fp32, bf16 and
+// int8 tiles span one interleaved group of 4 blocks, one sequential stream; the 4-bit tiles read
+// their blocks as parallel streams. Prefill runs taller tiles over weights that stay in L2 (4-bit
+// weights are first expanded to int8 once per panel of channels, then shared by every row tile).
 // GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* inside shuffles and extracts) as
 // "used uninitialized" once inlined at -O3; the values are never read. Silence only that check.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -59,6 +60,11 @@ inline __m512i BroadcastGroup(const uint8_t* at) {
 // contiguous blocks (each `block_bytes`) that start at `tile`. Past the end of its block, stream j
 // prefetches the start of block j of the next tile, so every stream of the next tile starts warm
 // (prefetching past the end of the matrix is harmless: a prefetch never faults).
+// How far ahead the dense streaming tiles (one stream of interleaved blocks) prefetch: one thread,
+// int8 from memory at 1 / 2 / 4 rows, 1 KB: 34 - 37 / 35 - 36 / 31 - 35 GB/s; 2 KB: 33 - 38 /
+// 32 - 37 / 28 - 34; 3 KB: 31 - 39 / 34 - 38 / 21 - 23; 4 KB: 33 - 39 / 30 - 35 / 19 - 21.
+constexpr int64_t kDensePrefetchBytes = 1024;
+
 inline void PrefetchStream(const uint8_t* tile, int j, int blocks, int64_t block_bytes, int64_t ahead) {
   const int64_t offset = j * block_bytes + ahead + (ahead >= block_bytes ? (blocks - 1) * block_bytes : 0);
   _mm_prefetch(reinterpret_cast<const char*>(tile + offset), _MM_HINT_T1);
@@ -210,19 +216,48 @@ struct DenseTile {
   static void Run(const TileArgs& a) {
     const PackedMatrix& m = *a.weights;
     const int64_t groups = m.cols * Dot::kValueBytes / 4;
-    const uint8_t* w = m.values.data() + a.block * groups * 64;
+    const int64_t blocks = m.rows / kLanes;
+    // Block j's first vector and the distance between its vectors: the size of its interleaved
+    // group (a tile may span two groups, and a matrix's last group may be short).
+    const uint8_t* w[B];
+    int64_t stride[B];
+    for (int j = 0; j < B; ++j) {
+      const int64_t block = a.block + j, first = block / kInterleavedBlocks * kInterleavedBlocks;
+      w[j] = m.values.data() + (first * groups + (block - first)) * 64;
+      stride[j] = std::min(kInterleavedBlocks, blocks - first) * 64;
+    }
     typename Dot::Acc acc[R][B];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < B; ++j) acc[r][j] = Dot::Zero();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512i wv[B];
-      for (int j = 0; j < B; ++j) {
-        if constexpr (kStream) PrefetchStream(w, j, B, groups * 64, g * 64 + kPrefetchBytes);
-        wv[j] = _mm512_loadu_si512(w + (j * groups + g) * 64);
-      }
+    // Input group g of the tile's blocks, into acc.
+    auto step = [&](int64_t g, const __m512i (&wv)[B]) {
       for (int r = 0; r < R; ++r) {
         const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
         for (int j = 0; j < B; ++j) acc[r][j] = Dot::MultiplyAdd(acc[r][j], wv[j], x);
+      }
+    };
+    bool whole_group = true;  // the tile's blocks are one whole group: one pointer, fixed offsets
+    for (int j = 0; j < B; ++j) whole_group = whole_group && stride[j] == B * 64 && w[j] == w[0] + j * 64;
+    if (whole_group) {
+      const uint8_t* at = w[0];
+      for (int64_t g = 0; g < groups; ++g, at += B * 64) {
+        __m512i wv[B];
+        for (int j = 0; j < B; ++j) {
+          // The group is one stream, which runs on into the next group.
+          if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + j * 64 + kDensePrefetchBytes), _MM_HINT_T1);
+          wv[j] = _mm512_loadu_si512(at + j * 64);
+        }
+        step(g, wv);
+      }
+    } else {
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512i wv[B];
+        for (int j = 0; j < B; ++j) {
+          if constexpr (kStream)
+            _mm_prefetch(reinterpret_cast<const char*>(w[j] + g * stride[j] + kDensePrefetchBytes), _MM_HINT_T1);
+          wv[j] = _mm512_loadu_si512(w[j] + g * stride[j]);
+        }
+        step(g, wv);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -294,16 +329,19 @@ class Avx512Kernel : public MatrixKernel {
   }
 };
 
-// The prefill tile: 8 rows x 3 blocks = 24 accumulators, 3 weight vectors and a broadcast.
-constexpr int kPrefillRows = 8, kPrefillBlocks = 3;
-// The decode tile: up to 4 rows x 4 blocks, 4 parallel weight streams.
-constexpr int kStreamBlocks = 4;
+// fp32, bf16 and int8 tiles span one interleaved group of blocks: up to kStreamRows rows, then 6
+// rows (24 accumulators, 4 weight vectors and a broadcast), streaming up to kStreamTallRows rows
+// and over cached weights above. The tile of 8 rows x 3 blocks used before the blocks were
+// interleaved is as fast over cached weights (int8, 192 rows: 447 against 452 GOP/s), but
+// streaming across groups of 4 it is slower (int8, one thread at 5 / 8 / 16 rows: 168 - 208 /
+// 275 - 297 / 324 - 344 GOP/s against 311 - 319 / 331 - 343 / 374 - 385).
+constexpr int kDenseBlocks = static_cast<int>(kInterleavedBlocks), kDenseTallRows = 6;
 
 template <class Dot, WeightFormat kFormat>
 class DenseKernel final : public Avx512Kernel<kFormat> {
  public:
   bool SupportsSize(int64_t size) const override { return size % kLanes == 0; }
-  int64_t channel_tile() const override { return kLanes * kPrefillBlocks; }
+  int64_t channel_tile() const override { return kLanes * kDenseBlocks; }
   int64_t ActivationBytes(int64_t cols) const override {
     return RoundUp(cols * Dot::kValueBytes, 64) + (kFormat == WeightFormat::kInt8 ? 64 : 0);
   }
@@ -334,13 +372,13 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
     const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     if (rows <= kStreamRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows, kStreamBlocks>(base, n_begin / kLanes, n_end / kLanes,
+      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows, kDenseBlocks>(base, n_begin / kLanes, n_end / kLanes,
                                                                              rows);
     } else if (rows <= kStreamTallRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kPrefillRows, kPrefillBlocks>(base, n_begin / kLanes, n_end / kLanes,
-                                                                               rows);
+      RunTiles<DenseTiles<Dot>::template Stream, kDenseTallRows, kDenseBlocks>(base, n_begin / kLanes,
+                                                                                     n_end / kLanes, rows);
     } else {
-      RunTiles<DenseTiles<Dot>::template Cached, kPrefillRows, kPrefillBlocks>(base, n_begin / kLanes, n_end / kLanes,
+      RunTiles<DenseTiles<Dot>::template Cached, kDenseTallRows, kDenseBlocks>(base, n_begin / kLanes, n_end / kLanes,
                                                                                rows);
     }
   }
