@@ -69,12 +69,14 @@ struct KernelBenchPoint {
   // for the kernel's arithmetic path (MachineFigures).
   double read_gbps_used = 0;
   double peak_used = 0;
-  double bandwidth_fraction = 0;  // gbps / read_gbps_used
+  // The fractions are medians over the point's timed runs of each run against the read of its
+  // weights just before it: (bytes / read rate) / time, and max(that, operations / peak) / time.
+  double bandwidth_fraction = 0;
   double operations = 0;          // 2 * picks * 3 * hidden * intermediate
   double gflops = 0;
   double bound_us = 0;           // max(bytes / read_gbps_used, operations / peak_used)
   bool memory_bound = false;     // which term of the bound is larger
-  double roofline_fraction = 0;  // bound_us / us
+  double roofline_fraction = 0;  // about bound_us / us (see bandwidth_fraction)
   int repetitions = 0;
 };
 

@@ -153,6 +153,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   report.limits.int8_gops = peak_or_zero(ArithmeticPath::kInt8Vnni, {});
   std::vector<double> peaks[3] = {{report.limits.fp32_gflops}, {report.limits.bf16_gflops}, {report.limits.int8_gops}};
   std::vector<ArithmeticPath> point_paths;  // the arithmetic path of each point's kernel
+  // Each point's timed runs: time (us) and the read rate of its weights just before (GB/s).
+  std::vector<std::vector<std::pair<double, double>>> point_runs;
 
   say(fmt::format("generating {} experts of {}x{} (fp32 source)", o.experts, o.intermediate, o.hidden));
   std::vector<ExpertWeights> source(o.experts);
@@ -232,6 +234,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       p.repetitions = static_cast<int>(times.size());
       p.us = Median(times);
       p.read_gbps_used = Median(read_gbps);
+      point_runs.emplace_back();
+      for (size_t i = 0; i < times.size(); ++i) point_runs.back().emplace_back(times[i], read_gbps[i]);
       p.gbps = p.bytes / (p.us * 1e-6) / 1e9;
       p.operations = operations_per_pick * static_cast<double>(p.picks);
       p.gflops = p.operations / (p.us * 1e-6) / 1e9;
@@ -302,12 +306,20 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
     p.peak_used = median_peaks[static_cast<int>(point_paths[i])];
-    p.bandwidth_fraction = p.gbps / p.read_gbps_used;
-    const double memory_us = p.bytes / (p.read_gbps_used * 1e9) * 1e6;
     const double arithmetic_us = p.peak_used > 0 ? p.operations / (p.peak_used * 1e9) * 1e6 : 0;
-    p.bound_us = std::max(memory_us, arithmetic_us);
-    p.memory_bound = memory_us >= arithmetic_us;
-    p.roofline_fraction = p.bound_us / p.us;
+    auto memory_us = [&](double read_gbps) { return p.bytes / (read_gbps * 1e9) * 1e6; };
+    p.bound_us = std::max(memory_us(p.read_gbps_used), arithmetic_us);
+    p.memory_bound = memory_us(p.read_gbps_used) >= arithmetic_us;
+    // Each run against the read just before it, then the median: the memory can change speed
+    // between two runs of a point (and back), which medians of times and of reads taken apart
+    // would pair across runs.
+    std::vector<double> bandwidth_fractions, roofline_fractions;
+    for (const auto& [us, read_gbps] : point_runs[i]) {
+      bandwidth_fractions.push_back(memory_us(read_gbps) / us);
+      roofline_fractions.push_back(std::max(memory_us(read_gbps), arithmetic_us) / us);
+    }
+    p.bandwidth_fraction = Median(bandwidth_fractions);
+    p.roofline_fraction = Median(roofline_fractions);
   }
   return report;
 }
