@@ -96,9 +96,9 @@ struct DecodeExperiment {
   double us_per_gb = 0;
   double correlation_bytes = 0;  // Pearson, time vs bytes read
   double correlation_picks = 0;  // Pearson, time vs picks
-  // Pearson, time vs bytes read with each sample's time scaled to the experiment's median bandwidth
-  // (us * read_gbps / median read_gbps): what is left once the memory's own changes of speed
-  // between samples are taken out.
+  // Pearson, bytes read vs each sample's time scaled by the memory's speed (the median over its
+  // runs of each run's time x the read rate of its weights just before it): what is left once the
+  // memory's own changes of speed between runs are taken out.
   double correlation_bytes_steady = 0;
   double median_read_gbps = 0;  // of the samples' read_gbps
 };

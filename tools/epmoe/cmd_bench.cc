@@ -110,7 +110,7 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
   for (const auto& d : r.decode) {
     std::printf(
         "decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f "
-        "(%.3f with each time scaled to the median bandwidth, %.1f GB/s), with picks %.3f\n",
+        "(%.3f with each run's time scaled by its weights' read rate, median %.1f GB/s), with picks %.3f\n",
         WeightFormatName(d.format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
         d.correlation_bytes_steady, d.median_read_gbps, d.correlation_picks);
   }
