@@ -26,10 +26,11 @@ enum class PackLayout {
   // groups of kInterleavedBlocks (the last group of a matrix may have fewer): a group is one
   // contiguous run of vectors, input group by input group, each with the vectors of the group's
   // blocks in order, so that a decode tile over a group reads one sequential stream (one thread
-  // reads 31 - 32 GB/s as one stream, 26 as 4 streams 32 KB apart). 4-bit formats: for each block and chunk of 16 inputs, 128 bytes holding the chunk's 4 vectors
-  // of the int8 arrangement as nibbles (vector 2i in the low nibbles of bytes 64i..64i+63, vector
-  // 2i+1 in the high nibbles); the block scales are stored per block and scale block, 16 codes in
-  // lane order. rows must be a multiple of 16.
+  // reads 31 - 32 GB/s as one stream, 26 as 4 streams 32 KB apart). 4-bit formats: for each
+  // block and chunk of 16 inputs, 128 bytes holding the chunk's 4 vectors of the int8 arrangement
+  // as nibbles (vector 2i in the low nibbles of bytes 64i..64i+63, vector 2i+1 in the high
+  // nibbles); the block scales are stored per block and scale block, 16 codes in lane order. rows
+  // must be a multiple of 16.
   kChannelBlocked,
 };
 

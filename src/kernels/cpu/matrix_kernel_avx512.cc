@@ -67,8 +67,9 @@ inline __m512i BroadcastGroup(const uint8_t* at) {
 constexpr int64_t kFourBitL1PrefetchBytes = 512;
 
 // How far ahead the dense streaming tiles (one stream of interleaved blocks) prefetch: one thread,
-// int8 from memory at 1 / 2 / 4 rows, 1 KB: 34 - 37 / 35 - 36 / 31 - 35 GB/s; 2 KB: 33 - 38 /
-// 32 - 37 / 28 - 34; 3 KB: 31 - 39 / 34 - 38 / 21 - 23; 4 KB: 33 - 39 / 30 - 35 / 19 - 21.
+// int8 from memory at 1 / 2 / 4 rows, 1 KB: 33.6 - 36.4 / 34.3 - 35.0 / 31.1 - 31.9 GB/s; 2 KB:
+// 35.1 - 38.2 / 35.1 - 36.6 / 28.4 - 30.4; 3 KB: 35.1 - 36.7 / 33.8 - 35.9 / 20.8 - 20.9; 4 KB:
+// 34.5 - 36.7 / 32.1 - 32.2 / 20.1 - 20.6.
 constexpr int64_t kDensePrefetchBytes = 1024;
 
 inline void PrefetchStream(const uint8_t* tile, int j, int blocks, int64_t block_bytes, int64_t ahead) {
