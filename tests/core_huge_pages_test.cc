@@ -1,11 +1,11 @@
 // Memory on 2 MiB pages (src/core/huge_pages.h): what rounding up takes, and that such memory is
 // aligned to its pages and all of it usable.
-#include "core/huge_pages.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "core/huge_pages.h"
 
 namespace epmoe {
 namespace {

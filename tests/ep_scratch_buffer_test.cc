@@ -1,12 +1,12 @@
 // The executors' exchange buffers (src/ep/scratch_buffer.h): that a buffer rounds up to huge pages
 // only when asked, grows only when it must, keeps what it was given, and says when its memory was
 // replaced.
-#include "ep/scratch_buffer.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "ep/scratch_buffer.h"
 
 namespace epmoe::ep_internal {
 namespace {

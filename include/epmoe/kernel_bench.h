@@ -72,7 +72,7 @@ struct KernelBenchPoint {
   // The fractions are medians over the point's timed runs of each run against the read of its
   // weights just before it: (bytes / read rate) / time, and max(that, operations / peak) / time.
   double bandwidth_fraction = 0;
-  double operations = 0;          // 2 * picks * 3 * hidden * intermediate
+  double operations = 0;  // 2 * picks * 3 * hidden * intermediate
   double gflops = 0;
   double bound_us = 0;           // max(bytes / read_gbps_used, operations / peak_used)
   bool memory_bound = false;     // which term of the bound is larger

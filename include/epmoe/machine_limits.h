@@ -5,8 +5,8 @@
 // of several repetitions. Thread-safe (the pool is used from one thread at a time).
 #pragma once
 
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>

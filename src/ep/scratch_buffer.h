@@ -1,11 +1,11 @@
 // Memory the a2a executor keeps across steps for its exchanges (not part of the public API).
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-
-#include <fmt/format.h>
 
 #include "core/huge_pages.h"
 #include "epmoe/status.h"

@@ -122,10 +122,9 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
   // down in turn: the decode path streams them, and a single allocation rounds up to whole pages
   // once (a 4-bit matrix of the qwen3-30b-a3b shape alone is 0.75 MB).
   const int64_t hidden = store->hidden_, intermediate = store->intermediate_;
-  const int64_t offsets[4] = {0, PackedStorageBytes(format, intermediate, hidden),
-                              2 * PackedStorageBytes(format, intermediate, hidden),
-                              2 * PackedStorageBytes(format, intermediate, hidden) +
-                                  PackedStorageBytes(format, hidden, intermediate)};
+  const int64_t offsets[4] = {
+      0, PackedStorageBytes(format, intermediate, hidden), 2 * PackedStorageBytes(format, intermediate, hidden),
+      2 * PackedStorageBytes(format, intermediate, hidden) + PackedStorageBytes(format, hidden, intermediate)};
   const int64_t expert_storage = offsets[3];
   store->weights_memory_ = AllocateHugePageMemory(expert_storage * static_cast<int64_t>(experts.size()));
   if (store->weights_memory_ == nullptr)
@@ -183,8 +182,8 @@ Status KernelExpertStore::ImportExpert(int expert, std::span<const std::byte> by
   if (expert < 0 || expert >= num_experts())
     return InvalidArgument(fmt::format("import expert: expert {} outside [0, {})", expert, num_experts()));
   if (static_cast<int64_t>(bytes.size()) != expert_bytes(expert))
-    return InvalidArgument(fmt::format("import expert: expert {} takes {} bytes, got {}", expert, expert_bytes(expert),
-                                       bytes.size()));
+    return InvalidArgument(
+        fmt::format("import expert: expert {} takes {} bytes, got {}", expert, expert_bytes(expert), bytes.size()));
   const std::byte* at = bytes.data();
   for (const std::span<std::byte> part : PartsOf<std::byte>(experts_[expert])) {
     std::memcpy(part.data(), at, part.size());
@@ -208,8 +207,7 @@ int64_t KernelExpertStore::activation_row_bytes() const {
 }
 
 void KernelExpertStore::QuantizeRows(const float* rows, int64_t count, std::byte* out, ThreadPool& pool) const {
-  QuantizeActivationRows(*kernel_, rows, count, hidden_, reinterpret_cast<uint8_t*>(out), activation_row_bytes(),
-                         pool);
+  QuantizeActivationRows(*kernel_, rows, count, hidden_, reinterpret_cast<uint8_t*>(out), activation_row_bytes(), pool);
 }
 
 void KernelExpertStore::Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const {

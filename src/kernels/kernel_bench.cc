@@ -295,7 +295,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       d.correlation_picks = Correlation(picks, us);
       d.median_read_gbps = Median(read_gbps);
       d.correlation_bytes_steady = Correlation(gb, scaled_us);  // (the scale factor does not change r)
-      say(fmt::format("{} decode experiment: {} points, {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by "
+      say(
+          fmt::format("{} decode experiment: {} points, {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by "
                       "the read rate, median {:.1f} GB/s), r(picks) {:.3f}",
                       WeightFormatName(format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
                       d.correlation_bytes_steady, d.median_read_gbps, d.correlation_picks));

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <vector>
 
 #include "core/huge_pages.h"

@@ -53,8 +53,8 @@ int64_t BlockedOffset(int64_t rows, int64_t cols, int value_bytes, int64_t n, in
 void BlockedCodePosition(int64_t cols, int64_t n, int64_t c, int64_t* byte, bool* high) {
   const int64_t chunk = c / 16, within = c % 16;
   const int64_t vector = within / 4;
-  *byte = ((n / kBlockChannels) * (cols / 16) + chunk) * 128 + (vector / 2) * 64 + (n % kBlockChannels) * 4 +
-          within % 4;
+  *byte =
+      ((n / kBlockChannels) * (cols / 16) + chunk) * 128 + (vector / 2) * 64 + (n % kBlockChannels) * 4 + within % 4;
   *high = (vector % 2) == 1;
 }
 
@@ -101,7 +101,8 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
   w.cols = q.cols;
   const int64_t value_bytes_total = ValueStorageBytes(q.format, q.rows, q.cols);
   w.values = {memory, static_cast<size_t>(value_bytes_total)};
-  w.scales = {memory + RoundUpTo64(value_bytes_total), static_cast<size_t>(ScaleStorageBytes(q.format, q.rows, q.cols))};
+  w.scales = {memory + RoundUpTo64(value_bytes_total),
+              static_cast<size_t>(ScaleStorageBytes(q.format, q.rows, q.cols))};
   const int64_t count = q.rows * q.cols;
   const bool blocked = layout == PackLayout::kChannelBlocked;
   switch (q.format) {
@@ -171,8 +172,8 @@ void DequantizePackedRow(const PackedMatrix& w, int64_t n, float* out) {
       float scale = 1;
       if (w.format == WeightFormat::kInt8) std::memcpy(&scale, w.scales.data() + n * sizeof(float), sizeof(float));
       for (int64_t c = 0; c < w.cols; ++c) {
-        const uint8_t* at =
-            w.values.data() + (blocked ? BlockedOffset(w.rows, w.cols, value_bytes, n, c) : (n * w.cols + c) * value_bytes);
+        const uint8_t* at = w.values.data() + (blocked ? BlockedOffset(w.rows, w.cols, value_bytes, n, c)
+                                                       : (n * w.cols + c) * value_bytes);
         if (w.format == WeightFormat::kFp32) {
           std::memcpy(&out[c], at, sizeof(float));
         } else if (w.format == WeightFormat::kBf16) {

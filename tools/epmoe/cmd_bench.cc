@@ -97,8 +97,9 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
               model.expert_intermediate, model.hidden, model.top_k, r.threads, r.isa.c_str());
   std::printf("limits: read %.1f GB/s; fp32 FMA %.0f, bf16 dot %.0f GFLOP/s; int8 VNNI %.0f GOP/s\n",
               r.limits.read_gbps, r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops);
-  std::printf("limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
-              "and roof: medians over the runs of each run against that read\n");
+  std::printf(
+      "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
+      "and roof: medians over the runs of each run against that read\n");
   std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s\n", "kernel", "T", "picks", "touched", "us",
               "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof");
   for (const auto& p : r.points) {

@@ -36,13 +36,12 @@ namespace epmoe::kernels {
 namespace {
 
 constexpr int64_t kLanes = 16;  // output channels per block
-// Rows up to which MatMul streams the weights once with short tiles; more rows run the taller
-// prefill tiles over cached weights.
+// Rows up to which MatMul streams the weights once with short tiles; more rows run taller tiles.
 constexpr int64_t kStreamRows = 4;
-// How far ahead of its loads a streaming tile prefetches each weight stream, into L2 (not L1,
-// whose few miss buffers would then limit the reads in flight): 4 KB per stream covers memory
-// latency at full bandwidth (one thread, 4-bit decode: 1 KB into L1 read 16 GB/s, 4 KB into L2
-// 24 GB/s, a plain read 20 GB/s).
+// How far ahead of its loads a 4-bit streaming tile prefetches each weight stream into L2: 4 KB
+// per stream covers memory latency at full bandwidth (one thread, 4-bit decode: 1 KB into L1 read
+// 16 GB/s, 4 KB into L2 24 GB/s, a plain read 20 GB/s; since session 6 also 512 B into L1, below).
+// The 4-bit prefill expansion prefetches its panel as far ahead.
 constexpr int64_t kPrefetchBytes = 4096;
 
 int64_t RoundUp(int64_t value, int64_t multiple) {
@@ -56,10 +55,6 @@ inline __m512i BroadcastGroup(const uint8_t* at) {
   return _mm512_set1_epi32(group);
 }
 
-// Where a streaming tile prefetches: `ahead` bytes past its current position in block j of the B
-// contiguous blocks (each `block_bytes`) that start at `tile`. Past the end of its block, stream j
-// prefetches the start of block j of the next tile, so every stream of the next tile starts warm
-// (prefetching past the end of the matrix is harmless: a prefetch never faults).
 // The 4-bit streaming tiles prefetch each stream twice: kPrefetchBytes ahead into L2 and this far
 // ahead into L1 (one thread from memory, 1 / 2 / 4 rows, medians of 4 alternated runs: nvfp4 +8 /
 // +18 / +6%, mxfp4 +14 / +7 / +8% against the L2 prefetch alone; 256 B or 1 KB ahead: less). A
@@ -72,6 +67,10 @@ constexpr int64_t kFourBitL1PrefetchBytes = 512;
 // 34.5 - 36.7 / 32.1 - 32.2 / 20.1 - 20.6.
 constexpr int64_t kDensePrefetchBytes = 1024;
 
+// Where a 4-bit streaming tile prefetches: `ahead` bytes past its current position in block j of
+// the B contiguous blocks (each `block_bytes`) that start at `tile`. Past the end of its block,
+// stream j prefetches the start of block j of the next tile, so every stream of the next tile
+// starts warm (prefetching past the end of the matrix is harmless: a prefetch never faults).
 inline void PrefetchStream(const uint8_t* tile, int j, int blocks, int64_t block_bytes, int64_t ahead) {
   const int64_t offset = j * block_bytes + ahead + (ahead >= block_bytes ? (blocks - 1) * block_bytes : 0);
   _mm_prefetch(reinterpret_cast<const char*>(tile + offset), _MM_HINT_T1);
@@ -212,8 +211,8 @@ struct Int8Dot {
   static __m512 Finish(const TileArgs& a, const uint8_t* row, int block, Acc acc) {
     const int64_t tail = RoundUp(a.weights->cols, 64);
     const __m512i dot = _mm512_add_epi32(acc, _mm512_set1_epi32(LoadInt32(row + tail + 4)));
-    const __m512 weight_scales = _mm512_loadu_ps(reinterpret_cast<const float*>(a.weights->scales.data()) +
-                                                 (a.block + block) * kLanes);
+    const __m512 weight_scales =
+        _mm512_loadu_ps(reinterpret_cast<const float*>(a.weights->scales.data()) + (a.block + block) * kLanes);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(weight_scales, _mm512_set1_ps(LoadFloat(row + tail))));
   }
 };
@@ -237,7 +236,7 @@ struct DenseTile {
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < B; ++j) acc[r][j] = Dot::Zero();
     // Input group g of the tile's blocks, into acc.
-    auto step = [&](int64_t g, const __m512i (&wv)[B]) {
+    auto step = [&](int64_t g, const __m512i(&wv)[B]) {
       for (int r = 0; r < R; ++r) {
         const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
         for (int j = 0; j < B; ++j) acc[r][j] = Dot::MultiplyAdd(acc[r][j], wv[j], x);
@@ -251,7 +250,8 @@ struct DenseTile {
         __m512i wv[B];
         for (int j = 0; j < B; ++j) {
           // The group is one stream, which runs on into the next group.
-          if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + j * 64 + kDensePrefetchBytes), _MM_HINT_T1);
+          if constexpr (kStream)
+            _mm_prefetch(reinterpret_cast<const char*>(at + j * 64 + kDensePrefetchBytes), _MM_HINT_T1);
           wv[j] = _mm512_loadu_si512(at + j * 64);
         }
         step(g, wv);
@@ -380,10 +380,10 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
     const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     if (rows <= kStreamRows) {
       RunTiles<DenseTiles<Dot>::template Stream, kStreamRows, kDenseBlocks>(base, n_begin / kLanes, n_end / kLanes,
-                                                                             rows);
+                                                                            rows);
     } else if (rows <= kStreamTallRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kDenseTallRows, kDenseBlocks>(base, n_begin / kLanes,
-                                                                                     n_end / kLanes, rows);
+      RunTiles<DenseTiles<Dot>::template Stream, kDenseTallRows, kDenseBlocks>(base, n_begin / kLanes, n_end / kLanes,
+                                                                               rows);
     } else {
       RunTiles<DenseTiles<Dot>::template Cached, kDenseTallRows, kDenseBlocks>(base, n_begin / kLanes, n_end / kLanes,
                                                                                rows);
