@@ -235,37 +235,30 @@ struct DenseTile {
     typename Dot::Acc acc[R][B];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < B; ++j) acc[r][j] = Dot::Zero();
-    // Input group g of the tile's blocks, into acc.
-    auto step = [&](int64_t g, const __m512i(&wv)[B]) {
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
-        for (int j = 0; j < B; ++j) acc[r][j] = Dot::MultiplyAdd(acc[r][j], wv[j], x);
-      }
-    };
-    bool whole_group = true;  // the tile's blocks are one whole group: one pointer, fixed offsets
-    for (int j = 0; j < B; ++j) whole_group = whole_group && stride[j] == B * 64 && w[j] == w[0] + j * 64;
-    if (whole_group) {
-      const uint8_t* at = w[0];
-      for (int64_t g = 0; g < groups; ++g, at += B * 64) {
-        __m512i wv[B];
-        for (int j = 0; j < B; ++j) {
-          // The group is one stream, which runs on into the next group.
-          if constexpr (kStream)
-            _mm_prefetch(reinterpret_cast<const char*>(at + j * 64 + kDensePrefetchBytes), _MM_HINT_T1);
-          wv[j] = _mm512_loadu_si512(at + j * 64);
-        }
-        step(g, wv);
-      }
-    } else {
+    // Every input group of the tile's blocks into acc, block j's vector of group g at address(j, g).
+    auto run = [&](auto address) {
       for (int64_t g = 0; g < groups; ++g) {
         __m512i wv[B];
         for (int j = 0; j < B; ++j) {
-          if constexpr (kStream)
-            _mm_prefetch(reinterpret_cast<const char*>(w[j] + g * stride[j] + kDensePrefetchBytes), _MM_HINT_T1);
-          wv[j] = _mm512_loadu_si512(w[j] + g * stride[j]);
+          const uint8_t* at = address(j, g);
+          // A group is one stream, which runs on into the next group.
+          if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + kDensePrefetchBytes), _MM_HINT_T1);
+          wv[j] = _mm512_loadu_si512(at);
         }
-        step(g, wv);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
+          for (int j = 0; j < B; ++j) acc[r][j] = Dot::MultiplyAdd(acc[r][j], wv[j], x);
+        }
       }
+    };
+    // A tile over one whole group (the usual case) addresses it from one pointer with fixed offsets,
+    // which the cached tiles run faster (192 rows: 0.95 - 0.96 of the time of per-block strides).
+    bool whole_group = true;
+    for (int j = 0; j < B; ++j) whole_group = whole_group && stride[j] == B * 64 && w[j] == w[0] + j * 64;
+    if (whole_group) {
+      run([&](int j, int64_t g) { return w[0] + (g * B + j) * 64; });
+    } else {
+      run([&](int j, int64_t g) { return w[j] + g * stride[j]; });
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* row = a.acts + r * a.act_stride;
