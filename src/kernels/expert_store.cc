@@ -122,10 +122,9 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
   // down in turn: the decode path streams them, and a single allocation rounds up to whole pages
   // once (a 4-bit matrix of the qwen3-30b-a3b shape alone is 0.75 MB).
   const int64_t hidden = store->hidden_, intermediate = store->intermediate_;
-  const int64_t offsets[4] = {
-      0, PackedStorageBytes(format, intermediate, hidden), 2 * PackedStorageBytes(format, intermediate, hidden),
-      2 * PackedStorageBytes(format, intermediate, hidden) + PackedStorageBytes(format, hidden, intermediate)};
-  const int64_t expert_storage = offsets[3];
+  const int64_t gate_storage = PackedStorageBytes(format, intermediate, hidden);  // and up's
+  const int64_t offsets[3] = {0, gate_storage, 2 * gate_storage};
+  const int64_t expert_storage = 2 * gate_storage + PackedStorageBytes(format, hidden, intermediate);
   store->weights_memory_ = AllocateHugePageMemory(expert_storage * static_cast<int64_t>(experts.size()));
   if (store->weights_memory_ == nullptr)
     return OutOfRange(fmt::format("cannot allocate {} bytes for {} packed experts",

@@ -4,11 +4,11 @@
 // intermediate rows, down). Two paths by rows per expert: decode (up to kDecodeMaxRows rows: one
 // pass over the expert's weights, split into small channel blocks so few experts still spread over
 // every thread; a thread takes runs of one expert's consecutive blocks, so that its weight reads
-// stay one sequential stream) and prefill (more rows: cache-blocked, row blocks sized for L2 and weight blocks
-// re-read from L2, register tiles inside). Immutable after construction; Run is thread-safe. Run
-// keeps its scratch (the step's rows in the kernel's format, the intermediate rows in fp32 and in
-// the kernel's format) per calling thread between calls, sized by the largest step that thread ran:
-// a serving loop's steady state then takes no page faults.
+// stay one sequential stream) and prefill (more rows: cache-blocked, row blocks sized for L2 and
+// weight blocks re-read from L2, register tiles inside). Immutable after construction; Run is
+// thread-safe. Run keeps its scratch (the step's rows in the kernel's format, the intermediate
+// rows in fp32 and in the kernel's format) per calling thread between calls, sized by the largest
+// step that thread ran: a serving loop's steady state then takes no page faults.
 #pragma once
 
 #include <memory>

@@ -111,22 +111,21 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
     case WeightFormat::kInt8: {
       const int value_bytes = ValueBytes(q.format);
       w.row_bytes = q.cols * value_bytes;
-      // Natural bytes first: int8 as offset binary (q + 128).
-      std::vector<uint8_t> natural(count * value_bytes);
-      if (q.format == WeightFormat::kFp32) std::memcpy(natural.data(), q.fp32.data(), natural.size());
-      if (q.format == WeightFormat::kBf16) std::memcpy(natural.data(), q.bf16.data(), natural.size());
+      // Natural bytes first (int8 as offset binary, q + 128): the values themselves, or a copy that
+      // is then reordered.
+      std::vector<uint8_t> reordered_from(blocked ? count * value_bytes : 0);
+      uint8_t* natural = blocked ? reordered_from.data() : w.values.data();
+      if (q.format == WeightFormat::kFp32) std::memcpy(natural, q.fp32.data(), count * value_bytes);
+      if (q.format == WeightFormat::kBf16) std::memcpy(natural, q.bf16.data(), count * value_bytes);
       if (q.format == WeightFormat::kInt8) {
         for (int64_t i = 0; i < count; ++i) natural[i] = static_cast<uint8_t>(static_cast<uint8_t>(q.int8[i]) ^ 0x80);
         std::memcpy(w.scales.data(), q.row_scales.data(), w.scales.size());
       }
-      if (!blocked) {
-        std::memcpy(w.values.data(), natural.data(), natural.size());
-        break;
-      }
+      if (!blocked) break;
       for (int64_t n = 0; n < q.rows; ++n) {
         for (int64_t c = 0; c < q.cols; ++c)
           std::memcpy(w.values.data() + BlockedOffset(q.rows, q.cols, value_bytes, n, c),
-                      natural.data() + (n * q.cols + c) * value_bytes, value_bytes);
+                      natural + (n * q.cols + c) * value_bytes, value_bytes);
       }
       break;
     }
