@@ -1,5 +1,6 @@
 // Model presets, weight-format sizes, synthetic weights, the thread pool and ExpertLoad.
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -181,6 +182,14 @@ TEST(ThreadPoolTest, ParallelForCoversEveryIndexOnce) {
     pool.RunOnAll([&](int) { calls++; });
     EXPECT_EQ(calls.load(), threads);
   }
+}
+
+TEST(ThreadPoolTest, UsableCoresAreTheAffinityMask) {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
+  EXPECT_EQ(UsableCores(), CPU_COUNT(&cpus));
+  EXPECT_GE(UsableCores(), 1);
 }
 
 // Calls back to back (the workers still polling) and after pauses longer than the polling window

@@ -2,9 +2,10 @@
 //
 // ParallelFor is called from one thread at a time (the pool is not reentrant: do not call it from
 // inside a task); tasks run on the workers and on the calling thread. With threads = 1 everything
-// runs inline on the caller. While the pool has no more threads than the machine has cores, its
-// threads poll for up to 0.1 ms before they sleep (a worker for the next task, the caller for the
-// workers to finish), so that back-to-back loops do not pay a thread wake-up each.
+// runs inline on the caller. While the pool has no more threads than the process may run on
+// (UsableCores), its threads poll for up to 0.1 ms before they sleep (a worker for the next task,
+// the caller for the workers to finish), so that back-to-back loops do not pay a thread wake-up
+// each.
 #pragma once
 
 #include <atomic>
@@ -16,6 +17,9 @@
 #include <vector>
 
 namespace epmoe {
+
+// The CPUs this process may run on (its affinity mask, which mpirun's binding narrows); at least 1.
+int UsableCores();
 
 class ThreadPool {
  public:

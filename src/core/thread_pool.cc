@@ -1,5 +1,7 @@
 #include "epmoe/thread_pool.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -34,10 +36,17 @@ bool PollBriefly(const Done& done) {
 
 }  // namespace
 
+int UsableCores() {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return std::max(1, CPU_COUNT(&cpus));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   // Polling only helps while every thread has a core of its own.
-  poll_ = threads <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  poll_ = threads <= UsableCores();
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 

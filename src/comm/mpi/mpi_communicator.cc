@@ -14,8 +14,6 @@
 // enters the collective or none does.
 #include <mpi.h>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -31,6 +29,7 @@
 #include <fmt/ranges.h>
 
 #include "epmoe/comm.h"
+#include "epmoe/thread_pool.h"
 
 namespace epmoe {
 namespace {
@@ -98,8 +97,8 @@ constexpr auto kYieldPhase = std::chrono::milliseconds(2);
 constexpr auto kOversubscribedYieldPhase = std::chrono::microseconds(300);
 constexpr auto kSleepStep = std::chrono::microseconds(20);
 
-// Whether the ranks on this node outnumber the cores this process may run on (set once, when the
-// world communicator is created).
+// Whether the ranks on this node outnumber the cores this process may run on (UsableCores; set
+// once, when the world communicator is created).
 std::atomic<bool> g_cores_oversubscribed{false};
 
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
@@ -753,10 +752,7 @@ Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& optio
                                  "MPI_Comm_split_type", rank));
   int local_ranks = 1;
   MPI_Comm_size(shared, &local_ranks);
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
-  g_cores_oversubscribed.store(cores > 0 && local_ranks > cores, std::memory_order_relaxed);
+  g_cores_oversubscribed.store(local_ranks > UsableCores(), std::memory_order_relaxed);
   if (options.ranks_per_node > 0) {
     MPI_Comm_free(&shared);
     for (int r = 0; r < size; ++r) nodes[r] = r / options.ranks_per_node;
