@@ -203,8 +203,9 @@ TEST_P(KernelHarness, OddSizesAndUnevenCounts) {
 
 // fp32, bf16 and int8 avx512 weights are interleaved in groups of 4 channel blocks (64 channels),
 // and a matrix's last group may be short: gate and up of 48 channels (one group of 3 blocks), down
-// of 80 (a group of 4 and one of 1), run by the decode and prefill tiles, whose tiles of 4 and 3
-// blocks then meet groups of other sizes.
+// of 80 (a group of 4 and one of 1). 1 and 3 rows run the short streaming tiles, 7 the 6-row
+// streaming tile, 40 the tiles over cached weights: tiles of 4 blocks that then meet the short
+// groups.
 TEST_P(KernelHarness, ShortInterleavedGroups) {
   const auto [format, isa] = GetParam();
   if (BlockSize(format) > 1) GTEST_SKIP() << "the 4-bit layouts are not interleaved";
