@@ -250,7 +250,19 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       std::mt19937_64 rng(o.seed * 31 + 5);
       std::uniform_int_distribution<int> token_count(o.decode_min_tokens, o.decode_max_tokens);
       const int per_rank = o.experts / o.decode_ranks;
-      std::vector<double> scaled_us;  // per sample, see below
+      // Every sample first, then its repetitions in passes over all of them: a sample's runs are
+      // spread over the whole experiment, so that a change in the memory's speed or a disturbance
+      // from outside falls on one run of many samples (which each one's median leaves out, or
+      // which all of them share) instead of on every run of a few (which the correlation would
+      // take for the samples' own cost).
+      struct Pending {
+        DecodeSample sample;
+        std::vector<int64_t> offsets;
+        std::vector<std::span<const std::byte>> weights;  // the touched experts' bytes
+        uint64_t rows_seed;
+        std::vector<double> times, read_gbps;
+      };
+      std::vector<Pending> pending;
       for (int step = 0; step < o.decode_steps; ++step) {
         const int tokens = token_count(rng);
         const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 104729 + step);
@@ -266,22 +278,26 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
             if (counts[e] > 0) s.bytes += store->expert_bytes(e);
           }
           if (s.picks == 0) continue;
-          const std::vector<int64_t> offsets = OffsetsOf(local);
-          const Matrix rows = RandomRows(s.picks, o.hidden, o.seed + step * 131 + rank, pool);
-          Matrix out(rows.rows, rows.cols);
-          const std::vector<std::span<const std::byte>> weights = touched_bytes(*store, local);
-          std::vector<double> times, read_gbps;
-          for (int rep = 0; rep < std::max(1, o.decode_repetitions); ++rep)
-            times.push_back(timed_run(*store, weights, rows, offsets, &out, &read_gbps));
-          s.us = Median(times);
-          s.read_gbps = Median(read_gbps);
-          d.samples.push_back(s);
-          // Run by run, time x the read rate just before it: the time the run would have taken at
-          // 1 GB/s of memory, which the memory's changes of speed between runs leave alone.
-          std::vector<double> scaled;
-          for (size_t i = 0; i < times.size(); ++i) scaled.push_back(times[i] * read_gbps[i]);
-          scaled_us.push_back(Median(scaled));
+          pending.push_back({s, OffsetsOf(local), touched_bytes(*store, local), o.seed + step * 131 + rank, {}, {}});
         }
+      }
+      for (int rep = 0; rep < std::max(1, o.decode_repetitions); ++rep) {
+        for (Pending& p : pending) {
+          const Matrix rows = RandomRows(p.sample.picks, o.hidden, p.rows_seed, pool);
+          Matrix out(rows.rows, rows.cols);
+          p.times.push_back(timed_run(*store, p.weights, rows, p.offsets, &out, &p.read_gbps));
+        }
+      }
+      std::vector<double> scaled_us;  // per sample, see below
+      for (Pending& p : pending) {
+        p.sample.us = Median(p.times);
+        p.sample.read_gbps = Median(p.read_gbps);
+        d.samples.push_back(p.sample);
+        // Run by run, time x the read rate just before it: the time the run would have taken at
+        // 1 GB/s of memory, which the memory's changes of speed between runs leave alone.
+        std::vector<double> scaled;
+        for (size_t i = 0; i < p.times.size(); ++i) scaled.push_back(p.times[i] * p.read_gbps[i]);
+        scaled_us.push_back(Median(scaled));
       }
       std::vector<double> gb, picks, us, read_gbps;
       for (const auto& s : d.samples) {
