@@ -26,6 +26,24 @@ namespace {
 constexpr int64_t kCols = 2048;                      // qwen3-30b-a3b hidden size
 constexpr int64_t kMatrixBytes = int64_t{96} << 20;  // three times the L3 of the reference CPU
 
+// A [rows x cols] matrix of values uniform in [-bound, bound], drawn from `seed`.
+Matrix UniformMatrix(int64_t rows, int64_t cols, float bound, uint32_t seed) {
+  Matrix m(rows, cols);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-bound, bound);
+  for (float& v : m.data) v = dist(rng);
+  return m;
+}
+
+// `rows` activation rows of kCols features in `kernel`'s format, stride ActivationBytes(kCols).
+std::vector<uint8_t> QuantizedRows(const MatrixKernel& kernel, int64_t rows, uint32_t seed) {
+  const Matrix x = UniformMatrix(rows, kCols, 1.0f, seed);
+  const int64_t stride = kernel.ActivationBytes(kCols);
+  std::vector<uint8_t> acts(rows * stride);
+  for (int64_t r = 0; r < rows; ++r) kernel.QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
+  return acts;
+}
+
 struct Fixture {
   std::unique_ptr<MatrixKernel> kernel;
   PackedMatrix weights;
@@ -39,11 +57,7 @@ const Fixture& FixtureFor(WeightFormat format) {
   f.kernel = ChooseKernel(format, BestSupportedIsa(), kCols, kCols);
   // A whole number of 16-channel blocks, as the AVX-512 layout needs.
   const int64_t rows = kMatrixBytes / std::max<int64_t>(1, ByteCount(format, 16, kCols)) * 16;
-  Matrix m(rows, kCols);
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> dist(-0.02f, 0.02f);
-  for (float& v : m.data) v = dist(rng);
-  f.weights = PackMatrix(*Quantize(format, m), f.kernel->layout());
+  f.weights = PackMatrix(*Quantize(format, UniformMatrix(rows, kCols, 0.02f, 1)), f.kernel->layout());
   return cache.emplace(format, std::move(f)).first->second;
 }
 
@@ -51,15 +65,7 @@ void BM_MatMul(benchmark::State& state) {
   const auto format = static_cast<WeightFormat>(state.range(0));
   const int64_t rows = state.range(1);
   const Fixture& f = FixtureFor(format);
-  const int64_t stride = f.kernel->ActivationBytes(kCols);
-  std::vector<uint8_t> acts(rows * stride);
-  std::vector<float> x(kCols);
-  std::mt19937 rng(2);
-  std::uniform_real_distribution<float> dist(-1, 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (float& v : x) v = dist(rng);
-    f.kernel->QuantizeActivations(x.data(), kCols, acts.data() + r * stride);
-  }
+  const std::vector<uint8_t> acts = QuantizedRows(*f.kernel, rows, 2);
   const int64_t channels = f.weights.rows;
   std::vector<float> out(rows * channels);
   for (auto _ : state) {
@@ -97,18 +103,9 @@ void BM_MatMulCached(benchmark::State& state) {
   const int64_t kRows = state.range(1);
   constexpr int64_t kChannels = 192;
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, BestSupportedIsa(), kCols, kCols);
-  Matrix m(kChannels, kCols);
-  std::mt19937 rng(3);
-  std::uniform_real_distribution<float> dist(-0.02f, 0.02f);
-  for (float& v : m.data) v = dist(rng);
-  const PackedMatrix weights = PackMatrix(*Quantize(format, m), kernel->layout());
-  const int64_t stride = kernel->ActivationBytes(kCols);
-  std::vector<uint8_t> acts(kRows * stride);
-  std::vector<float> x(kCols);
-  for (int64_t r = 0; r < kRows; ++r) {
-    for (float& v : x) v = dist(rng);
-    kernel->QuantizeActivations(x.data(), kCols, acts.data() + r * stride);
-  }
+  const PackedMatrix weights =
+      PackMatrix(*Quantize(format, UniformMatrix(kChannels, kCols, 0.02f, 3)), kernel->layout());
+  const std::vector<uint8_t> acts = QuantizedRows(*kernel, kRows, 3);
   std::vector<float> out(kRows * kChannels);
   for (auto _ : state) {
     kernel->MatMul(weights, 0, kChannels, acts.data(), kRows, out.data(), kChannels);
@@ -126,18 +123,15 @@ void BM_QuantizeActivations(benchmark::State& state) {
   const auto format = static_cast<WeightFormat>(state.range(0));
   constexpr int64_t kRows = 64;
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, BestSupportedIsa(), kCols, kCols);
-  Matrix x(kRows, kCols);
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> unit(-1, 1);
-  for (float& v : x.data) v = unit(rng);
+  const Matrix x = UniformMatrix(kRows, kCols, 1.0f, 7);
   const int64_t stride = kernel->ActivationBytes(kCols);
   std::vector<uint8_t> out(kRows * stride);
   for (auto _ : state) {
     for (int64_t r = 0; r < kRows; ++r) kernel->QuantizeActivations(x.row(r), kCols, out.data() + r * stride);
     benchmark::DoNotOptimize(out.data());
   }
-  state.counters["rows/s"] = benchmark::Counter(static_cast<double>(kRows * state.iterations()),
-                                                benchmark::Counter::kIsRate);
+  state.counters["rows/s"] =
+      benchmark::Counter(static_cast<double>(kRows * state.iterations()), benchmark::Counter::kIsRate);
   state.SetLabel(std::string(WeightFormatName(format)) + "/" + IsaName(kernel->isa()));
 }
 
@@ -150,8 +144,8 @@ void BM_Peak(benchmark::State& state) {
                                                      : ArithmeticLoopAvx2(path, 1 << 16, &sink);
   }
   benchmark::DoNotOptimize(sink);
-  state.counters["GOP/s"] = benchmark::Counter(static_cast<double>(operations), benchmark::Counter::kIsRate,
-                                               benchmark::Counter::kIs1000);
+  state.counters["GOP/s"] =
+      benchmark::Counter(static_cast<double>(operations), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
   state.SetLabel(ArithmeticPathName(path));
 }
 
@@ -186,10 +180,7 @@ ExpertStore* StoreFor(WeightFormat format, int count, benchmark::State& state) {
 void RunStore(benchmark::State& state, const ExpertStore& store, const std::vector<int64_t>& counts, ThreadPool& pool) {
   std::vector<int64_t> offsets(counts.size() + 1, 0);
   for (size_t e = 0; e < counts.size(); ++e) offsets[e + 1] = offsets[e] + counts[e];
-  Matrix x(offsets.back(), kCols);
-  std::mt19937 rng(5);
-  std::uniform_real_distribution<float> unit(-1, 1);
-  for (float& v : x.data) v = unit(rng);
+  const Matrix x = UniformMatrix(offsets.back(), kCols, 1.0f, 5);
   Matrix out(offsets.back(), kCols);
   for (auto _ : state) {
     store.Run(x.data.data(), offsets, out.data.data(), pool);
