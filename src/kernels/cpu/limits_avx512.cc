@@ -11,7 +11,7 @@ uint64_t ReadSumAvx512(const uint8_t* data, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 256) {
     // Read 4 KB ahead into L2, as the kernels' streams read ahead too: the hardware prefetchers
     // alone leave bandwidth unused (a plain loop read 20 GB/s on one thread where the int8 kernel
-    // streamed 25; with 1 - 8 KB ahead one thread reads alike, 31 - 33).
+    // streamed 25; with 1 - 8 KB ahead one thread reads alike, 30 - 33).
     for (int line = 0; line < 256; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(data + i + 4096 + line), _MM_HINT_T1);
     a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(data + i));

@@ -40,7 +40,7 @@ constexpr int64_t kLanes = 16;  // output channels per block
 constexpr int64_t kStreamRows = 4;
 // How far ahead of its loads a 4-bit streaming tile prefetches each weight stream into L2. One
 // thread alone needs 4 KB (1 KB into L1 read 16 GB/s, 4 KB into L2 24). Two threads, each near the
-// most one core reads (31 - 33 GB/s, which the memory's fast state asks of both: 55 - 63 GB/s
+// most one core reads (30 - 36 GB/s, which the memory's fast state asks of both: 55 - 63 GB/s
 // together), need more: the layer in the fast state, medians of alternated runs, nvfp4 T = 1 / 8 /
 // 16: 2 KB 0.60 / 0.66 / 0.65 of the bound, 4 KB 0.72 - 0.73 / 0.79 - 0.81 / 0.74 - 0.80, 8 KB 0.74
 // - 0.80 / 0.79 - 0.86 / 0.78 - 0.84, 12 and 16 KB 0.70 - 0.80; in the slow state all level. The
