@@ -204,14 +204,15 @@ TEST_P(KernelHarness, OddSizesAndUnevenCounts) {
 // fp32, bf16 and int8 avx512 weights are interleaved in groups of 4 channel blocks (64 channels),
 // and a matrix's last group may be short: gate and up of 48 channels (one group of 3 blocks), down
 // of 80 (a group of 4 and one of 1). 1 and 3 rows run the short streaming tiles, 7 the 6-row
-// streaming tile, 40 the tiles over cached weights: tiles of 4 blocks that then meet the short
-// groups.
+// streaming tile, 14 a column of three 6-row streaming tiles per group (run group by group, each
+// prefetching the next), 40 the tiles over cached weights: tiles of 4 blocks that then meet the
+// short groups.
 TEST_P(KernelHarness, ShortInterleavedGroups) {
   const auto [format, isa] = GetParam();
   if (BlockSize(format) > 1) GTEST_SKIP() << "the 4-bit layouts are not interleaved";
   constexpr int64_t kHidden = 80, kInter = 48;
-  const std::vector<ExpertWeights> experts = RandomExperts(4, kHidden, kInter, 23);
-  const std::vector<int64_t> offsets = Offsets({1, 3, 7, 40});
+  const std::vector<ExpertWeights> experts = RandomExperts(5, kHidden, kInter, 23);
+  const std::vector<int64_t> offsets = Offsets({1, 3, 7, 14, 40});
   std::mt19937 rng(29);
   const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
   auto store = PackExperts(Pointers(experts), PackOptions{format, IsaName(isa)});
