@@ -3,6 +3,7 @@
 // its dot product wants them and multiplies them with rows of packed weights.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -36,6 +37,17 @@ enum class PackLayout {
 
 // Channel blocks per interleaved group of the kChannelBlocked fp32, bf16 and int8 layout.
 constexpr int64_t kInterleavedBlocks = 4;
+
+// The interleaved group that holds channel block `block` of a matrix of `blocks` blocks: its first
+// block and its number of blocks (kInterleavedBlocks, fewer for a matrix's short last group).
+struct InterleavedGroup {
+  int64_t first;
+  int64_t count;
+};
+inline InterleavedGroup InterleavedGroupOf(int64_t block, int64_t blocks) {
+  const int64_t first = block / kInterleavedBlocks * kInterleavedBlocks;
+  return {first, std::min(kInterleavedBlocks, blocks - first)};
+}
 
 // One [rows x cols] weight matrix in a kernel's layout. The byte count equals ByteCount(format,
 // rows, cols): the same encoded values as QuantizedMatrix, reordered. Immutable after packing

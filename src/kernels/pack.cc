@@ -1,4 +1,3 @@
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -43,9 +42,8 @@ int64_t BlockedOffset(int64_t rows, int64_t cols, int value_bytes, int64_t n, in
   const int64_t groups = cols * value_bytes / kGroupBytes;
   const int64_t byte = c * value_bytes;
   const int64_t block = n / kBlockChannels;
-  const int64_t first = block / kInterleavedBlocks * kInterleavedBlocks;
-  const int64_t blocks_in_group = std::min(kInterleavedBlocks, rows / kBlockChannels - first);
-  const int64_t vector = first * groups + (byte / kGroupBytes) * blocks_in_group + (block - first);
+  const InterleavedGroup group = InterleavedGroupOf(block, rows / kBlockChannels);
+  const int64_t vector = group.first * groups + (byte / kGroupBytes) * group.count + (block - group.first);
   return vector * 64 + (n % kBlockChannels) * kGroupBytes + byte % kGroupBytes;
 }
 

@@ -231,9 +231,9 @@ struct DenseTile {
     const uint8_t* w[B];
     int64_t stride[B];
     for (int j = 0; j < B; ++j) {
-      const int64_t block = a.block + j, first = block / kInterleavedBlocks * kInterleavedBlocks;
-      w[j] = m.values.data() + (first * groups + (block - first)) * 64;
-      stride[j] = std::min(kInterleavedBlocks, blocks - first) * 64;
+      const InterleavedGroup group = InterleavedGroupOf(a.block + j, blocks);
+      w[j] = m.values.data() + (group.first * groups + (a.block + j - group.first)) * 64;
+      stride[j] = group.count * 64;
     }
     typename Dot::Acc acc[R][B];
     for (int r = 0; r < R; ++r)
