@@ -270,7 +270,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
         DecodeSample sample;
         std::vector<int64_t> offsets;
         std::vector<std::span<const std::byte>> weights;  // the touched experts' bytes
-        uint64_t rows_seed;
+        Matrix rows;  // one rank's share of a step's picks: all samples hold each step's rows once (at most 32 MB)
         std::vector<double> times, read_gbps;
       };
       std::vector<Pending> pending;
@@ -289,14 +289,18 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
             if (counts[e] > 0) s.bytes += store->expert_bytes(e);
           }
           if (s.picks == 0) continue;
-          pending.push_back({s, OffsetsOf(local), touched_bytes(*store, local), o.seed + step * 131 + rank, {}, {}});
+          pending.push_back({s,
+                             OffsetsOf(local),
+                             touched_bytes(*store, local),
+                             RandomRows(s.picks, o.hidden, o.seed + step * 131 + rank, pool),
+                             {},
+                             {}});
         }
       }
       for (int rep = 0; rep < std::max(1, o.decode_repetitions); ++rep) {
         for (Pending& p : pending) {
-          const Matrix rows = RandomRows(p.sample.picks, o.hidden, p.rows_seed, pool);
-          Matrix out(rows.rows, rows.cols);
-          p.times.push_back(timed_run(*store, p.weights, rows, p.offsets, &out, &p.read_gbps));
+          Matrix out(p.rows.rows, p.rows.cols);
+          p.times.push_back(timed_run(*store, p.weights, p.rows, p.offsets, &out, &p.read_gbps));
         }
       }
       std::vector<double> scaled_us;  // per sample, see below
