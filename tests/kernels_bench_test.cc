@@ -78,8 +78,13 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
     EXPECT_NEAR(p.bandwidth_fraction, p.gbps / p.read_gbps_used, 1e-9 * p.bandwidth_fraction);
     EXPECT_GT(p.peak_used, 0);
     EXPECT_GT(p.read_gbps_used, 0);
-    EXPECT_NEAR(p.bound_us, std::max(p.bytes / (p.read_gbps_used * 1e3), p.operations / (p.peak_used * 1e3)),
-                1e-6 * p.bound_us);
+    const double memory_us = p.bytes / (p.read_gbps_used * 1e3), arithmetic_us = p.operations / (p.peak_used * 1e3);
+    EXPECT_NEAR(p.bound_us, std::max(memory_us, arithmetic_us), 1e-6 * p.bound_us);
+    // Expert by expert, each term is one expert's share of the whole's: the sum of the maxima lies
+    // between the maximum of the sums and the sum of both.
+    EXPECT_GE(p.expert_bound_us, p.bound_us * (1 - 1e-9));
+    EXPECT_LE(p.expert_bound_us, (memory_us + arithmetic_us) * (1 + 1e-9));
+    EXPECT_NEAR(p.expert_roofline_fraction, p.expert_bound_us / p.us, 1e-9 * p.expert_roofline_fraction);
   }
   ASSERT_EQ(report->decode.size(), 2u);
   for (const auto& d : report->decode) {

@@ -77,6 +77,15 @@ struct KernelBenchPoint {
   double bound_us = 0;           // max(bytes / read_gbps_used, operations / peak_used)
   bool memory_bound = false;     // which term of the bound is larger
   double roofline_fraction = 0;  // about bound_us / us (see bandwidth_fraction)
+  // The bound taken expert by expert: the sum over touched experts of max(expert bytes / read rate,
+  // expert operations / peak). A layer that runs its experts one after another, all threads on one
+  // expert at a time (as ExpertStore::Run hands out its work), cannot beat it: an expert with few
+  // rows waits for memory, one with many for arithmetic, and the whole layer's bound lets the two
+  // overlap. Only a schedule that runs a memory-bound expert on one core beside an arithmetic-bound
+  // one on another could beat it, and only where one core can read more than its share of the
+  // bandwidth. Equal to bound_us where every touched expert is bound by the same term.
+  double expert_bound_us = 0;
+  double expert_roofline_fraction = 0;  // about expert_bound_us / us, as roofline_fraction
   int repetitions = 0;
 };
 

@@ -153,6 +153,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   report.limits.int8_gops = peak_or_zero(ArithmeticPath::kInt8Vnni, {});
   std::vector<double> peaks[3] = {{report.limits.fp32_gflops}, {report.limits.bf16_gflops}, {report.limits.int8_gops}};
   std::vector<ArithmeticPath> point_paths;  // the arithmetic path of each point's kernel
+  // Each point's touched experts: (bytes, picks), for its expert-by-expert bound.
+  std::vector<std::vector<std::pair<double, double>>> point_experts;
   // Each point's timed runs: time (us) and the read rate of its weights just before (GB/s).
   std::vector<std::vector<std::pair<double, double>>> point_runs;
 
@@ -227,11 +229,13 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       p.kernel = store->kernel_name();
       p.tokens = tokens;
       p.picks = offsets.back();
+      point_experts.emplace_back();
       for (int e = 0; e < o.experts; ++e) {
         if (counts[e] == 0) continue;
         ++p.experts_touched;
         p.bytes += store->expert_bytes(e);
         p.max_rows_per_expert = std::max(p.max_rows_per_expert, counts[e]);
+        point_experts.back().emplace_back(store->expert_bytes(e), static_cast<double>(counts[e]));
       }
       const std::vector<std::span<const std::byte>> weights = touched_bytes(*store, counts);
       std::vector<double> times, read_gbps;
@@ -342,20 +346,34 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
     p.peak_used = median_peaks[static_cast<int>(point_paths[i])];
-    const double arithmetic_us = p.peak_used > 0 ? p.operations / (p.peak_used * 1e9) * 1e6 : 0;
-    auto memory_us = [&](double read_gbps) { return p.bytes / (read_gbps * 1e9) * 1e6; };
-    p.bound_us = std::max(memory_us(p.read_gbps_used), arithmetic_us);
-    p.memory_bound = memory_us(p.read_gbps_used) >= arithmetic_us;
+    auto arithmetic_us = [&](double operations) {
+      return p.peak_used > 0 ? operations / (p.peak_used * 1e9) * 1e6 : 0;
+    };
+    auto memory_us = [&](double bytes, double read_gbps) { return bytes / (read_gbps * 1e9) * 1e6; };
+    auto bound_us = [&](double read_gbps) {
+      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations));
+    };
+    auto expert_bound_us = [&](double read_gbps) {
+      double sum = 0;
+      for (const auto& [bytes, picks] : point_experts[i])
+        sum += std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick));
+      return sum;
+    };
+    p.bound_us = bound_us(p.read_gbps_used);
+    p.memory_bound = memory_us(p.bytes, p.read_gbps_used) >= arithmetic_us(p.operations);
+    p.expert_bound_us = expert_bound_us(p.read_gbps_used);
     // Each run against the read just before it, then the median: the memory can change speed
     // between two runs of a point (and back), which medians of times and of reads taken apart
     // would pair across runs.
-    std::vector<double> bandwidth_fractions, roofline_fractions;
+    std::vector<double> bandwidth_fractions, roofline_fractions, expert_roofline_fractions;
     for (const auto& [us, read_gbps] : point_runs[i]) {
-      bandwidth_fractions.push_back(memory_us(read_gbps) / us);
-      roofline_fractions.push_back(std::max(memory_us(read_gbps), arithmetic_us) / us);
+      bandwidth_fractions.push_back(memory_us(p.bytes, read_gbps) / us);
+      roofline_fractions.push_back(bound_us(read_gbps) / us);
+      expert_roofline_fractions.push_back(expert_bound_us(read_gbps) / us);
     }
     p.bandwidth_fraction = Median(bandwidth_fractions);
     p.roofline_fraction = Median(roofline_fractions);
+    p.expert_roofline_fraction = Median(expert_roofline_fractions);
   }
   return report;
 }
