@@ -35,6 +35,15 @@ TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
     EXPECT_GT(*fp32, 0.1);
   }
   EXPECT_FALSE(MeasurePeak(ArithmeticPath::kInt8Vnni, pool, {0.01, 1}, Isa::kAvx2).ok());
+  EXPECT_FALSE(MeasurePeak(ArithmeticPath::kInt8Madd, pool, {0.01, 1}, Isa::kReference).ok());
+  if (IsaSupported(Isa::kAvx2)) {
+    // AVX2's int8 multiply-adds: 32 a VPMADDUBSW, against 8 a 256-bit FMA.
+    for (Isa isa : {Isa::kAvx2, BestSupportedIsa()}) {
+      auto int8 = MeasurePeak(ArithmeticPath::kInt8Madd, pool, {0.01, 1}, isa);
+      ASSERT_TRUE(int8.ok()) << IsaName(isa);
+      EXPECT_GT(*int8, *MeasurePeak(ArithmeticPath::kFp32Fma, pool, {0.01, 1}, Isa::kAvx2));
+    }
+  }
   EXPECT_FALSE(MeasureMemoryBandwidth(pool, {int64_t{8} << 20, 1}).ok());
   auto bw = MeasureMemoryBandwidth(pool, {int64_t{64} << 20, 1});
   ASSERT_TRUE(bw.ok());
@@ -45,7 +54,11 @@ TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
   EXPECT_GT(probe->Read(pool), 0.1);  // and again: the buffer is reusable
   EXPECT_GT(probe->Read(pool), 0.1);
   EXPECT_EQ(PathForFormat(WeightFormat::kNvfp4, Isa::kAvx512), ArithmeticPath::kInt8Vnni);
+  EXPECT_EQ(PathForFormat(WeightFormat::kBf16, Isa::kAvx512), ArithmeticPath::kBf16Dot);
   EXPECT_EQ(PathForFormat(WeightFormat::kBf16, Isa::kAvx2), ArithmeticPath::kFp32Fma);
+  EXPECT_EQ(PathForFormat(WeightFormat::kInt8, Isa::kAvx2), ArithmeticPath::kInt8Madd);
+  EXPECT_EQ(PathForFormat(WeightFormat::kMxfp4, Isa::kAvx2), ArithmeticPath::kInt8Madd);
+  EXPECT_EQ(PathForFormat(WeightFormat::kInt8, Isa::kReference), ArithmeticPath::kFp32Fma);
 }
 
 TEST(KernelBench, SmallRunReportsConsistentFigures) {

@@ -38,8 +38,10 @@ double FormatTolerance(WeightFormat format) {
 
 // Kernel error alone: fp32 activations (reference, avx2) or bf16 / int8 activations (avx512).
 double KernelTolerance(WeightFormat format, Isa isa) {
-  if (isa != Isa::kAvx512 || format == WeightFormat::kFp32) return 1e-4;
-  return format == WeightFormat::kBf16 ? 1e-2 : 5e-2;
+  if (isa == Isa::kReference || format == WeightFormat::kFp32) return 1e-4;
+  // bf16: the AVX-512 kernel rounds the activations to bf16, the AVX2 one keeps them in fp32.
+  if (format == WeightFormat::kBf16) return isa == Isa::kAvx512 ? 1e-2 : 1e-4;
+  return 5e-2;  // int8 activations
 }
 
 Matrix RandomMatrix(int64_t rows, int64_t cols, float bound, std::mt19937& rng) {
@@ -263,7 +265,7 @@ TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
   const auto odd_pointers = Pointers(odd);
   auto bf16 = PackExperts(odd_pointers, PackOptions{WeightFormat::kBf16, "avx512"});
   ASSERT_TRUE(bf16.ok());
-  EXPECT_EQ((*bf16)->kernel_name(), "bf16/avx2");
+  EXPECT_EQ((*bf16)->kernel_name(), "bf16/reference");  // avx2 needs whole blocks too
 }
 
 TEST(KernelChoice, RefusesWhatItCannotStore) {

@@ -23,12 +23,14 @@ enum class ArithmeticPath {
   kFp32Fma,   // fp32 fused multiply-add (AVX-512 or AVX2)
   kBf16Dot,   // bf16 pairs into fp32 (AVX-512 BF16: VDPBF16PS)
   kInt8Vnni,  // u8 x s8 quads into int32 (AVX-512 VNNI: VPDPBUSD)
+  kInt8Madd,  // u8 x s8 pairs into 16 bits, then into int32 (AVX2: VPMADDUBSW, VPMADDWD, VPADDD)
 };
-const char* ArithmeticPathName(ArithmeticPath path);  // "fp32_fma", "bf16_dot", "int8_vnni"
+// "fp32_fma", "bf16_dot", "int8_vnni", "int8_madd"
+const char* ArithmeticPathName(ArithmeticPath path);
 
-// The arithmetic path the kernel of `format` runs on at instruction set `isa` (reference and
-// avx2 dequantize to fp32 and use fp32 FMA; avx512 uses bf16 dot for bf16 and VNNI for int8 and
-// the 4-bit formats).
+// The arithmetic path the kernel of `format` runs on at instruction set `isa`: avx512 uses bf16 dot
+// for bf16 and VNNI for int8 and the 4-bit formats; avx2 fp32 FMA for fp32 and bf16 (converted to
+// fp32) and int8 multiply-adds for int8 and the 4-bit formats; reference fp32 FMA.
 ArithmeticPath PathForFormat(WeightFormat format, Isa isa);
 
 // Reads `ranges` (any sizes) once with all threads of the pool, each range cut into pieces that the

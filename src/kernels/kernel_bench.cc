@@ -151,7 +151,11 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   report.limits.fp32_gflops = peak_or_zero(ArithmeticPath::kFp32Fma, {});
   report.limits.bf16_gflops = peak_or_zero(ArithmeticPath::kBf16Dot, {});
   report.limits.int8_gops = peak_or_zero(ArithmeticPath::kInt8Vnni, {});
-  std::vector<double> peaks[3] = {{report.limits.fp32_gflops}, {report.limits.bf16_gflops}, {report.limits.int8_gops}};
+  report.limits.int8_madd_gops = peak_or_zero(ArithmeticPath::kInt8Madd, {});
+  std::vector<double> peaks[4] = {{report.limits.fp32_gflops},
+                                  {report.limits.bf16_gflops},
+                                  {report.limits.int8_gops},
+                                  {report.limits.int8_madd_gops}};
   std::vector<ArithmeticPath> point_paths;  // the arithmetic path of each point's kernel
   // Each point's touched experts: (bytes, picks), for its expert-by-expert bound.
   std::vector<std::vector<std::pair<double, double>>> point_experts;
@@ -339,10 +343,11 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     }
   }
   report.limits.read_gbps = Median(bandwidths);
-  const double median_peaks[3] = {Median(peaks[0]), Median(peaks[1]), Median(peaks[2])};
+  const double median_peaks[4] = {Median(peaks[0]), Median(peaks[1]), Median(peaks[2]), Median(peaks[3])};
   report.limits.fp32_gflops = median_peaks[static_cast<int>(ArithmeticPath::kFp32Fma)];
   report.limits.bf16_gflops = median_peaks[static_cast<int>(ArithmeticPath::kBf16Dot)];
   report.limits.int8_gops = median_peaks[static_cast<int>(ArithmeticPath::kInt8Vnni)];
+  report.limits.int8_madd_gops = median_peaks[static_cast<int>(ArithmeticPath::kInt8Madd)];
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
     p.peak_used = median_peaks[static_cast<int>(point_paths[i])];

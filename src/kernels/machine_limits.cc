@@ -44,17 +44,15 @@ const char* ArithmeticPathName(ArithmeticPath path) {
     case ArithmeticPath::kFp32Fma: return "fp32_fma";
     case ArithmeticPath::kBf16Dot: return "bf16_dot";
     case ArithmeticPath::kInt8Vnni: return "int8_vnni";
+    case ArithmeticPath::kInt8Madd: return "int8_madd";
   }
   return "unknown";
 }
 
 ArithmeticPath PathForFormat(WeightFormat format, Isa isa) {
-  if (isa != Isa::kAvx512) return ArithmeticPath::kFp32Fma;
-  switch (format) {
-    case WeightFormat::kFp32: return ArithmeticPath::kFp32Fma;
-    case WeightFormat::kBf16: return ArithmeticPath::kBf16Dot;
-    default: return ArithmeticPath::kInt8Vnni;
-  }
+  if (isa == Isa::kReference || format == WeightFormat::kFp32) return ArithmeticPath::kFp32Fma;
+  if (format == WeightFormat::kBf16) return isa == Isa::kAvx512 ? ArithmeticPath::kBf16Dot : ArithmeticPath::kFp32Fma;
+  return isa == Isa::kAvx512 ? ArithmeticPath::kInt8Vnni : ArithmeticPath::kInt8Madd;
 }
 
 double MeasureReadRate(ThreadPool& pool, std::span<const std::span<const std::byte>> ranges, Isa isa) {

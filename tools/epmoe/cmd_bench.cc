@@ -89,7 +89,8 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
            {{"read_gbps", r.limits.read_gbps},
             {"fp32_fma_gflops", r.limits.fp32_gflops},
             {"bf16_dot_gflops", r.limits.bf16_gflops},
-            {"int8_vnni_gops", r.limits.int8_gops}}},
+            {"int8_vnni_gops", r.limits.int8_gops},
+            {"int8_madd_gops", r.limits.int8_madd_gops}}},
           {"points", points},
           {"decode", decode}};
 }
@@ -97,8 +98,10 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
 void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
   std::printf("%s layer: %d experts of %dx%d, top-%d; %d threads, isa %s\n", model.name.c_str(), model.num_experts,
               model.expert_intermediate, model.hidden, model.top_k, r.threads, r.isa.c_str());
-  std::printf("limits: read %.1f GB/s; fp32 FMA %.0f, bf16 dot %.0f GFLOP/s; int8 VNNI %.0f GOP/s\n",
-              r.limits.read_gbps, r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops);
+  std::printf(
+      "limits: read %.1f GB/s; fp32 FMA %.0f, bf16 dot %.0f GFLOP/s; int8 VNNI %.0f, int8 multiply-add (AVX2) %.0f "
+      "GOP/s\n",
+      r.limits.read_gbps, r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops, r.limits.int8_madd_gops);
   std::printf(
       "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
       "and roof: medians over the runs of each run against that read; roof/e: against the bound taken expert by "

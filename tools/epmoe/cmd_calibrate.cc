@@ -82,12 +82,14 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   // Paths the CPU lacks run on fp32 FMA (the kernels dequantize): price them at that rate.
   const double fp32 = m.fp32_gflops / 1e3;
   const double bf16 = m.bf16_gflops > 0 ? m.bf16_gflops / 1e3 : fp32;
-  const double int8 = m.int8_gops > 0 ? m.int8_gops / 1e3 : fp32;
+  // int8: VNNI where the CPU has it, else AVX2's multiply-adds.
+  const double int8 = m.int8_gops > 0 ? m.int8_gops / 1e3 : m.int8_madd_gops > 0 ? m.int8_madd_gops / 1e3 : fp32;
   auto peak_for = [&](WeightFormat format) {
     switch (PathForFormat(format, isa)) {
       case ArithmeticPath::kFp32Fma: return fp32;
       case ArithmeticPath::kBf16Dot: return bf16;
-      case ArithmeticPath::kInt8Vnni: return int8;
+      case ArithmeticPath::kInt8Vnni:
+      case ArithmeticPath::kInt8Madd: return int8;
     }
     return fp32;
   };

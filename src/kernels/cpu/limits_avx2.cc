@@ -22,8 +22,26 @@ uint64_t ReadSumAvx2(const uint8_t* data, int64_t bytes) {
 }
 
 int64_t ArithmeticLoopAvx2(ArithmeticPath path, int64_t iterations, float* sink) {
-  if (path != ArithmeticPath::kFp32Fma) return 0;
   constexpr int kChains = 12;
+  if (path == ArithmeticPath::kInt8Madd) {
+    __m256i acc[kChains];
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_epi32(j);
+    const __m256i a = _mm256_set1_epi8(1), b = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    // In assembly: the products of constants would otherwise be computed once, outside the loop.
+    for (int64_t i = 0; i < iterations; ++i) {
+      for (int j = 0; j < kChains; ++j) {
+        __m256i pairs;
+        asm("vpmaddubsw %[b], %[a], %[t]\n\tvpmaddwd %[ones], %[t], %[t]\n\tvpaddd %[t], %[acc], %[acc]"
+            : [acc] "+x"(acc[j]), [t] "=&x"(pairs)
+            : [a] "x"(a), [b] "x"(b), [ones] "x"(ones));
+      }
+    }
+    __m256i total = acc[0];
+    for (int j = 1; j < kChains; ++j) total = _mm256_add_epi32(total, acc[j]);
+    *sink += static_cast<float>(_mm256_extract_epi32(total, 0));
+    return iterations * kChains * 32 * 2;
+  }
+  if (path != ArithmeticPath::kFp32Fma) return 0;
   __m256 acc[kChains];
   for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j));
   const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);

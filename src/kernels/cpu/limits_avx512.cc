@@ -30,6 +30,7 @@ uint64_t ReadSumAvx512(const uint8_t* data, int64_t bytes) {
 int64_t ArithmeticLoopAvx512(ArithmeticPath path, int64_t iterations, float* sink) {
   constexpr int kChains = 12;  // enough independent chains to cover latency x throughput
   switch (path) {
+    case ArithmeticPath::kInt8Madd: return ArithmeticLoopAvx2(path, iterations, sink);  // an AVX2 path
     case ArithmeticPath::kFp32Fma: {
       __m512 acc[kChains];
       for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));

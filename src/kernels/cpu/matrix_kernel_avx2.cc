@@ -1,69 +1,471 @@
-// The AVX2 matrix kernel: fp32 activations; each weight row is dequantized to fp32 once (into L1)
-// and applied to four activation rows at a time with 8-wide FMAs. Any shape (scalar tail).
-// Not tuned for the quantized formats (dequantizing costs more than the AVX-512 VNNI path); it is
-// the fallback for CPUs without AVX-512.
+// The AVX2 matrix kernels (AVX2 + FMA: Zen 2 and 3, Intel CPUs without AVX-512, and AVX-512 CPUs
+// that lack VNNI, BF16 or VBMI), on the weights of PackLayout::kChannelBlocked, the AVX-512
+// kernels' layout: a block of 16 output channels is two 8-lane halves here, one output channel per
+// 32-bit lane, so no horizontal sums are needed. Each step multiplies one 32-byte half of a weight
+// vector (one input group of 8 channels) by the same input group of an activation row, broadcast:
+//   fp32   fp32 activations, FMA.
+//   bf16   fp32 activations; each bf16 pair becomes two fp32 vectors (a shift and a mask), two FMAs.
+//   int8   activations quantized to int8 per row (scale max|x|/127). No VNNI: VPMADDUBSW multiplies
+//          unsigned by signed bytes into saturating 16-bit pair sums, so the weight's magnitude is
+//          the unsigned operand and its sign moves onto the activation (VPSIGNB): |w| <= 127 keeps
+//          a pair sum within 2 x 127 x 127; VPMADDWD then sums the pairs into 32 bits.
+//   nvfp4, mxfp4  the same int8 activations; VPSHUFB maps an E2M1 code to 2 * value + 12 (0..24,
+//          unsigned: a pair sum stays within 2 x 24 x 127, and 16 inputs within 16 bits); the offset
+//          is removed with -12 * (sum of the scale block's activations) per row; each scale block is
+//          summed in 16 and then 32 bits, then scaled per lane by its channel's block scale (FMA).
+// A tile is up to kMaxRows rows x one block. The first tile over an interleaved group (fp32, bf16,
+// int8) prefetches the whole group, which the group's other blocks then read from cache; a 4-bit
+// block is one stream of its own. More rows run more row tiles, over weights then in cache.
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
+#include <cmath>
+#include <cstring>
 
 #include "kernels/kernel.h"
 
 namespace epmoe::kernels {
 namespace {
 
-float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+constexpr int64_t kLanes = 16;  // channels per block of kChannelBlocked: two 8-lane halves
+// How far ahead the 4-bit tiles prefetch their block's stream into L2.
+constexpr int64_t kPrefetchBytes = 4096;
+// The dense tiles run an interleaved group's blocks chunk of kChunkGroups input groups by chunk
+// (8 KB of the group: L1), for batches of up to kBatchRows rows, whose accumulators (kStateBlocks
+// blocks per row) wait in memory between chunks. A tile over the whole group (one row) reads one
+// stream and prefetches kStreamPrefetchSteps input groups (1 KB) ahead; a tile over part of the
+// group prefetches its blocks' lines a chunk ahead.
+constexpr int64_t kChunkGroups = 32, kBatchRows = 12, kStateBlocks = 4, kStreamPrefetchSteps = 4;
+
+int64_t RoundUp(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
 }
 
-template <int kRows>
-void DotRows(const float* w, int64_t cols, const float* const* x, float* results) {
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 8 <= cols; c += 8) {
-    const __m256 wv = _mm256_loadu_ps(w + c);
-    for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[r] + c), acc[r]);
-  }
-  for (int r = 0; r < kRows; ++r) {
-    float sum = HorizontalSum(acc[r]);
-    for (int64_t t = c; t < cols; ++t) sum += w[t] * x[r][t];
-    results[r] = sum;
-  }
+inline __m256i Load256(const uint8_t* at) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
 }
 
-class Avx2Kernel final : public Fp32ActivationKernel {
- public:
-  explicit Avx2Kernel(WeightFormat format) : Fp32ActivationKernel(format) {}
-  Isa isa() const override { return Isa::kAvx2; }
-  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
-    std::vector<float> dequantized(format_ == WeightFormat::kFp32 ? 0 : w.cols);
-    const int64_t stride = ActivationBytes(w.cols);
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const float* weights = reinterpret_cast<const float*>(w.row(n));
-      if (format_ != WeightFormat::kFp32) {
-        DequantizePackedRow(w, n, dequantized.data());
-        weights = dequantized.data();
-      }
-      for (int64_t r = 0; r < rows; r += 4) {
-        const float* x[4];
-        const int count = static_cast<int>(std::min<int64_t>(4, rows - r));
-        for (int i = 0; i < count; ++i) x[i] = reinterpret_cast<const float*>(acts + (r + i) * stride);
-        float results[4];
-        switch (count) {
-          case 4: DotRows<4>(weights, w.cols, x, results); break;
-          case 3: DotRows<3>(weights, w.cols, x, results); break;
-          case 2: DotRows<2>(weights, w.cols, x, results); break;
-          default: DotRows<1>(weights, w.cols, x, results); break;
-        }
-        for (int i = 0; i < count; ++i) out[(r + i) * out_stride + (n - n_begin)] = results[i];
+inline void Prefetch(const uint8_t* at) {
+  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+}
+
+inline int32_t LoadInt32(const uint8_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+// The 4-byte input group at `at`, broadcast to all 8 lanes.
+inline __m256i BroadcastGroup(const uint8_t* at) {
+  return _mm256_set1_epi32(LoadInt32(at));
+}
+
+inline float LoadFloat(const uint8_t* at) {
+  float v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+// ---- int8 activations, shared by the int8 and 4-bit kernels ----
+
+// Symmetric per-row quantization (cols a multiple of 8): returns the scale (1 for an all-zero row)
+// and writes q, rounding to nearest even as the AVX-512 kernels do.
+float QuantizeRowInt8(const float* x, int64_t cols, int8_t* q) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t c = 0; c < cols; c += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + c)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  const float max = *std::max_element(lanes, lanes + 8);
+  const float scale = max > 0 ? max / 127.0f : 1.0f;
+  const __m256 inverse = _mm256_set1_ps(1.0f / scale);
+  for (int64_t c = 0; c < cols; c += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + c), inverse));
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + c), _mm_packs_epi16(words, words));
+  }
+  return scale;
+}
+
+int32_t SumInt8(const int8_t* q, int64_t count) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < count; ++i) sum += q[i];
+  return sum;
+}
+
+// ---- fp32, bf16, int8: tiles over one channel block of an interleaved group ----
+
+// Where a tile reads and writes.
+struct TileArgs {
+  const PackedMatrix* weights;
+  int64_t block;        // the tile's channel block
+  const uint8_t* acts;  // first activation row of the tile
+  int64_t act_stride;   // bytes between activation rows
+  float* out;           // output of (first row, first channel of the block)
+  int64_t out_stride;   // floats between output rows
+  bool stream;          // 4-bit: the first row tile over the block, which prefetches it
+};
+
+// What differs between fp32, bf16 and int8: how a 32-byte half of a weight vector is prepared once
+// for all rows, how a row's input group is broadcast, the multiply-add, and how an accumulator
+// becomes 8 outputs.
+struct Fp32Dot {
+  static constexpr int kValueBytes = 4, kMaxRows = 4;
+  using Acc = __m256;
+  using Weights = __m256;
+  using Input = __m256;
+  static Acc Zero() { return _mm256_setzero_ps(); }
+  static Weights Prepare(__m256i w) { return _mm256_castsi256_ps(w); }
+  static Input Broadcast(const uint8_t* row, int64_t g) { return _mm256_set1_ps(LoadFloat(row + 4 * g)); }
+  static Acc MultiplyAdd(Acc acc, const Weights& w, const Input& x) { return _mm256_fmadd_ps(w, x, acc); }
+  static __m256 Finish(const TileArgs&, const uint8_t*, int64_t, int, Acc acc) { return acc; }
+};
+
+// bf16 weights, fp32 activations: the pair (input 2g in the low half of each lane, 2g + 1 in the
+// high half) becomes two fp32 vectors exactly.
+struct Bf16Dot {
+  static constexpr int kValueBytes = 2, kMaxRows = 4;
+  using Acc = __m256;
+  struct Weights {
+    __m256 even, odd;
+  };
+  struct Input {
+    __m256 even, odd;
+  };
+  static Acc Zero() { return _mm256_setzero_ps(); }
+  static Weights Prepare(__m256i w) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+  }
+  static Input Broadcast(const uint8_t* row, int64_t g) {
+    return {_mm256_set1_ps(LoadFloat(row + 8 * g)), _mm256_set1_ps(LoadFloat(row + 8 * g + 4))};
+  }
+  static Acc MultiplyAdd(Acc acc, const Weights& w, const Input& x) {
+    return _mm256_fmadd_ps(w.odd, x.odd, _mm256_fmadd_ps(w.even, x.even, acc));
+  }
+  static __m256 Finish(const TileArgs&, const uint8_t*, int64_t, int, Acc acc) { return acc; }
+};
+
+// int8 activation row: cols int8 values, padded to 32 bytes, then the fp32 scale.
+struct Int8Dot {
+  static constexpr int kValueBytes = 1, kMaxRows = 3;
+  using Acc = __m256i;
+  struct Weights {
+    __m256i magnitude, sign;  // |w| and w (stored offset binary, w + 128)
+  };
+  using Input = __m256i;
+  static Acc Zero() { return _mm256_setzero_si256(); }
+  static Weights Prepare(__m256i stored) {
+    const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return {_mm256_abs_epi8(w), w};
+  }
+  static Input Broadcast(const uint8_t* row, int64_t g) { return BroadcastGroup(row + 4 * g); }
+  static Acc MultiplyAdd(Acc acc, const Weights& w, const Input& x) {
+    const __m256i pairs = _mm256_maddubs_epi16(w.magnitude, _mm256_sign_epi8(x, w.sign));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static __m256 Finish(const TileArgs& a, const uint8_t* row, int64_t block, int half, Acc acc) {
+    const float act_scale = LoadFloat(row + RoundUp(a.weights->cols, 32));
+    const __m256 weight_scales = _mm256_loadu_ps(reinterpret_cast<const float*>(a.weights->scales.data()) +
+                                                 block * kLanes + half * 8);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(weight_scales, _mm256_set1_ps(act_scale)));
+  }
+};
+
+// R rows x B blocks of one interleaved group, over input groups [g_begin, g_end): the accumulators
+// start from `state` and go back to it (RunDenseTiles zeroes and finishes them). The step's loop
+// is separate from the prefetching loop so that GCC keeps the accumulators in registers (with the
+// prefetch branch inside, it stored all of them on every step: fp32 at 4 rows, 6 GB/s).
+template <class Dot, int R, int B>
+void DenseTile(const TileArgs& a, int64_t g_begin, int64_t g_end, typename Dot::Acc* state) {
+  const PackedMatrix& m = *a.weights;
+  const int64_t groups = m.cols * Dot::kValueBytes / 4;
+  const InterleavedGroup group = InterleavedGroupOf(a.block, m.rows / kLanes);
+  const uint8_t* base = m.values.data() + group.first * groups * 64;  // the group's first vector
+  const uint8_t* w = base + (a.block - group.first) * 64;
+  const int64_t stride = group.count * 64;  // between a block's vectors
+  typename Dot::Acc acc[R][B][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j)
+      for (int h = 0; h < 2; ++h) acc[r][j][h] = state[(r * kStateBlocks + j) * 2 + h];
+  auto step = [&](int64_t g) __attribute__((always_inline)) {
+    for (int j = 0; j < B; ++j) {
+      const typename Dot::Weights half0 = Dot::Prepare(Load256(w + g * stride + 64 * j));
+      const typename Dot::Weights half1 = Dot::Prepare(Load256(w + g * stride + 64 * j + 32));
+      for (int r = 0; r < R; ++r) {
+        const typename Dot::Input x = Dot::Broadcast(a.acts + r * a.act_stride, g);
+        acc[r][j][0] = Dot::MultiplyAdd(acc[r][j][0], half0, x);
+        acc[r][j][1] = Dot::MultiplyAdd(acc[r][j][1], half1, x);
       }
     }
+  };
+  // Each tile prefetches its own blocks' lines into L2: over the whole group (one stream) a little
+  // ahead; over part of it, a chunk ahead, so that the tiles over the group's other blocks, which run
+  // in between, do not leave the memory idle.
+  const int64_t ahead = (B == group.count ? kStreamPrefetchSteps : kChunkGroups) * stride;
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    for (int j = 0; j < B; ++j) Prefetch(w + g * stride + ahead + 64 * j);
+    step(g);
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j)
+      for (int h = 0; h < 2; ++h) state[(r * kStateBlocks + j) * 2 + h] = acc[r][j][h];
+}
+
+// ---- 4-bit (nvfp4, mxfp4) ----
+
+// 4-bit activation row: cols int8 values (padded to 64 bytes), then one int32 per scale block (-12
+// * the block's sum), then the fp32 scale. The same arrangement as the AVX-512 kernels'.
+int64_t CorrectionOffset(int64_t cols) {
+  return RoundUp(cols, 64);
+}
+
+template <WeightFormat kFormat>
+struct FourBit {
+  static constexpr int kScaleBlock = kFormat == WeightFormat::kNvfp4 ? 16 : 32;
+  static constexpr int kMaxRows = 3;
+  static int64_t ScaleOffset(int64_t cols) { return CorrectionOffset(cols) + cols / kScaleBlock * 4; }
+  // What LaneScales' values are multiplied by to give the block scales.
+  static constexpr float kScaleFactor = kFormat == WeightFormat::kNvfp4 ? 0x1p120f : 1.0f;
+
+  // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), in both 16-byte lanes (VPSHUFB looks up
+  // within a lane).
+  static __m256i Table() {
+    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24,
+                            12, 11, 10, 9, 8, 6, 4, 0);
+  }
+
+  // The 8 channels' scales of half `half` of one scale block (codes at `codes`) as fp32, as the
+  // AVX-512 kernels decode them: nvfp4 E4M3 bits placed as fp32 (times 2^-120, kScaleFactor),
+  // mxfp4 E8M0 as the fp32 exponent.
+  static __m256 LaneScales(const uint8_t* codes) {
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, kFormat == WeightFormat::kNvfp4 ? 20 : 23));
+  }
+
+  template <int R>
+  static void Tile(const TileArgs& a) {
+    const PackedMatrix& m = *a.weights;
+    const int64_t chunks = m.cols / 16, scale_blocks = m.cols / kScaleBlock;
+    const uint8_t* w = m.values.data() + a.block * chunks * 128;
+    const uint8_t* s = m.scales.data() + a.block * scale_blocks * kLanes;
+    const __m256i table = Table(), low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < scale_blocks; ++sb) {
+      const uint8_t* codes = w + sb * (kScaleBlock / 16) * 128;
+      if (a.stream) {
+        for (int64_t line = 0; line < kScaleBlock / 16 * 128; line += 64) Prefetch(codes + kPrefetchBytes + line);
+        if (sb % 4 == 0) Prefetch(s + (sb + kPrefetchBytes / (kScaleBlock * 8)) * kLanes);
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i sum[R];
+        for (int r = 0; r < R; ++r)
+          sum[r] = _mm256_set1_epi32(LoadInt32(a.acts + r * a.act_stride + CorrectionOffset(m.cols) + 4 * sb));
+        for (int chunk = 0; chunk < kScaleBlock / 16; ++chunk) {
+          // Input groups 0 and 1 of the chunk in the low and high nibbles of its first 64 bytes, 2
+          // and 3 in the second; channels 8h..8h+7 in the h-th 32 bytes of each.
+          const __m256i p0 = Load256(codes + chunk * 128 + 32 * h), p1 = Load256(codes + chunk * 128 + 64 + 32 * h);
+          const __m256i v[4] = {
+              _mm256_shuffle_epi8(table, _mm256_and_si256(p0, low_nibbles)),
+              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p0, 4), low_nibbles)),
+              _mm256_shuffle_epi8(table, _mm256_and_si256(p1, low_nibbles)),
+              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p1, 4), low_nibbles))};
+          const int64_t c = (sb * (kScaleBlock / 16) + chunk) * 16;
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* row = a.acts + r * a.act_stride + c;
+            // 16 inputs in 16 bits: each pair sum is at most 2 x 24 x 127, four of them 24,384.
+            __m256i pairs = _mm256_maddubs_epi16(v[0], BroadcastGroup(row));
+            for (int i = 1; i < 4; ++i)
+              pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[i], BroadcastGroup(row + 4 * i)));
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+        const __m256 scale = LaneScales(s + sb * kLanes + 8 * h);
+        for (int r = 0; r < R; ++r) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), scale, acc[r][h]);
+      }
+    }
+    // The lookup table doubled the values: halve here, with the activation, tensor and lane scale
+    // factors (acc first, small by kScaleFactor, so that factor * kScaleFactor cannot overflow).
+    const float tensor = kFormat == WeightFormat::kNvfp4 ? m.tensor_scale : 1.0f;
+    for (int r = 0; r < R; ++r) {
+      const float act_scale = LoadFloat(a.acts + r * a.act_stride + ScaleOffset(m.cols));
+      const __m256 factor = _mm256_set1_ps(0.5f * act_scale * tensor);
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(a.out + r * a.out_stride + 8 * h,
+                         _mm256_mul_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(kScaleFactor)), factor));
+    }
+  }
+};
+
+// Runs the 4-bit tiles for channel blocks [block_begin, block_end), every row, in row tiles of up
+// to kMaxRows: a block's first row tile streams its weights, the others read them from cache.
+template <int kMaxRows, class TileFn>
+void RunFourBitTiles(TileArgs base, int64_t block_begin, int64_t block_end, int64_t rows, TileFn tile) {
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      TileArgs a = base;
+      a.block = b;
+      a.acts = base.acts + r * base.act_stride;
+      a.out = base.out + r * base.out_stride + (b - block_begin) * kLanes;
+      a.stream = r == 0;
+      tile(a, static_cast<int>(std::min<int64_t>(kMaxRows, rows - r)));
+    }
+  }
+}
+
+// Runs the dense tiles for channel blocks [block_begin, block_end), every row: group by group, in
+// batches of up to kBatchRows rows, chunk of input groups by chunk: row tiles of up to
+// Dot::kMaxRows rows, each over as many of the group's blocks as its registers allow (1 row: 4, the
+// whole group as one stream; 2 rows: 2; more: 1), their accumulators kept in `state` across chunks.
+// The tiles over a chunk read it from L1 after the first has brought it in. (Tiles that each ran
+// over a whole group, one after another, read it at half the speed of one stream, fp32 at 2 rows:
+// 16 against 31 GB/s, one thread.)
+template <class Dot>
+void RunDenseTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
+  using Fn = void (*)(const TileArgs&, int64_t, int64_t, typename Dot::Acc*);
+  static constexpr Fn kTiles[4][4] = {
+      {&DenseTile<Dot, 1, 1>, &DenseTile<Dot, 1, 2>, &DenseTile<Dot, 1, 3>, &DenseTile<Dot, 1, 4>},
+      {&DenseTile<Dot, 2, 1>, &DenseTile<Dot, 2, 2>, nullptr, nullptr},
+      {&DenseTile<Dot, 3, 1>, nullptr, nullptr, nullptr},
+      {&DenseTile<Dot, 4, 1>, nullptr, nullptr, nullptr}};
+  static_assert(Dot::kMaxRows <= 4 && kStateBlocks == kInterleavedBlocks);
+  const int64_t groups = base.weights->cols * Dot::kValueBytes / 4;
+  typename Dot::Acc state[kBatchRows * kStateBlocks * 2];
+  for (int64_t b = block_begin; b < block_end;) {
+    const InterleavedGroup group = InterleavedGroupOf(b, base.weights->rows / kLanes);
+    const int64_t end = std::min(block_end, group.first + group.count);
+    for (int64_t batch = 0; batch < rows; batch += kBatchRows) {
+      const int64_t batch_rows = std::min(kBatchRows, rows - batch);
+      for (typename Dot::Acc& acc : state) acc = Dot::Zero();
+      for (int64_t g = 0; g < groups; g += kChunkGroups) {
+        for (int64_t r = 0; r < batch_rows; r += Dot::kMaxRows) {
+          const int tile_rows = static_cast<int>(std::min<int64_t>(Dot::kMaxRows, batch_rows - r));
+          const int64_t max_blocks = tile_rows == 1 ? 4 : tile_rows == 2 ? 2 : 1;
+          for (int64_t j = b; j < end; j += max_blocks) {
+            TileArgs a = base;
+            a.block = j;
+            a.acts = base.acts + (batch + r) * base.act_stride;
+            kTiles[tile_rows - 1][std::min(max_blocks, end - j) - 1](a, g, std::min(groups, g + kChunkGroups),
+                                                                     &state[(r * kStateBlocks + (j - b)) * 2]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < batch_rows; ++r) {
+        const uint8_t* row = base.acts + (batch + r) * base.act_stride;
+        for (int64_t j = b; j < end; ++j)
+          for (int h = 0; h < 2; ++h)
+            _mm256_storeu_ps(base.out + (batch + r) * base.out_stride + (j - block_begin) * kLanes + 8 * h,
+                             Dot::Finish(base, row, j, h, state[(r * kStateBlocks + (j - b)) * 2 + h]));
+      }
+    }
+    b = end;
+  }
+}
+
+// exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial (relative
+// error < 2e-7); 0 below -87 (2^n built in the exponent field).
+inline __m256 ExpNonPositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+class Avx2Kernel final : public MatrixKernel {
+ public:
+  explicit Avx2Kernel(WeightFormat format) : format_(format) {}
+  Isa isa() const override { return Isa::kAvx2; }
+  WeightFormat format() const override { return format_; }
+  PackLayout layout() const override { return PackLayout::kChannelBlocked; }
+  bool SupportsSize(int64_t size) const override {
+    return size % kLanes == 0 && size % BlockSize(format_) == 0;
+  }
+  int64_t channel_block() const override { return kLanes; }
+  int64_t channel_tile() const override { return kLanes * kInterleavedBlocks; }
+
+  int64_t ActivationBytes(int64_t cols) const override {
+    switch (format_) {
+      case WeightFormat::kFp32:
+      case WeightFormat::kBf16: return cols * static_cast<int64_t>(sizeof(float));
+      case WeightFormat::kInt8: return RoundUp(cols, 32) + 32;
+      case WeightFormat::kNvfp4: return RoundUp(FourBit<WeightFormat::kNvfp4>::ScaleOffset(cols) + 4, 32);
+      case WeightFormat::kMxfp4: return RoundUp(FourBit<WeightFormat::kMxfp4>::ScaleOffset(cols) + 4, 32);
+    }
+    return 0;
+  }
+
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    if (format_ == WeightFormat::kFp32 || format_ == WeightFormat::kBf16) {
+      std::memcpy(out, x, cols * sizeof(float));
+      return;
+    }
+    int8_t* q = reinterpret_cast<int8_t*>(out);
+    const float scale = QuantizeRowInt8(x, cols, q);
+    if (format_ == WeightFormat::kInt8) {
+      std::memcpy(out + RoundUp(cols, 32), &scale, 4);
+      return;
+    }
+    const int block = BlockSize(format_);
+    for (int64_t sb = 0; sb < cols / block; ++sb) {
+      const int32_t correction = -12 * SumInt8(q + sb * block, block);
+      std::memcpy(out + CorrectionOffset(cols) + 4 * sb, &correction, 4);
+    }
+    std::memcpy(out + CorrectionOffset(cols) + cols / block * 4, &scale, 4);
+  }
+
+  void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
+              int64_t out_stride) const override {
+    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, false};
+    const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
+    switch (format_) {
+      case WeightFormat::kFp32: return RunDenseTiles<Fp32Dot>(base, block_begin, block_end, rows);
+      case WeightFormat::kBf16: return RunDenseTiles<Bf16Dot>(base, block_begin, block_end, rows);
+      case WeightFormat::kInt8: return RunDenseTiles<Int8Dot>(base, block_begin, block_end, rows);
+      case WeightFormat::kNvfp4: return RunFourBit<WeightFormat::kNvfp4>(base, block_begin, block_end, rows);
+      case WeightFormat::kMxfp4: return RunFourBit<WeightFormat::kMxfp4>(base, block_begin, block_end, rows);
+    }
+  }
+
+  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), sign_bit = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= count; i += 8) {
+      // silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 e = ExpNonPositive(_mm256_or_ps(g, sign_bit));  // exp(-|g|)
+      const __m256 inverse = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(|g|)
+      const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+      const __m256 sigmoid = _mm256_blendv_ps(inverse, _mm256_mul_ps(inverse, e), negative);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+
+ private:
+  template <WeightFormat kFormat>
+  static void RunFourBit(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
+    using Ops = FourBit<kFormat>;
+    RunFourBitTiles<Ops::kMaxRows>(base, block_begin, block_end, rows, [](const TileArgs& a, int tile_rows) {
+      switch (tile_rows) {
+        case 1: return Ops::template Tile<1>(a);
+        case 2: return Ops::template Tile<2>(a);
+        default: return Ops::template Tile<3>(a);
+      }
+    });
+  }
+
+  WeightFormat format_;
 };
 
 }  // namespace
