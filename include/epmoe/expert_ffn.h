@@ -93,9 +93,10 @@ struct PackOptions {
 // unsupported instruction sets, and empty or mismatched inputs.
 //
 // Run quantizes activations inside the call, as each kernel's dot product wants them:
-// reference and avx2 keep fp32 rows (weights are dequantized to fp32); avx512 rounds rows to bf16
-// for bf16 weights and quantizes them to int8 per row (scale max|x| / 127) for int8 and the 4-bit
-// formats (VNNI), fp32 weights take fp32 rows.
+// reference keeps fp32 rows (weights are dequantized to fp32); avx512 and avx2 quantize rows to
+// int8 per row (scale max|x| / 127) for int8 and the 4-bit formats (VNNI, or AVX2's VPMADDUBSW);
+// for bf16 weights avx512 rounds rows to bf16 and avx2 keeps them in fp32; fp32 weights take fp32
+// rows.
 Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
                                                  const PackOptions& options);
 
