@@ -49,7 +49,7 @@ struct MachineFigures {
   double read_gbps = 0;
   double fp32_gflops = 0;  // G operations/s, a multiply-add counts 2
   double bf16_gflops = 0;  // 0 when the instruction set has no such path
-  double int8_gops = 0;       // VNNI
+  double int8_gops = 0;    // VNNI
   double int8_madd_gops = 0;  // AVX2 multiply-adds (the avx2 kernels' int8 and 4-bit path)
 };
 

@@ -21,8 +21,8 @@ enum class PackLayout {
   // Row by row, input features in order; 4-bit values two per byte, low nibble first (as in the
   // block structs).
   kNatural,
-  // For the AVX-512 and AVX2 kernels (AVX2 takes a block as two 8-lane halves): output channels (rows) in blocks of 16, one per 32-bit lane of a
-  // vector. A vector holds one input group (4 bytes: 1 fp32, 2 bf16 or 4 int8 values) of each of a
+  // For the AVX-512 and AVX2 kernels (AVX2 takes a block as two 8-lane halves): output channels
+  // (rows) in blocks of 16, one per 32-bit lane of a vector. A vector holds one input group (4 bytes: 1 fp32, 2 bf16 or 4 int8 values) of each of a
   // block's 16 channels, lane c at bytes 4c..4c+3. fp32, bf16, int8: the blocks are interleaved in
   // groups of kInterleavedBlocks (the last group of a matrix may have fewer): a group is one
   // contiguous run of vectors, input group by input group, each with the vectors of the group's

@@ -106,14 +106,13 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
       "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
       "and roof: medians over the runs of each run against that read; roof/e: against the bound taken expert by "
       "expert\n");
-  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s %6s\n", "kernel", "T", "picks", "touched",
-              "us", "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e");
+  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s %6s\n", "kernel", "T", "picks", "touched", "us",
+              "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e");
   for (const auto& p : r.points) {
-    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %6.2f %8.1f %10.1f %5s %6.2f %6.2f\n",
-                p.kernel.c_str(), static_cast<long long>(p.tokens), static_cast<long long>(p.picks),
-                p.experts_touched, p.us, HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction,
-                p.gflops, p.bound_us, p.memory_bound ? "mem" : "arith", p.roofline_fraction,
-                p.expert_roofline_fraction);
+    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %6.2f %8.1f %10.1f %5s %6.2f %6.2f\n", p.kernel.c_str(),
+                static_cast<long long>(p.tokens), static_cast<long long>(p.picks), p.experts_touched, p.us,
+                HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction, p.gflops, p.bound_us,
+                p.memory_bound ? "mem" : "arith", p.roofline_fraction, p.expert_roofline_fraction);
   }
   for (const auto& d : r.decode) {
     std::printf(

@@ -21,7 +21,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 
+#include "kernels/cpu/exp_polynomial.h"
 #include "kernels/kernel.h"
 
 namespace epmoe::kernels {
@@ -166,8 +168,8 @@ struct Int8Dot {
   }
   static __m256 Finish(const TileArgs& a, const uint8_t* row, int64_t block, int half, Acc acc) {
     const float act_scale = LoadFloat(row + RoundUp(a.weights->cols, 32));
-    const __m256 weight_scales = _mm256_loadu_ps(reinterpret_cast<const float*>(a.weights->scales.data()) +
-                                                 block * kLanes + half * 8);
+    const __m256 weight_scales =
+        _mm256_loadu_ps(reinterpret_cast<const float*>(a.weights->scales.data()) + block * kLanes + half * 8);
     return _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(weight_scales, _mm256_set1_ps(act_scale)));
   }
 };
@@ -266,11 +268,10 @@ struct FourBit {
           // Input groups 0 and 1 of the chunk in the low and high nibbles of its first 64 bytes, 2
           // and 3 in the second; channels 8h..8h+7 in the h-th 32 bytes of each.
           const __m256i p0 = Load256(codes + chunk * 128 + 32 * h), p1 = Load256(codes + chunk * 128 + 64 + 32 * h);
-          const __m256i v[4] = {
-              _mm256_shuffle_epi8(table, _mm256_and_si256(p0, low_nibbles)),
-              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p0, 4), low_nibbles)),
-              _mm256_shuffle_epi8(table, _mm256_and_si256(p1, low_nibbles)),
-              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p1, 4), low_nibbles))};
+          const __m256i v[4] = {_mm256_shuffle_epi8(table, _mm256_and_si256(p0, low_nibbles)),
+                                _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p0, 4), low_nibbles)),
+                                _mm256_shuffle_epi8(table, _mm256_and_si256(p1, low_nibbles)),
+                                _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p1, 4), low_nibbles))};
           const int64_t c = (sb * (kScaleBlock / 16) + chunk) * 16;
           for (int r = 0; r < R; ++r) {
             const uint8_t* row = a.acts + r * a.act_stride + c;
@@ -363,21 +364,16 @@ void RunDenseTiles(const TileArgs& base, int64_t block_begin, int64_t block_end,
   }
 }
 
-// exp(x) for x <= 0: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial (relative
-// error < 2e-7); 0 below -87 (2^n built in the exponent field).
+// exp(x) for x <= 0 (kernels/cpu/exp_polynomial.h); 2^n built in the exponent field (n >= -126
+// above kExpMin, a normal number).
 inline __m256 ExpNonPositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpMin));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x));
+  __m256 p = _mm256_set1_ps(kExpCoefficients[0]);
+  for (size_t i = 1; i < std::size(kExpCoefficients); ++i)
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpCoefficients[i]));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
@@ -388,9 +384,7 @@ class Avx2Kernel final : public MatrixKernel {
   Isa isa() const override { return Isa::kAvx2; }
   WeightFormat format() const override { return format_; }
   PackLayout layout() const override { return PackLayout::kChannelBlocked; }
-  bool SupportsSize(int64_t size) const override {
-    return size % kLanes == 0 && size % BlockSize(format_) == 0;
-  }
+  bool SupportsSize(int64_t size) const override { return size % kLanes == 0 && size % BlockSize(format_) == 0; }
   int64_t channel_block() const override { return kLanes; }
   int64_t channel_tile() const override { return kLanes * kInterleavedBlocks; }
 
@@ -443,7 +437,7 @@ class Avx2Kernel final : public MatrixKernel {
     for (; i + 8 <= count; i += 8) {
       // silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
       const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = ExpNonPositive(_mm256_or_ps(g, sign_bit));  // exp(-|g|)
+      const __m256 e = ExpNonPositive(_mm256_or_ps(g, sign_bit));        // exp(-|g|)
       const __m256 inverse = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(|g|)
       const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
       const __m256 sigmoid = _mm256_blendv_ps(inverse, _mm256_mul_ps(inverse, e), negative);

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/exp_polynomial.h"
 #include "kernels/kernel.h"
 
 namespace epmoe::kernels {
@@ -290,21 +291,15 @@ constexpr int64_t kStreamTallRows = 16;
 
 // ---- SwiGLU ----
 
-// exp(x) for x <= 0 (silu needs exp(-|g|) only): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
-// degree-6 polynomial (relative error < 2e-7); underflows to 0 below -87.
+// exp(x) for x <= 0 (kernels/cpu/exp_polynomial.h); 2^n by VSCALEFPS.
 inline __m512 ExpNonPositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpCoefficients[0]);
+  for (size_t i = 1; i < std::size(kExpCoefficients); ++i)
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpCoefficients[i]));
   return _mm512_scalef_ps(p, n);
 }
 
