@@ -22,16 +22,16 @@ enum class PackLayout {
   // block structs).
   kNatural,
   // For the AVX-512 and AVX2 kernels (AVX2 takes a block as two 8-lane halves): output channels
-  // (rows) in blocks of 16, one per 32-bit lane of a vector. A vector holds one input group (4 bytes: 1 fp32, 2 bf16 or 4 int8 values) of each of a
-  // block's 16 channels, lane c at bytes 4c..4c+3. fp32, bf16, int8: the blocks are interleaved in
-  // groups of kInterleavedBlocks (the last group of a matrix may have fewer): a group is one
-  // contiguous run of vectors, input group by input group, each with the vectors of the group's
-  // blocks in order, so that a decode tile over a group reads one sequential stream (one thread
-  // reads 31 - 32 GB/s as one stream, 26 as 4 streams 32 KB apart). 4-bit formats: for each
-  // block and chunk of 16 inputs, 128 bytes holding the chunk's 4 vectors of the int8 arrangement
-  // as nibbles (vector 2i in the low nibbles of bytes 64i..64i+63, vector 2i+1 in the high
-  // nibbles); the block scales are stored per block and scale block, 16 codes in lane order. rows
-  // must be a multiple of 16.
+  // (rows) in blocks of 16, one per 32-bit lane of a vector. A vector holds one input group (4
+  // bytes: 1 fp32, 2 bf16 or 4 int8 values) of each of a block's 16 channels, lane c at bytes
+  // 4c..4c+3. fp32, bf16, int8: the blocks are interleaved in groups of kInterleavedBlocks (the
+  // last group of a matrix may have fewer): a group is one contiguous run of vectors, input group
+  // by input group, each with the vectors of the group's blocks in order, so that a decode tile
+  // over a group reads one sequential stream (one thread reads 31 - 32 GB/s as one stream, 26 as
+  // 4 streams 32 KB apart). 4-bit formats: for each block and chunk of 16 inputs, 128 bytes
+  // holding the chunk's 4 vectors of the int8 arrangement as nibbles (vector 2i in the low nibbles
+  // of bytes 64i..64i+63, vector 2i+1 in the high nibbles); the block scales are stored per block
+  // and scale block, 16 codes in lane order. rows must be a multiple of 16.
   kChannelBlocked,
 };
 
