@@ -79,7 +79,8 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa("auto"));
   const MachineFigures& m = report.limits;
   p->memory_bandwidth_gbs = m.read_gbps;
-  // Paths the CPU lacks run on fp32 FMA (the kernels dequantize): price them at that rate.
+  // A CPU without BF16 runs bf16 weights on fp32 FMA (converted), one without VNNI runs int8 and the
+  // 4-bit formats on AVX2's multiply-adds: price them at those rates.
   const double fp32 = m.fp32_gflops / 1e3;
   const double bf16 = m.bf16_gflops > 0 ? m.bf16_gflops / 1e3 : fp32;
   // int8: VNNI where the CPU has it, else AVX2's multiply-adds.

@@ -13,9 +13,9 @@
 //          unsigned: a pair sum stays within 2 x 24 x 127, and 16 inputs within 16 bits); the offset
 //          is removed with -12 * (sum of the scale block's activations) per row; each scale block is
 //          summed in 16 and then 32 bits, then scaled per lane by its channel's block scale (FMA).
-// A tile is up to kMaxRows rows x one block. The first tile over an interleaved group (fp32, bf16,
-// int8) prefetches the whole group, which the group's other blocks then read from cache; a 4-bit
-// block is one stream of its own. More rows run more row tiles, over weights then in cache.
+// fp32, bf16 and int8 run an interleaved group chunk of input groups by chunk, in row tiles over as
+// many of its blocks as 16 registers allow (RunDenseTiles); a 4-bit block is one stream of its own,
+// read by tiles of up to 3 rows, the first from memory and the others from cache.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -95,7 +95,7 @@ int32_t SumInt8(const int8_t* q, int64_t count) {
   return sum;
 }
 
-// ---- fp32, bf16, int8: tiles over one channel block of an interleaved group ----
+// ---- fp32, bf16, int8: tiles over the blocks of an interleaved group ----
 
 // Where a tile reads and writes.
 struct TileArgs {
@@ -103,7 +103,7 @@ struct TileArgs {
   int64_t block;        // the tile's channel block
   const uint8_t* acts;  // first activation row of the tile
   int64_t act_stride;   // bytes between activation rows
-  float* out;           // output of (first row, first channel of the block)
+  float* out;           // 4-bit: output of (first row, first channel of the block)
   int64_t out_stride;   // floats between output rows
   bool stream;          // 4-bit: the first row tile over the block, which prefetches it
 };
@@ -175,17 +175,20 @@ struct Int8Dot {
 };
 
 // R rows x B blocks of one interleaved group, over input groups [g_begin, g_end): the accumulators
-// start from `state` and go back to it (RunDenseTiles zeroes and finishes them). The step's loop
-// is separate from the prefetching loop so that GCC keeps the accumulators in registers (with the
-// prefetch branch inside, it stored all of them on every step: fp32 at 4 rows, 6 GB/s).
+// start from `state` and go back to it (RunDenseTiles zeroes and finishes them). Each tile
+// prefetches its own blocks' lines into L2: over the whole group (one stream) a little ahead; over
+// part of it a chunk ahead, so that the memory does not idle while the tiles over the group's other
+// blocks run. The step is a lambda after the prefetches: written as one loop body (or with a branch
+// on whether to prefetch), GCC 12 stored every accumulator to the stack on every step (fp32 at 4
+// rows: 6 GB/s).
 template <class Dot, int R, int B>
 void DenseTile(const TileArgs& a, int64_t g_begin, int64_t g_end, typename Dot::Acc* state) {
   const PackedMatrix& m = *a.weights;
   const int64_t groups = m.cols * Dot::kValueBytes / 4;
   const InterleavedGroup group = InterleavedGroupOf(a.block, m.rows / kLanes);
-  const uint8_t* base = m.values.data() + group.first * groups * 64;  // the group's first vector
-  const uint8_t* w = base + (a.block - group.first) * 64;
+  const uint8_t* w = m.values.data() + (group.first * groups + (a.block - group.first)) * 64;
   const int64_t stride = group.count * 64;  // between a block's vectors
+  const int64_t ahead = (B == group.count ? kStreamPrefetchSteps : kChunkGroups) * stride;
   typename Dot::Acc acc[R][B][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < B; ++j)
@@ -201,10 +204,6 @@ void DenseTile(const TileArgs& a, int64_t g_begin, int64_t g_end, typename Dot::
       }
     }
   };
-  // Each tile prefetches its own blocks' lines into L2: over the whole group (one stream) a little
-  // ahead; over part of it, a chunk ahead, so that the tiles over the group's other blocks, which run
-  // in between, do not leave the memory idle.
-  const int64_t ahead = (B == group.count ? kStreamPrefetchSteps : kChunkGroups) * stride;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int j = 0; j < B; ++j) Prefetch(w + g * stride + ahead + 64 * j);
     step(g);
