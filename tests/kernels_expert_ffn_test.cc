@@ -114,7 +114,7 @@ std::vector<Case> AllCases() {
   std::vector<Case> cases;
   for (WeightFormat f : AllWeightFormats()) {
     for (Isa isa : AllIsas()) {
-      if (IsaSupported(isa)) cases.push_back({f, isa});
+      if (FormatSupportedBy(isa, f, DetectCpuFeatures())) cases.push_back({f, isa});
     }
   }
   return cases;
@@ -252,7 +252,10 @@ INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, KernelHarness, ::testing::ValuesIn(A
                          });
 
 TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
-  if (!IsaSupported(Isa::kAvx512)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const CpuFeatures& cpu = DetectCpuFeatures();
+  if (!FormatSupportedBy(Isa::kAvx512, WeightFormat::kNvfp4, cpu) ||
+      !FormatSupportedBy(Isa::kAvx512, WeightFormat::kBf16, cpu))
+    GTEST_SKIP() << "this CPU runs no 4-bit or bf16 avx512 kernels";
   const std::vector<ExpertWeights> experts = RandomExperts(1, 96, 160, 1);
   const auto pointers = Pointers(experts);
   auto nvfp4 = PackExperts(pointers, PackOptions{WeightFormat::kNvfp4, "avx512"});
@@ -280,6 +283,35 @@ TEST(KernelChoice, RefusesWhatItCannotStore) {
   auto refused = PackExperts(bad_pointers, PackOptions{WeightFormat::kInt8, "auto"});
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("row 3, column 5"), std::string::npos) << refused.status().message();
+}
+
+// Which formats each CPU generation runs on avx512 (the others give way to avx2).
+TEST(KernelChoice, Avx512FormatsFollowTheCpuFeatures) {
+  CpuFeatures skylake;  // AVX-512 F, BW, VL, DQ: no VNNI
+  skylake.avx2 = skylake.fma = skylake.f16c = true;
+  skylake.avx512f = skylake.avx512bw = skylake.avx512vl = skylake.avx512dq = true;
+  CpuFeatures cascade_lake = skylake;
+  cascade_lake.avx512vnni = true;
+  CpuFeatures ice_lake = cascade_lake;
+  ice_lake.avx512vbmi = true;
+  CpuFeatures zen4 = ice_lake;
+  zen4.avx512bf16 = true;
+  auto avx512_formats = [](const CpuFeatures& cpu) {
+    std::string names;
+    for (WeightFormat f : AllWeightFormats())
+      if (FormatSupportedBy(Isa::kAvx512, f, cpu)) names += std::string(names.empty() ? "" : " ") + WeightFormatName(f);
+    return names;
+  };
+  EXPECT_FALSE(IsaSupportedBy(Isa::kAvx512, skylake));
+  EXPECT_EQ(avx512_formats(skylake), "");
+  EXPECT_EQ(avx512_formats(cascade_lake), "fp32 int8");
+  EXPECT_EQ(avx512_formats(ice_lake), "fp32 int8 nvfp4 mxfp4");
+  EXPECT_EQ(avx512_formats(zen4), "fp32 bf16 int8 nvfp4 mxfp4");
+  for (WeightFormat f : AllWeightFormats()) {
+    EXPECT_TRUE(FormatSupportedBy(Isa::kAvx2, f, skylake));
+    EXPECT_FALSE(FormatSupportedBy(Isa::kAvx2, f, CpuFeatures{}));
+    EXPECT_TRUE(FormatSupportedBy(Isa::kReference, f, CpuFeatures{}));
+  }
 }
 
 TEST(KernelChoice, EnvironmentLowersTheInstructionSet) {

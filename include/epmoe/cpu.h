@@ -1,16 +1,18 @@
 // CPU feature detection and the choice of instruction set for the expert kernels.
 //
-// Kernels exist for an ordered list of instruction sets, best first: avx512 (F, BW, VL, DQ, VNNI,
-// BF16 and VBMI together, as on AMD Zen 4 and Intel Sapphire Rapids), avx2 (with FMA and F16C), and
-// reference (plain C++, always available). The best one the CPU has is chosen once at run time;
-// the environment variable EPMOE_ISA (e.g. EPMOE_ISA=avx2) or an explicit request can force a lower
-// one, never a higher one. All functions are thread-safe.
+// Kernels exist for an ordered list of instruction sets, best first: avx512 (F, BW, VL, DQ and
+// VNNI, as on Intel Cascade Lake and later and AMD Zen 4; its 4-bit kernels also need VBMI, its
+// bf16 kernel BF16), avx2 (with FMA and F16C), and reference (plain C++, always available). The best
+// one the CPU has is chosen once at run time, per weight format (Ice Lake runs bf16 on avx2 and the
+// rest on avx512); the environment variable EPMOE_ISA (e.g. EPMOE_ISA=avx2) or an explicit request
+// can force a lower one, never a higher one. All functions are thread-safe.
 #pragma once
 
 #include <string_view>
 #include <vector>
 
 #include "epmoe/status.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe {
 
@@ -31,7 +33,12 @@ struct CpuFeatures {
 // What this CPU (and OS) supports, detected once.
 const CpuFeatures& DetectCpuFeatures();
 
-// Whether this CPU can run the kernels of `isa`.
+// Whether a CPU with `features` can run the kernels of `isa` (at least one format's), and its kernel
+// for weights of `format`.
+bool IsaSupportedBy(Isa isa, const CpuFeatures& features);
+bool FormatSupportedBy(Isa isa, WeightFormat format, const CpuFeatures& features);
+
+// The same for this CPU.
 bool IsaSupported(Isa isa);
 
 // The best instruction set this CPU supports (ignores EPMOE_ISA).

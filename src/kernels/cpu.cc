@@ -49,16 +49,29 @@ const CpuFeatures& DetectCpuFeatures() {
   return features;
 }
 
-bool IsaSupported(Isa isa) {
-  const CpuFeatures& f = DetectCpuFeatures();
+bool IsaSupportedBy(Isa isa, const CpuFeatures& f) {
   switch (isa) {
     case Isa::kReference: return true;
     case Isa::kAvx2: return f.avx2 && f.fma && f.f16c;
     case Isa::kAvx512:
-      return f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni &&
-             f.avx512bf16 && f.avx512vbmi;
+      return IsaSupportedBy(Isa::kAvx2, f) && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni;
   }
   return false;
+}
+
+bool FormatSupportedBy(Isa isa, WeightFormat format, const CpuFeatures& f) {
+  if (!IsaSupportedBy(isa, f)) return false;
+  if (isa != Isa::kAvx512) return true;
+  switch (format) {
+    case WeightFormat::kBf16: return f.avx512bf16;  // VDPBF16PS
+    case WeightFormat::kNvfp4:
+    case WeightFormat::kMxfp4: return f.avx512vbmi;  // VPERMB
+    default: return true;
+  }
+}
+
+bool IsaSupported(Isa isa) {
+  return IsaSupportedBy(isa, DetectCpuFeatures());
 }
 
 Isa BestSupportedIsa() {

@@ -129,7 +129,7 @@ class Fp32ActivationKernel : public MatrixKernel {
   WeightFormat format_;
 };
 
-// Factories; the avx2 and avx512 ones may be called only when IsaSupported says so.
+// Factories; the avx2 and avx512 ones may be called only when FormatSupportedBy says so for this CPU.
 std::unique_ptr<MatrixKernel> MakeReferenceKernel(WeightFormat format);
 std::unique_ptr<MatrixKernel> MakeAvx2Kernel(WeightFormat format);
 std::unique_ptr<MatrixKernel> MakeAvx512Kernel(WeightFormat format);

@@ -202,7 +202,7 @@ void MatrixKernel::SwiGlu(const float* gate, const float* up, int64_t count, flo
 
 std::unique_ptr<MatrixKernel> ChooseKernel(WeightFormat format, Isa highest, int64_t hidden, int64_t intermediate) {
   for (Isa isa : AllIsas()) {
-    if (isa > highest || !IsaSupported(isa)) continue;
+    if (isa > highest || !FormatSupportedBy(isa, format, DetectCpuFeatures())) continue;
     std::unique_ptr<MatrixKernel> kernel;
     switch (isa) {
       case Isa::kAvx512: kernel = MakeAvx512Kernel(format); break;
