@@ -141,10 +141,8 @@ Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOpti
     }
     return 0;
   };
-  // AVX-512 without BF16 (Intel Cascade and Ice Lake) has no bf16 dot: do not run it.
-  const bool lacks_bf16 = path == ArithmeticPath::kBf16Dot && !DetectCpuFeatures().avx512bf16;
   float probe = 0;
-  if (lacks_bf16 || loop(1, &probe) == 0)
+  if (loop(1, &probe) == 0)
     return FailedPrecondition(
         fmt::format("instruction set {} has no {} instruction", IsaName(use), ArithmeticPathName(path)));
   // Calibrate the iterations for the wanted duration on one thread.

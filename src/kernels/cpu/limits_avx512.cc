@@ -43,6 +43,7 @@ int64_t ArithmeticLoopAvx512(ArithmeticPath path, int64_t iterations, float* sin
       return iterations * kChains * 16 * 2;
     }
     case ArithmeticPath::kBf16Dot: {
+      if (!DetectCpuFeatures().avx512bf16) return 0;  // AVX-512 without BF16 (Cascade and Ice Lake)
       __m512 acc[kChains];
       for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));
       const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0

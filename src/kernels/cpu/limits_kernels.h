@@ -14,7 +14,8 @@ uint64_t ReadSumAvx2(const uint8_t* data, int64_t bytes);
 uint64_t ReadSumAvx512(const uint8_t* data, int64_t bytes);
 
 // Runs `iterations` rounds of independent chains of the path's instruction; returns the
-// operations done (2 per multiply-add), or 0 when this instruction set has no such instruction.
+// operations done (2 per multiply-add), or 0 when this instruction set (or this CPU: AVX-512 without
+// BF16) has no such instruction.
 int64_t ArithmeticLoopAvx2(ArithmeticPath path, int64_t iterations, float* sink);
 int64_t ArithmeticLoopAvx512(ArithmeticPath path, int64_t iterations, float* sink);
 
