@@ -49,6 +49,38 @@ inline InterleavedGroup InterleavedGroupOf(int64_t block, int64_t blocks) {
   return {first, std::min(kInterleavedBlocks, blocks - first)};
 }
 
+// ---- shared by the vector kernels ----
+
+inline int64_t RoundUp(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// Unaligned loads of a 4-byte value from an activation row.
+inline int32_t LoadInt32(const uint8_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+inline float LoadFloat(const uint8_t* at) {
+  float v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+// 2 * E2M1 value + 12 for codes 0..15 (8..15 negative): the 4-bit kernels' weights as unsigned
+// bytes (0..24), the operand VPDPBUSD and VPMADDUBSW take unsigned.
+constexpr uint8_t kE2m1TwicePlus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// The 4-bit vector kernels' activation row: cols int8 values (padded to 64 bytes), then one int32
+// per scale block (-12 * the block's sum, which removes the weights' offset of 12), then the fp32
+// scale.
+inline int64_t FourBitCorrectionOffset(int64_t cols) {
+  return RoundUp(cols, 64);
+}
+inline int64_t FourBitScaleOffset(int64_t cols, int scale_block) {
+  return FourBitCorrectionOffset(cols) + cols / scale_block * 4;
+}
+
 // One [rows x cols] weight matrix in a kernel's layout. The byte count equals ByteCount(format,
 // rows, cols): the same encoded values as QuantizedMatrix, reordered. Immutable after packing
 // (except that an expert store may overwrite its values and scales in place with another expert's).

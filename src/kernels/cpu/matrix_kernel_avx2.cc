@@ -39,10 +39,6 @@ constexpr int64_t kPrefetchBytes = 4096;
 // group prefetches its blocks' lines a chunk ahead.
 constexpr int64_t kChunkGroups = 32, kBatchRows = 12, kStateBlocks = 4, kStreamPrefetchSteps = 4;
 
-int64_t RoundUp(int64_t value, int64_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
-}
-
 inline __m256i Load256(const uint8_t* at) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
 }
@@ -51,21 +47,9 @@ inline void Prefetch(const uint8_t* at) {
   _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
 }
 
-inline int32_t LoadInt32(const uint8_t* at) {
-  int32_t v;
-  std::memcpy(&v, at, 4);
-  return v;
-}
-
 // The 4-byte input group at `at`, broadcast to all 8 lanes.
 inline __m256i BroadcastGroup(const uint8_t* at) {
   return _mm256_set1_epi32(LoadInt32(at));
-}
-
-inline float LoadFloat(const uint8_t* at) {
-  float v;
-  std::memcpy(&v, at, 4);
-  return v;
 }
 
 // ---- int8 activations, shared by the int8 and 4-bit kernels ----
@@ -215,25 +199,20 @@ void DenseTile(const TileArgs& a, int64_t g_begin, int64_t g_end, typename Dot::
 
 // ---- 4-bit (nvfp4, mxfp4) ----
 
-// 4-bit activation row: cols int8 values (padded to 64 bytes), then one int32 per scale block (-12
-// * the block's sum), then the fp32 scale. The same arrangement as the AVX-512 kernels'.
-int64_t CorrectionOffset(int64_t cols) {
-  return RoundUp(cols, 64);
-}
+// 4-bit activation row: FourBitCorrectionOffset and FourBitScaleOffset (kernels/kernel.h), as the
+// AVX-512 kernels'.
 
 template <WeightFormat kFormat>
 struct FourBit {
   static constexpr int kScaleBlock = kFormat == WeightFormat::kNvfp4 ? 16 : 32;
   static constexpr int kMaxRows = 3;
-  static int64_t ScaleOffset(int64_t cols) { return CorrectionOffset(cols) + cols / kScaleBlock * 4; }
+  static int64_t ScaleOffset(int64_t cols) { return FourBitScaleOffset(cols, kScaleBlock); }
   // What LaneScales' values are multiplied by to give the block scales.
   static constexpr float kScaleFactor = kFormat == WeightFormat::kNvfp4 ? 0x1p120f : 1.0f;
 
-  // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), in both 16-byte lanes (VPSHUFB looks up
-  // within a lane).
+  // kE2m1TwicePlus12 in both 16-byte lanes (VPSHUFB looks up within a lane).
   static __m256i Table() {
-    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24,
-                            12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1TwicePlus12)));
   }
 
   // The 8 channels' scales of half `half` of one scale block (codes at `codes`) as fp32, as the
@@ -262,7 +241,7 @@ struct FourBit {
       for (int h = 0; h < 2; ++h) {
         __m256i sum[R];
         for (int r = 0; r < R; ++r)
-          sum[r] = _mm256_set1_epi32(LoadInt32(a.acts + r * a.act_stride + CorrectionOffset(m.cols) + 4 * sb));
+          sum[r] = _mm256_set1_epi32(LoadInt32(a.acts + r * a.act_stride + FourBitCorrectionOffset(m.cols) + 4 * sb));
         for (int chunk = 0; chunk < kScaleBlock / 16; ++chunk) {
           // Input groups 0 and 1 of the chunk in the low and high nibbles of its first 64 bytes, 2
           // and 3 in the second; channels 8h..8h+7 in the h-th 32 bytes of each.
@@ -392,8 +371,8 @@ class Avx2Kernel final : public MatrixKernel {
       case WeightFormat::kFp32:
       case WeightFormat::kBf16: return cols * static_cast<int64_t>(sizeof(float));
       case WeightFormat::kInt8: return RoundUp(cols, 32) + 32;
-      case WeightFormat::kNvfp4: return RoundUp(FourBit<WeightFormat::kNvfp4>::ScaleOffset(cols) + 4, 32);
-      case WeightFormat::kMxfp4: return RoundUp(FourBit<WeightFormat::kMxfp4>::ScaleOffset(cols) + 4, 32);
+      case WeightFormat::kNvfp4:
+      case WeightFormat::kMxfp4: return RoundUp(FourBitScaleOffset(cols, BlockSize(format_)) + 4, 32);
     }
     return 0;
   }
@@ -412,9 +391,9 @@ class Avx2Kernel final : public MatrixKernel {
     const int block = BlockSize(format_);
     for (int64_t sb = 0; sb < cols / block; ++sb) {
       const int32_t correction = -12 * SumInt8(q + sb * block, block);
-      std::memcpy(out + CorrectionOffset(cols) + 4 * sb, &correction, 4);
+      std::memcpy(out + FourBitCorrectionOffset(cols) + 4 * sb, &correction, 4);
     }
-    std::memcpy(out + CorrectionOffset(cols) + cols / block * 4, &scale, 4);
+    std::memcpy(out + FourBitScaleOffset(cols, block), &scale, 4);
   }
 
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,

@@ -48,10 +48,6 @@ constexpr int64_t kStreamRows = 4;
 // 4-bit prefill expansion prefetches its panel as far ahead.
 constexpr int64_t kPrefetchBytes = 8192;
 
-int64_t RoundUp(int64_t value, int64_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
-}
-
 // The 4-byte input group at `at`, broadcast to all 16 lanes.
 inline __m512i BroadcastGroup(const uint8_t* at) {
   int32_t group;
@@ -78,18 +74,6 @@ constexpr int64_t kDensePrefetchBytes = 1024;
 inline void PrefetchStream(const uint8_t* tile, int j, int blocks, int64_t block_bytes, int64_t ahead) {
   const int64_t offset = j * block_bytes + ahead + (ahead >= block_bytes ? (blocks - 1) * block_bytes : 0);
   _mm_prefetch(reinterpret_cast<const char*>(tile + offset), _MM_HINT_T1);
-}
-
-inline int32_t LoadInt32(const uint8_t* at) {
-  int32_t v;
-  std::memcpy(&v, at, 4);
-  return v;
-}
-
-inline float LoadFloat(const uint8_t* at) {
-  float v;
-  std::memcpy(&v, at, 4);
-  return v;
 }
 
 // acc + the lane-wise sums of 4 products of unsigned w and signed x bytes (VPDPBUSD). Written in
@@ -410,11 +394,7 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
 
 // ---- 4-bit (nvfp4, mxfp4) ----
 
-// 4-bit activation row: cols int8 values in input order (padded to 64 bytes), then one int32 per
-// scale block (-12 * the block's sum), then the fp32 scale.
-int64_t FourBitCorrectionOffset(int64_t cols) {
-  return RoundUp(cols, 64);
-}
+// 4-bit activation row: FourBitCorrectionOffset and FourBitScaleOffset (kernels/kernel.h).
 
 template <WeightFormat kFormat>
 struct FourBit {
@@ -423,14 +403,14 @@ struct FourBit {
   // Scale blocks whose codes span kPrefetchBytes (128 code bytes per 16 inputs).
   static constexpr int64_t kScaleBlocksAhead = kPrefetchBytes / (128 * kScaleBlock / 16);
 
-  static int64_t ScaleOffset(int64_t cols) { return FourBitCorrectionOffset(cols) + cols / kScaleBlock * 4; }
+  static int64_t ScaleOffset(int64_t cols) { return FourBitScaleOffset(cols, kScaleBlock); }
   // What LaneScales' values are multiplied by to give the block scales.
   static constexpr float kScaleFactor = kFormat == WeightFormat::kNvfp4 ? 0x1p120f : 1.0f;
 
-  // 2 * E2M1 value + 12 for codes 0..15 (8..15 negative), repeated in each 16 bytes: VPERMB
-  // (AVX512_VBMI) then ignores index bits 4-5, so neither nibble needs masking.
+  // kE2m1TwicePlus12 repeated in each 16 bytes: VPERMB (AVX512_VBMI) then ignores index bits 4-5,
+  // so neither nibble needs masking.
   static __m512i Table() {
-    return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1TwicePlus12)));
   }
 
   // The 4 int8 weight vectors (input groups 4i..4i+3 of 16 channels) of one 128-byte chunk, whose
