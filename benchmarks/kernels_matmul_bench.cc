@@ -104,8 +104,9 @@ void BM_Read(benchmark::State& state) {
 
 // Weights that stay in L2 (192 channels): with 192 rows the figure is the prefill register tile's
 // arithmetic rate (compare GOP/s with BM_Peak of the format's path); with 1 row it is the decode
-// tile's instruction cost per weight byte, with no memory in the way (bytes_per_second); with 4
-// rows, the decode tile's arithmetic rate without waiting for memory.
+// tile's instruction cost per weight byte, with no memory in the way (bytes_per_second); with 3, 4
+// and 8 rows, the decode tiles' arithmetic rate without waiting for memory (3 rows: a short tile;
+// 8 rows: two row tiles over the same weights).
 void BM_MatMulCached(benchmark::State& state) {
   const auto format = static_cast<WeightFormat>(state.range(0));
   const int64_t kRows = state.range(1);
@@ -240,7 +241,7 @@ void MatMulArguments(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMul)->Apply(MatMulArguments)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMulCached)
-    ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1), {1, 4, 192}})
+    ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1), {1, 3, 4, 8, 192}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ExpertStore)
     ->ArgsProduct({benchmark::CreateDenseRange(1, static_cast<int>(AllWeightFormats().size()) - 1, 1),
