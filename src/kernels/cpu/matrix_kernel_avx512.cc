@@ -123,8 +123,8 @@ struct TileTable {
 template <template <int, int> class Tile, int kMaxRows, int kMaxBlocks>
 void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
   // Row tiles of even height (8 rows: 4 + 4, not 6 + 2), so that no tile is much shorter than the
-  // others: one thread over weights in L2, int8 at 7 / 8 / 13 rows, 369 / 417 / 391 -> 452 / 453 /
-  // 446 GOP/s (the VNNI peak: 468).
+  // others (kernels_matmul_bench BM_MatMulCached, int8 at 8 rows: 392 -> 428 GOP/s; the VNNI peak
+  // of one core is 468).
   const int64_t row_tiles = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t tile_height = row_tiles > 0 ? (rows + row_tiles - 1) / row_tiles : 0;
   const int64_t tiles = (block_end - block_begin + kMaxBlocks - 1) / kMaxBlocks * row_tiles;
@@ -242,8 +242,8 @@ struct DenseTile {
           if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + kDensePrefetchBytes), _MM_HINT_T1);
           wv[j] = _mm512_loadu_si512(at);
           // Held in a register: without this GCC 12 loaded the vector again for every row of some
-          // tiles (3 rows x 4 blocks: 12 loads for 12 multiply-adds; one thread over weights in L2,
-          // int8 at 3 rows 241 -> 448 GOP/s, from memory 0.84 -> 0.97 of the plain read).
+          // tiles (3 rows x 4 blocks: 12 loads for 12 multiply-adds; BM_MatMulCached, int8 at 3
+          // rows: 324 -> 423 GOP/s).
           asm("" : "+v"(wv[j]));
         }
         for (int r = 0; r < R; ++r) {
