@@ -241,7 +241,8 @@ void MatMulArguments(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMul)->Apply(MatMulArguments)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMulCached)
-    ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1), {1, 3, 4, 8, 192}})
+    ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1),
+                   {1, 3, 4, 8, 192}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ExpertStore)
     ->ArgsProduct({benchmark::CreateDenseRange(1, static_cast<int>(AllWeightFormats().size()) - 1, 1),
