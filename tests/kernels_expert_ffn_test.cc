@@ -5,8 +5,8 @@
 //    bound users rely on (kFormatTolerance, also what `epmoe layer --check` enforces);
 //  - against ReferenceExpertFfn on the dequantized weights: the kernel's own error (activation
 //    rounding and summation order), much tighter, so a kernel bug cannot hide in quantization noise.
-// Rows per expert 0, 1, 2, 3, 4, 7 (decode path), 20 (several decode tiles; the 4-bit kernels stream
-// up to 48 rows), 64 and 1000 (prefill path), uneven, with experts that get no rows; input sizes
+// Rows per expert 0, 1, 2, 3, 4, 7, 8, 13 (decode path), 20 (several decode tiles; the 4-bit kernels
+// stream up to 48 rows), 64 and 1000 (prefill path), uneven, with experts that get no rows; input sizes
 // that are not multiples of the vector or group width; the work split over 1 - 4 threads.
 #include <gtest/gtest.h>
 
@@ -122,13 +122,13 @@ std::vector<Case> AllCases() {
 
 class KernelHarness : public ::testing::TestWithParam<Case> {};
 
-// 10 experts, rows per expert 0, 1, 2, 3, 4, 7, 20, 64, 1000, 5: both paths, every decode tile
-// height (4 rows: the tallest short tile, which loads 4-bit codes a chunk ahead) and zero-pick
-// experts.
+// 12 experts, rows per expert 0, 1, 2, 3, 4, 7, 8, 13, 20, 64, 1000, 5: both paths, every decode
+// tile height (4 rows: the tallest short tile, which loads 4-bit codes a chunk ahead; 8 and 13 rows:
+// two and three row tiles over each group of blocks) and zero-pick experts.
 TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   const auto [format, isa] = GetParam();
   constexpr int64_t kHidden = 512, kInter = 256;
-  const std::vector<int64_t> counts = {0, 1, 2, 3, 4, 7, 20, 64, 1000, 5};
+  const std::vector<int64_t> counts = {0, 1, 2, 3, 4, 7, 8, 13, 20, 64, 1000, 5};
   const int n = static_cast<int>(counts.size());
   const std::vector<ExpertWeights> experts = RandomExperts(n, kHidden, kInter, 7);
   const std::vector<int64_t> offsets = Offsets(counts);
