@@ -275,6 +275,24 @@ TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
   EXPECT_EQ((*bf16)->kernel_name(), "bf16/reference");  // avx2 needs whole blocks too
 }
 
+// IsaForFormat (what `epmoe calibrate` prices each format by) names the kernel a store picks for a
+// shape every set can run, for every request this CPU takes.
+TEST(KernelChoice, IsaForFormatNamesTheKernelThatRuns) {
+  const std::vector<ExpertWeights> experts = RandomExperts(1, 96, 160, 1);
+  const auto pointers = Pointers(experts);
+  for (Isa requested : AllIsas()) {
+    if (!IsaSupported(requested)) continue;
+    const Result<Isa> highest = ResolveIsa(IsaName(requested));
+    ASSERT_TRUE(highest.ok()) << highest.status().ToString();
+    for (WeightFormat format : AllWeightFormats()) {
+      auto store = PackExperts(pointers, PackOptions{format, IsaName(requested)});
+      ASSERT_TRUE(store.ok()) << store.status().ToString();
+      EXPECT_EQ((*store)->kernel_name(),
+                std::string(WeightFormatName(format)) + "/" + IsaName(IsaForFormat(format, *highest)));
+    }
+  }
+}
+
 TEST(KernelChoice, RefusesWhatItCannotStore) {
   const auto experts = RandomExperts(1, 64, 48, 1);  // 48 is not a multiple of MXFP4's 32
   const auto pointers = Pointers(experts);

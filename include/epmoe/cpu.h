@@ -44,6 +44,11 @@ bool IsaSupported(Isa isa);
 // The best instruction set this CPU supports (ignores EPMOE_ISA).
 Isa BestSupportedIsa();
 
+// The instruction set whose kernel runs weights of `format` on this CPU when `highest` is asked for:
+// the best one not above it that has a kernel for the format (Ice Lake asked for avx512 runs bf16 on
+// avx2). A kernel may give way further for shapes it cannot run.
+Isa IsaForFormat(WeightFormat format, Isa highest);
+
 // Resolves a request: "auto" is the best supported one, lowered to EPMOE_ISA when that is set; a
 // named set must be supported by the CPU and is also lowered to EPMOE_ISA when that is lower.
 // Fails on unknown names (in the request or in EPMOE_ISA) and on sets the CPU lacks.

@@ -81,6 +81,13 @@ Isa BestSupportedIsa() {
   return Isa::kReference;
 }
 
+Isa IsaForFormat(WeightFormat format, Isa highest) {
+  for (Isa isa : AllIsas()) {
+    if (isa <= highest && FormatSupportedBy(isa, format, DetectCpuFeatures())) return isa;
+  }
+  return Isa::kReference;
+}
+
 Result<Isa> ResolveIsa(std::string_view requested) {
   Isa chosen = BestSupportedIsa();
   if (requested != "auto") {

@@ -79,21 +79,21 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa("auto"));
   const MachineFigures& m = report.limits;
   p->memory_bandwidth_gbs = m.read_gbps;
-  // A CPU without BF16 runs bf16 weights on fp32 FMA (converted), one without VNNI runs int8 and the
-  // 4-bit formats on AVX2's multiply-adds: price them at those rates.
+  // Each format at the peak of the path its kernel runs on here: a CPU without BF16 runs bf16 weights
+  // on fp32 FMA (converted), one without VNNI (or EPMOE_ISA=avx2) int8 and the 4-bit formats on
+  // AVX2's multiply-adds.
   const double fp32 = m.fp32_gflops / 1e3;
-  const double bf16 = m.bf16_gflops > 0 ? m.bf16_gflops / 1e3 : fp32;
-  // int8: VNNI where the CPU has it, else AVX2's multiply-adds.
-  const double int8 = m.int8_gops > 0 ? m.int8_gops / 1e3 : m.int8_madd_gops > 0 ? m.int8_madd_gops / 1e3 : fp32;
+  auto rate = [&](double gops) { return gops > 0 ? gops / 1e3 : fp32; };
   auto peak_for = [&](WeightFormat format) {
-    switch (PathForFormat(format, isa)) {
+    switch (PathForFormat(format, IsaForFormat(format, isa))) {
       case ArithmeticPath::kFp32Fma: return fp32;
-      case ArithmeticPath::kBf16Dot: return bf16;
-      case ArithmeticPath::kInt8Vnni:
-      case ArithmeticPath::kInt8Madd: return int8;
+      case ArithmeticPath::kBf16Dot: return rate(m.bf16_gflops);
+      case ArithmeticPath::kInt8Vnni: return rate(m.int8_gops);
+      case ArithmeticPath::kInt8Madd: return rate(m.int8_madd_gops);
     }
     return fp32;
   };
+  const double bf16 = peak_for(WeightFormat::kBf16);
   p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
   // Where ranks share this machine, DWDP's fetches are memcpys (shared-memory windows): price them at
   // the rate all cores copy at together.
@@ -116,9 +116,9 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
     ++lines;
   }
   for (const auto& point : report.points) {
-    const double peak = peak_for(point.format) * 1e3;
-    if (peak <= 0 || point.gflops <= 0) continue;
-    arithmetic_efficiency += point.gflops / peak;
+    // The peak of the path the point's kernel ran on, as the bench judged it.
+    if (point.peak_used <= 0 || point.gflops <= 0) continue;
+    arithmetic_efficiency += point.gflops / point.peak_used;
     ++points;
   }
   if (lines > 0) p->memory_read_efficiency = std::clamp(read_efficiency / lines, 0.05, 1.0);
