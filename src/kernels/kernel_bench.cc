@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <memory>
 #include <random>
 
@@ -17,6 +18,20 @@
 
 namespace epmoe {
 namespace {
+
+constexpr ArithmeticPath kArithmeticPaths[] = {ArithmeticPath::kFp32Fma, ArithmeticPath::kBf16Dot,
+                                               ArithmeticPath::kInt8Vnni, ArithmeticPath::kInt8Madd};
+
+// The field of `limits` that holds the peak of `path`.
+double& PeakOf(MachineFigures& limits, ArithmeticPath path) {
+  switch (path) {
+    case ArithmeticPath::kFp32Fma: return limits.fp32_gflops;
+    case ArithmeticPath::kBf16Dot: return limits.bf16_gflops;
+    case ArithmeticPath::kInt8Vnni: return limits.int8_gops;
+    case ArithmeticPath::kInt8Madd: return limits.int8_madd_gops;
+  }
+  return limits.fp32_gflops;
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -148,14 +163,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   EPMOE_ASSIGN_OR_RETURN(MemoryReadProbe probe, MemoryReadProbe::Create(pool, o.probe_bytes, machine));
   std::vector<double> bandwidths;  // every probe read of the run
   for (int rep = 0; rep < 7; ++rep) bandwidths.push_back(probe.Read(pool));
-  report.limits.fp32_gflops = peak_or_zero(ArithmeticPath::kFp32Fma, {});
-  report.limits.bf16_gflops = peak_or_zero(ArithmeticPath::kBf16Dot, {});
-  report.limits.int8_gops = peak_or_zero(ArithmeticPath::kInt8Vnni, {});
-  report.limits.int8_madd_gops = peak_or_zero(ArithmeticPath::kInt8Madd, {});
-  std::vector<double> peaks[4] = {{report.limits.fp32_gflops},
-                                  {report.limits.bf16_gflops},
-                                  {report.limits.int8_gops},
-                                  {report.limits.int8_madd_gops}};
+  // Every measurement of each path's peak (indexed by the path), their median at the end.
+  std::vector<double> peaks[std::size(kArithmeticPaths)];
+  for (ArithmeticPath path : kArithmeticPaths) peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {}));
   std::vector<ArithmeticPath> point_paths;  // the arithmetic path of each point's kernel
   // Each point's touched experts: (bytes, picks), for its expert-by-expert bound.
   std::vector<std::vector<std::pair<double, double>>> point_experts;
@@ -343,14 +353,10 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     }
   }
   report.limits.read_gbps = Median(bandwidths);
-  const double median_peaks[4] = {Median(peaks[0]), Median(peaks[1]), Median(peaks[2]), Median(peaks[3])};
-  report.limits.fp32_gflops = median_peaks[static_cast<int>(ArithmeticPath::kFp32Fma)];
-  report.limits.bf16_gflops = median_peaks[static_cast<int>(ArithmeticPath::kBf16Dot)];
-  report.limits.int8_gops = median_peaks[static_cast<int>(ArithmeticPath::kInt8Vnni)];
-  report.limits.int8_madd_gops = median_peaks[static_cast<int>(ArithmeticPath::kInt8Madd)];
+  for (ArithmeticPath path : kArithmeticPaths) PeakOf(report.limits, path) = Median(peaks[static_cast<int>(path)]);
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
-    p.peak_used = median_peaks[static_cast<int>(point_paths[i])];
+    p.peak_used = PeakOf(report.limits, point_paths[i]);
     auto arithmetic_us = [&](double operations) {
       return p.peak_used > 0 ? operations / (p.peak_used * 1e9) * 1e6 : 0;
     };
