@@ -145,22 +145,6 @@ class MatrixKernel {
   virtual void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const;
 };
 
-// Base of a kernel that takes fp32 activations as they are and runs any input size (the reference
-// kernel).
-class Fp32ActivationKernel : public MatrixKernel {
- public:
-  explicit Fp32ActivationKernel(WeightFormat format) : format_(format) {}
-  WeightFormat format() const override { return format_; }
-  bool SupportsSize(int64_t) const override { return true; }
-  int64_t ActivationBytes(int64_t cols) const override { return cols * static_cast<int64_t>(sizeof(float)); }
-  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
-    std::memcpy(out, x, cols * sizeof(float));
-  }
-
- protected:
-  WeightFormat format_;
-};
-
 // Factories; the avx2 and avx512 ones may be called only when FormatSupportedBy says so for this CPU.
 std::unique_ptr<MatrixKernel> MakeReferenceKernel(WeightFormat format);
 std::unique_ptr<MatrixKernel> MakeAvx2Kernel(WeightFormat format);

@@ -1,5 +1,6 @@
 // The reference matrix kernel: fp32 activations, each weight row dequantized to fp32 once and
 // dotted with every activation row in plain loops (float accumulation in input order). Any shape.
+#include <cstring>
 #include <vector>
 
 #include "kernels/kernel.h"
@@ -7,10 +8,16 @@
 namespace epmoe::kernels {
 namespace {
 
-class ReferenceKernel final : public Fp32ActivationKernel {
+class ReferenceKernel final : public MatrixKernel {
  public:
-  explicit ReferenceKernel(WeightFormat format) : Fp32ActivationKernel(format) {}
+  explicit ReferenceKernel(WeightFormat format) : format_(format) {}
   Isa isa() const override { return Isa::kReference; }
+  WeightFormat format() const override { return format_; }
+  bool SupportsSize(int64_t) const override { return true; }
+  int64_t ActivationBytes(int64_t cols) const override { return cols * static_cast<int64_t>(sizeof(float)); }
+  void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
+    std::memcpy(out, x, cols * sizeof(float));
+  }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride) const override {
     std::vector<float> weights(w.cols);
@@ -24,6 +31,9 @@ class ReferenceKernel final : public Fp32ActivationKernel {
       }
     }
   }
+
+ private:
+  WeightFormat format_;
 };
 
 }  // namespace
