@@ -19,7 +19,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <iterator>
 
@@ -421,7 +420,7 @@ class Avx2Kernel final : public MatrixKernel {
       const __m256 sigmoid = _mm256_blendv_ps(inverse, _mm256_mul_ps(inverse, e), negative);
       _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
     }
-    for (; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    MatrixKernel::SwiGlu(gate + i, up + i, count - i, out + i);  // the last few, in scalar
   }
 
  private:

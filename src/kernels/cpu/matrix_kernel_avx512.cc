@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -297,7 +296,8 @@ inline __m512 ExpNonPositive(__m512 x) {
 }
 
 // silu(g) * u = g * sigmoid(g) * u, sigmoid from exp(-|g|) so nothing overflows.
-void SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out) {
+// Whole vectors of 16 only: returns how many values it did.
+int64_t SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out) {
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
@@ -308,7 +308,7 @@ void SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out)
     const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);  // g < 0: e / (1 + e)
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
   }
-  for (; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  return i;
 }
 
 // What every AVX-512 kernel shares: the instruction set, the 16-channel-block layout and SwiGLU.
@@ -320,7 +320,8 @@ class Avx512Kernel : public MatrixKernel {
   PackLayout layout() const override { return PackLayout::kChannelBlocked; }
   int64_t channel_block() const override { return kLanes; }
   void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
-    SwiGluAvx512(gate, up, count, out);
+    const int64_t done = SwiGluAvx512(gate, up, count, out);
+    MatrixKernel::SwiGlu(gate + done, up + done, count - done, out + done);  // the last few, in scalar
   }
 };
 
