@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "epmoe/cpu.h"
@@ -122,6 +124,14 @@ std::vector<Case> AllCases() {
 
 class KernelHarness : public ::testing::TestWithParam<Case> {};
 
+// The kernel a store asked for `isa` runs on shapes every set takes: isa, or the set EPMOE_ISA
+// lowers it to (the suite also runs under EPMOE_ISA=avx2).
+std::string KernelThatRuns(WeightFormat format, Isa isa) {
+  const Result<Isa> highest = ResolveIsa(IsaName(isa));
+  EXPECT_TRUE(highest.ok()) << highest.status().ToString();
+  return std::string(WeightFormatName(format)) + "/" + IsaName(IsaForFormat(format, highest.ok() ? *highest : isa));
+}
+
 // 12 experts, rows per expert 0, 1, 2, 3, 4, 7, 8, 13, 20, 64, 1000, 5: both paths, every decode
 // tile height (4 rows: the tallest short tile, which loads 4-bit codes a chunk ahead; 8 and 13 rows:
 // two and three row tiles over each group of blocks) and zero-pick experts.
@@ -137,7 +147,7 @@ TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   const auto pointers = Pointers(experts);
   auto store = PackExperts(pointers, PackOptions{format, IsaName(isa)});
   ASSERT_TRUE(store.ok()) << store.status().message();
-  EXPECT_EQ((*store)->kernel_name(), std::string(WeightFormatName(format)) + "/" + IsaName(isa));
+  EXPECT_EQ((*store)->kernel_name(), KernelThatRuns(format, isa));
   for (int e = 0; e < n; ++e) EXPECT_EQ((*store)->expert_bytes(e), ExpertByteCount(format, kHidden, kInter));
 
   const Matrix actual = RunStore(**store, rows, offsets, 2);
@@ -219,7 +229,7 @@ TEST_P(KernelHarness, ShortInterleavedGroups) {
   const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
   auto store = PackExperts(Pointers(experts), PackOptions{format, IsaName(isa)});
   ASSERT_TRUE(store.ok()) << store.status().message();
-  EXPECT_EQ((*store)->kernel_name(), std::string(WeightFormatName(format)) + "/" + IsaName(isa));
+  EXPECT_EQ((*store)->kernel_name(), KernelThatRuns(format, isa));
   const Matrix actual = RunStore(**store, rows, offsets, 2);
   EXPECT_LE(NormalizedMaxError(actual, ReferenceOutputs(experts, rows, offsets)), FormatTolerance(format));
 }
@@ -336,17 +346,37 @@ TEST(KernelChoice, Avx512FormatsFollowTheCpuFeatures) {
   }
 }
 
+// Sets EPMOE_ISA for its lifetime, then puts back what the run was started with (the suite also
+// runs under EPMOE_ISA=avx2, and the tests after this one must see it).
+class ScopedIsaEnvironment {
+ public:
+  explicit ScopedIsaEnvironment(const char* value) {
+    if (const char* old = std::getenv("EPMOE_ISA")) saved_ = old;
+    setenv("EPMOE_ISA", value, 1);
+  }
+  ~ScopedIsaEnvironment() {
+    if (saved_) {
+      setenv("EPMOE_ISA", saved_->c_str(), 1);
+    } else {
+      unsetenv("EPMOE_ISA");
+    }
+  }
+
+ private:
+  std::optional<std::string> saved_;
+};
+
 TEST(KernelChoice, EnvironmentLowersTheInstructionSet) {
   const auto experts = RandomExperts(1, 256, 256, 1);
   const auto pointers = Pointers(experts);
-  ASSERT_EQ(setenv("EPMOE_ISA", "reference", 1), 0);
-  auto store = PackExperts(pointers, PackOptions{WeightFormat::kInt8, "auto"});
-  unsetenv("EPMOE_ISA");
-  ASSERT_TRUE(store.ok());
-  EXPECT_EQ((*store)->kernel_name(), "int8/reference");
-  ASSERT_EQ(setenv("EPMOE_ISA", "fast", 1), 0);
+  {
+    ScopedIsaEnvironment lowered("reference");
+    auto store = PackExperts(pointers, PackOptions{WeightFormat::kInt8, "auto"});
+    ASSERT_TRUE(store.ok());
+    EXPECT_EQ((*store)->kernel_name(), "int8/reference");
+  }
+  ScopedIsaEnvironment unknown("fast");
   EXPECT_FALSE(ResolveIsa("auto").ok());
-  unsetenv("EPMOE_ISA");
 }
 
 }  // namespace
