@@ -100,9 +100,4 @@ struct PackOptions {
 Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
                                                  const PackOptions& options);
 
-// The most bytes an activation row of `hidden` features takes in any kernel's format: every store
-// of that hidden size has activation_row_bytes() <= this, whichever format and instruction set it
-// runs (for a memory bound that ranks whose kernels differ all compute alike).
-int64_t MaxActivationRowBytes(int64_t hidden);
-
 }  // namespace epmoe

@@ -132,10 +132,8 @@ class A2aExecutor : public MoeExecutor {
       const int64_t out = Sent(rank, r), in = Sent(r, rank);
       bytes += out * (partial_ ? 1 : picks_per_row_) * return_bytes_;  // returns (an upper bound)
       // Received rows decoded and in the kernel's input format, then one input (kernel format,
-      // bounded by MaxActivationRowBytes: the kernel may differ between ranks) and one fp32 output
-      // per pick.
-      bytes += RoundShare(out, rounds) * record_bytes_ +
-               RoundShare(in, rounds) * (picks_per_row_ + 1) * (hidden_ * 4 + MaxActivationRowBytes(hidden_));
+      // bounded by fp32: the kernel may differ between ranks) and one fp32 output per pick.
+      bytes += RoundShare(out, rounds) * record_bytes_ + RoundShare(in, rounds) * (picks_per_row_ + 1) * 2 * hidden_ * 4;
       if (r != rank) bytes += RoundShare(in, rounds) * (record_bytes_ + per_returned_row_);
     }
     return bytes;

@@ -50,10 +50,4 @@ Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* 
   return std::unique_ptr<ExpertStore>(std::move(store));
 }
 
-int64_t MaxActivationRowBytes(int64_t hidden) {
-  // fp32 rows (4 bytes a feature) are the widest; the int8 and 4-bit rows' scales and sums fit in
-  // the extra line (each kernel rounds to an odd number of lines, OddLineRowBytes).
-  return kernels::OddLineRowBytes(4 * hidden + 64);
-}
-
 }  // namespace epmoe

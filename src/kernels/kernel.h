@@ -55,16 +55,6 @@ inline int64_t RoundUp(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-// The bytes one activation row takes in a vector kernel's format: `bytes` rounded up to an odd
-// number of 64-byte cache lines, so that the rows a register tile reads together fall in different
-// L1 sets. Rows 4096 bytes apart (bf16 rows of 2048 features) all fell in one: the layer's bf16 T =
-// 256 point took 81 - 91 ms in 3 of 4 runs of `epmoe bench kernels --formats fp32,bf16`, against
-// 54 - 57 ms in 4 of 4 with the rows padded by a line (the slow point of sessions 6 - 9).
-inline int64_t OddLineRowBytes(int64_t bytes) {
-  const int64_t lines = (bytes + 63) / 64;
-  return (lines % 2 == 1 ? lines : lines + 1) * 64;
-}
-
 // Unaligned loads of a 4-byte value from an activation row.
 inline int32_t LoadInt32(const uint8_t* at) {
   int32_t v;

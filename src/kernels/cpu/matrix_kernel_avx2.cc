@@ -368,10 +368,10 @@ class Avx2Kernel final : public MatrixKernel {
   int64_t ActivationBytes(int64_t cols) const override {
     switch (format_) {
       case WeightFormat::kFp32:
-      case WeightFormat::kBf16: return OddLineRowBytes(cols * static_cast<int64_t>(sizeof(float)));
-      case WeightFormat::kInt8: return OddLineRowBytes(RoundUp(cols, 32) + 32);
+      case WeightFormat::kBf16: return cols * static_cast<int64_t>(sizeof(float));
+      case WeightFormat::kInt8: return RoundUp(cols, 32) + 32;
       case WeightFormat::kNvfp4:
-      case WeightFormat::kMxfp4: return OddLineRowBytes(FourBitScaleOffset(cols, BlockSize(format_)) + 4);
+      case WeightFormat::kMxfp4: return RoundUp(FourBitScaleOffset(cols, BlockSize(format_)) + 4, 32);
     }
     return 0;
   }

@@ -339,7 +339,7 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
   bool SupportsSize(int64_t size) const override { return size % kLanes == 0; }
   int64_t channel_tile() const override { return kLanes * kDenseBlocks; }
   int64_t ActivationBytes(int64_t cols) const override {
-    return OddLineRowBytes(RoundUp(cols * Dot::kValueBytes, 64) + (kFormat == WeightFormat::kInt8 ? 64 : 0));
+    return RoundUp(cols * Dot::kValueBytes, 64) + (kFormat == WeightFormat::kInt8 ? 64 : 0);
   }
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
     if constexpr (kFormat == WeightFormat::kFp32) {
@@ -656,7 +656,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
  public:
   bool SupportsSize(int64_t size) const override { return size % kLanes == 0 && size % Ops::kScaleBlock == 0; }
   int64_t channel_tile() const override { return kLanes * kFourBitPanelBlocks; }
-  int64_t ActivationBytes(int64_t cols) const override { return OddLineRowBytes(Ops::ScaleOffset(cols) + 4); }
+  int64_t ActivationBytes(int64_t cols) const override { return RoundUp(Ops::ScaleOffset(cols) + 4, 64); }
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
     int8_t* q = reinterpret_cast<int8_t*>(out);
     const float scale = QuantizeRowInt8(x, cols, q);
