@@ -1,0 +1,85 @@
+// The matrix kernels' MatMul contract, below the expert store: every kernel this CPU runs writes
+// exactly the rows it is asked for, each the dot products of that row with the packed weights.
+#include "kernels/kernel.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epmoe/cpu.h"
+#include "epmoe/quantize.h"
+
+namespace epmoe::kernels {
+namespace {
+
+constexpr int64_t kChannels = 64, kCols = 256;
+
+struct Case {
+  WeightFormat format;
+  Isa isa;
+};
+
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (WeightFormat f : AllWeightFormats()) {
+    for (Isa isa : AllIsas()) {
+      if (FormatSupportedBy(isa, f, DetectCpuFeatures())) cases.push_back({f, isa});
+    }
+  }
+  return cases;
+}
+
+Matrix Uniform(int64_t rows, int64_t cols, float bound, uint32_t seed) {
+  Matrix m(rows, cols);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-bound, bound);
+  for (float& v : m.data) v = dist(rng);
+  return m;
+}
+
+class MatMulContract : public ::testing::TestWithParam<Case> {};
+
+// Rows 0 .. rows-1 of `out` hold the dot products (against the dequantized weights, within the
+// activation rounding) and the row after them is untouched: a 1-row call runs a 2-row tile over
+// its row twice, which must write the row's place only.
+TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
+  const auto [format, isa] = GetParam();
+  const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
+  const PackedMatrix w = PackMatrix(*Quantize(format, Uniform(kChannels, kCols, 0.05f, 1)), kernel->layout());
+  std::vector<float> dequantized(kChannels * kCols);
+  for (int64_t n = 0; n < kChannels; ++n) DequantizePackedRow(w, n, dequantized.data() + n * kCols);
+  const int64_t stride = kernel->ActivationBytes(kCols);
+  for (int64_t rows : {1, 2, 3, 5}) {
+    SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
+    const Matrix x = Uniform(rows, kCols, 1.0f, 2);
+    std::vector<uint8_t> acts(rows * stride);
+    for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
+    const float sentinel = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> out((rows + 1) * kChannels, sentinel);
+    kernel->MatMul(w, 0, kChannels, acts.data(), rows, out.data(), kChannels);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t n = 0; n < kChannels; ++n) {
+        double exact = 0, scale = 0;
+        for (int64_t c = 0; c < kCols; ++c) {
+          exact += static_cast<double>(dequantized[n * kCols + c]) * x.at(r, c);
+          scale += std::abs(static_cast<double>(dequantized[n * kCols + c]) * x.at(r, c));
+        }
+        ASSERT_NEAR(out[r * kChannels + n], exact, 0.02 * scale + 1e-6) << "row " << r << " channel " << n;
+      }
+    }
+    for (int64_t n = 0; n < kChannels; ++n)
+      ASSERT_TRUE(std::isnan(out[rows * kChannels + n])) << "wrote past row " << rows - 1;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, MatMulContract, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(WeightFormatName(info.param.format)) + "_" + IsaName(info.param.isa);
+                         });
+
+}  // namespace
+}  // namespace epmoe::kernels
