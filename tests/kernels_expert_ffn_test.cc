@@ -22,6 +22,7 @@
 #include "epmoe/expert_ffn.h"
 #include "epmoe/quantize.h"
 #include "epmoe/thread_pool.h"
+#include "kernel_cases.h"
 #include "kernels/expert_store.h"
 
 namespace epmoe {
@@ -107,22 +108,11 @@ Matrix RunStore(const ExpertStore& store, const Matrix& rows, const std::vector<
   return out;
 }
 
-struct Case {
-  WeightFormat format;
-  Isa isa;
-};
+using epmoe::testing::AllKernelCases;
+using epmoe::testing::KernelCase;
+using epmoe::testing::KernelCaseName;
 
-std::vector<Case> AllCases() {
-  std::vector<Case> cases;
-  for (WeightFormat f : AllWeightFormats()) {
-    for (Isa isa : AllIsas()) {
-      if (FormatSupportedBy(isa, f, DetectCpuFeatures())) cases.push_back({f, isa});
-    }
-  }
-  return cases;
-}
-
-class KernelHarness : public ::testing::TestWithParam<Case> {};
+class KernelHarness : public ::testing::TestWithParam<KernelCase> {};
 
 // The kernel a store asked for `isa` runs on shapes every set takes: isa, or the set EPMOE_ISA
 // lowers it to (the suite also runs under EPMOE_ISA=avx2).
@@ -256,10 +246,7 @@ TEST_P(KernelHarness, RowsQuantizedApartRunAsRun) {
   EXPECT_EQ(from_quantized.data, RunStore(**store, rows, offsets, 2).data);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, KernelHarness, ::testing::ValuesIn(AllCases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return std::string(WeightFormatName(info.param.format)) + "_" + IsaName(info.param.isa);
-                         });
+INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, KernelHarness, ::testing::ValuesIn(AllKernelCases()), KernelCaseName);
 
 TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
   const CpuFeatures& cpu = DetectCpuFeatures();

@@ -12,26 +12,16 @@
 
 #include "epmoe/cpu.h"
 #include "epmoe/quantize.h"
+#include "kernel_cases.h"
 
 namespace epmoe::kernels {
 namespace {
 
 constexpr int64_t kChannels = 64, kCols = 256;
 
-struct Case {
-  WeightFormat format;
-  Isa isa;
-};
-
-std::vector<Case> AllCases() {
-  std::vector<Case> cases;
-  for (WeightFormat f : AllWeightFormats()) {
-    for (Isa isa : AllIsas()) {
-      if (FormatSupportedBy(isa, f, DetectCpuFeatures())) cases.push_back({f, isa});
-    }
-  }
-  return cases;
-}
+using epmoe::testing::AllKernelCases;
+using epmoe::testing::KernelCase;
+using epmoe::testing::KernelCaseName;
 
 Matrix Uniform(int64_t rows, int64_t cols, float bound, uint32_t seed) {
   Matrix m(rows, cols);
@@ -41,7 +31,7 @@ Matrix Uniform(int64_t rows, int64_t cols, float bound, uint32_t seed) {
   return m;
 }
 
-class MatMulContract : public ::testing::TestWithParam<Case> {};
+class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 
 // Rows 0 .. rows-1 of `out` hold the dot products (against the dequantized weights, within the
 // activation rounding) and the row after them is untouched: a 1-row call runs a 2-row tile over
@@ -76,10 +66,7 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, MatMulContract, ::testing::ValuesIn(AllCases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return std::string(WeightFormatName(info.param.format)) + "_" + IsaName(info.param.isa);
-                         });
+INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, MatMulContract, ::testing::ValuesIn(AllKernelCases()), KernelCaseName);
 
 }  // namespace
 }  // namespace epmoe::kernels
