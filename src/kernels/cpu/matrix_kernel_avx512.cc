@@ -673,12 +673,11 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows == 1) {
       // One row runs the 2-row tile over the row twice, both results written to the same place:
-      // from memory the 1-row tile reads 0.71 - 0.76 of one core's read rate and the 2-row tile
-      // 0.83 - 0.89 (nvfp4; mxfp4 0.71 - 0.73 against 0.78 - 0.79), on the same weights. Not
-      // understood: neither its dependency chains (split in two: level) nor its prefetch
-      // distances (4 - 32 KB, into L1 256 B - 2 KB: level or lower) explain it, and four spare
-      // multiply-adds per chunk recover part of it; the second row's arithmetic costs nothing
-      // while the tile waits for memory (one core's nvfp4 1-row tile over weights in L2: 54 GB/s).
+      // from memory the 1-row tile reads less than the 2-row tile does on the same weights, and the
+      // second row's arithmetic costs nothing while the tile waits for memory (kernels_matmul_bench,
+      // one thread, BM_MatMul 1 row: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1). Why is not
+      // known: neither the 1-row tile's dependency chains nor its prefetch distances explain it
+      // (docs/performance.md, session 10).
       TileArgs twice = base;
       twice.act_stride = 0;
       twice.out_stride = 0;
