@@ -87,7 +87,10 @@ struct KernelBenchPoint {
   // bandwidth. Equal to bound_us where every touched expert is bound by the same term.
   double expert_bound_us = 0;
   double expert_roofline_fraction = 0;  // about expert_bound_us / us, as roofline_fraction
-  int repetitions = 0;
+  int repetitions = 0;                  // timed runs the figures are medians of
+  // Timed runs during which the host took CPU time from this machine (steal time on a virtual
+  // machine): left out of the figures, unless no run was free of it.
+  int runs_with_stolen_time = 0;
 };
 
 struct DecodeSample {

@@ -56,7 +56,8 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                       {"roofline_fraction", p.roofline_fraction},
                       {"expert_bound_us", p.expert_bound_us},
                       {"expert_roofline_fraction", p.expert_roofline_fraction},
-                      {"repetitions", p.repetitions}});
+                      {"repetitions", p.repetitions},
+                      {"runs_with_stolen_time", p.runs_with_stolen_time}});
   }
   nlohmann::json decode = nlohmann::json::array();
   for (const auto& d : r.decode) {
@@ -114,6 +115,15 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
                 HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction, p.gflops, p.bound_us,
                 p.memory_bound ? "mem" : "arith", p.roofline_fraction, p.expert_roofline_fraction);
   }
+  std::string disturbed;
+  for (const auto& p : r.points) {
+    if (p.runs_with_stolen_time > 0)
+      disturbed +=
+          fmt::format("{}{} T={} ({})", disturbed.empty() ? "" : ", ", p.kernel, p.tokens, p.runs_with_stolen_time);
+  }
+  if (!disturbed.empty())
+    std::printf("runs timed again because the host took CPU time from this machine during them: %s\n",
+                disturbed.c_str());
   for (const auto& d : r.decode) {
     std::printf(
         "decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f "
