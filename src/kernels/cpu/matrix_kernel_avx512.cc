@@ -678,11 +678,9 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       // one thread, BM_MatMul 1 row: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1). Why is not
       // known: neither the 1-row tile's dependency chains nor its prefetch distances explain it
       // (docs/performance.md, session 10).
-      TileArgs twice = base;
-      twice.act_stride = 0;
-      twice.out_stride = 0;
-      RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(twice, block_begin, block_end, 2);
-      return;
+      base.act_stride = 0;
+      base.out_stride = 0;
+      rows = 2;
     }
     if (rows <= kStreamRows) {
       RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
