@@ -22,7 +22,7 @@
 #include "epmoe/expert_ffn.h"
 #include "epmoe/quantize.h"
 #include "epmoe/thread_pool.h"
-#include "kernel_cases.h"
+#include "kernel_testing.h"
 #include "kernels/expert_store.h"
 
 namespace epmoe {
@@ -47,12 +47,7 @@ double KernelTolerance(WeightFormat format, Isa isa) {
   return 5e-2;  // int8 activations
 }
 
-Matrix RandomMatrix(int64_t rows, int64_t cols, float bound, std::mt19937& rng) {
-  Matrix m(rows, cols);
-  std::uniform_real_distribution<float> dist(-bound, bound);
-  for (float& v : m.data) v = dist(rng);
-  return m;
-}
+using epmoe::testing::RandomMatrix;
 
 std::vector<ExpertWeights> RandomExperts(int count, int64_t hidden, int64_t inter, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -12,7 +12,7 @@
 
 #include "epmoe/cpu.h"
 #include "epmoe/quantize.h"
-#include "kernel_cases.h"
+#include "kernel_testing.h"
 
 namespace epmoe::kernels {
 namespace {
@@ -23,13 +23,7 @@ using epmoe::testing::AllKernelCases;
 using epmoe::testing::KernelCase;
 using epmoe::testing::KernelCaseName;
 
-Matrix Uniform(int64_t rows, int64_t cols, float bound, uint32_t seed) {
-  Matrix m(rows, cols);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-bound, bound);
-  for (float& v : m.data) v = dist(rng);
-  return m;
-}
+using epmoe::testing::RandomMatrix;
 
 class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 
@@ -39,13 +33,14 @@ class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   const auto [format, isa] = GetParam();
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
-  const PackedMatrix w = PackMatrix(*Quantize(format, Uniform(kChannels, kCols, 0.05f, 1)), kernel->layout());
+  std::mt19937 rng(1);
+  const PackedMatrix w = PackMatrix(*Quantize(format, RandomMatrix(kChannels, kCols, 0.05f, rng)), kernel->layout());
   std::vector<float> dequantized(kChannels * kCols);
   for (int64_t n = 0; n < kChannels; ++n) DequantizePackedRow(w, n, dequantized.data() + n * kCols);
   const int64_t stride = kernel->ActivationBytes(kCols);
   for (int64_t rows : {1, 2, 3, 5}) {
     SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
-    const Matrix x = Uniform(rows, kCols, 1.0f, 2);
+    const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
     std::vector<uint8_t> acts(rows * stride);
     for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
     const float sentinel = std::numeric_limits<float>::quiet_NaN();
