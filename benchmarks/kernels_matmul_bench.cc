@@ -253,7 +253,7 @@ BENCHMARK(BM_ExpertStoreSkewed)
     ->MeasureProcessCPUTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_QuantizeActivations)->DenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1);
-BENCHMARK(BM_Peak)->DenseRange(0, 3)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Peak)->DenseRange(0, 5)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace epmoe::kernels

@@ -36,6 +36,14 @@ TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
   }
   EXPECT_FALSE(MeasurePeak(ArithmeticPath::kInt8Vnni, pool, {0.01, 1}, Isa::kAvx2).ok());
   EXPECT_FALSE(MeasurePeak(ArithmeticPath::kInt8Madd, pool, {0.01, 1}, Isa::kReference).ok());
+  EXPECT_FALSE(MeasurePeak(ArithmeticPath::kInt8VnniScale16, pool, {0.01, 1}, Isa::kAvx2).ok());
+  if (IsaSupported(Isa::kAvx512)) {
+    for (ArithmeticPath path : {ArithmeticPath::kInt8VnniScale16, ArithmeticPath::kInt8VnniScale32}) {
+      auto peak = MeasurePeak(path, pool, {0.01, 1}, Isa::kAvx512);
+      ASSERT_TRUE(peak.ok()) << ArithmeticPathName(path);
+      EXPECT_GT(*peak, 0.1);
+    }
+  }
   if (IsaSupported(Isa::kAvx2)) {
     // AVX2's int8 multiply-adds: 32 a VPMADDUBSW, against 8 a 256-bit FMA.
     for (Isa isa : {Isa::kAvx2, BestSupportedIsa()}) {
@@ -59,6 +67,10 @@ TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
   EXPECT_EQ(PathForFormat(WeightFormat::kInt8, Isa::kAvx2), ArithmeticPath::kInt8Madd);
   EXPECT_EQ(PathForFormat(WeightFormat::kMxfp4, Isa::kAvx2), ArithmeticPath::kInt8Madd);
   EXPECT_EQ(PathForFormat(WeightFormat::kInt8, Isa::kReference), ArithmeticPath::kFp32Fma);
+  EXPECT_EQ(BlockScaledPathForFormat(WeightFormat::kNvfp4, Isa::kAvx512), ArithmeticPath::kInt8VnniScale16);
+  EXPECT_EQ(BlockScaledPathForFormat(WeightFormat::kMxfp4, Isa::kAvx512), ArithmeticPath::kInt8VnniScale32);
+  EXPECT_EQ(BlockScaledPathForFormat(WeightFormat::kInt8, Isa::kAvx512), ArithmeticPath::kInt8Vnni);
+  EXPECT_EQ(BlockScaledPathForFormat(WeightFormat::kNvfp4, Isa::kAvx2), ArithmeticPath::kInt8Madd);
 }
 
 TEST(KernelBench, SmallRunReportsConsistentFigures) {
@@ -98,6 +110,18 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
     EXPECT_GE(p.expert_bound_us, p.bound_us * (1 - 1e-9));
     EXPECT_LE(p.expert_bound_us, (memory_us + arithmetic_us) * (1 + 1e-9));
     EXPECT_NEAR(p.expert_roofline_fraction, p.expert_bound_us / p.us, 1e-9 * p.expert_roofline_fraction);
+    // With the format's block scales: nvfp4 on avx512 against the VNNI peak with its scales, int8
+    // (and any kernel without VNNI) against the kernel's own path.
+    const Isa kernel_isa = *ParseIsa(p.kernel.substr(p.kernel.find('/') + 1));
+    EXPECT_EQ(p.block_scaled_peak_used, report->limits.peak(BlockScaledPathForFormat(p.format, kernel_isa)));
+    if (p.format == WeightFormat::kInt8 || kernel_isa != Isa::kAvx512) {
+      EXPECT_EQ(p.block_scaled_peak_used, p.peak_used);
+    }
+    EXPECT_GT(p.block_scaled_peak_used, 0);
+    EXPECT_NEAR(p.block_scaled_bound_us, std::max(memory_us, p.operations / (p.block_scaled_peak_used * 1e3)),
+                1e-6 * p.block_scaled_bound_us);
+    EXPECT_NEAR(p.block_scaled_roofline_fraction, p.block_scaled_bound_us / p.us,
+                1e-9 * p.block_scaled_roofline_fraction);
   }
   ASSERT_EQ(report->decode.size(), 2u);
   for (const auto& d : report->decode) {

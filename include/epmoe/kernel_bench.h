@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "epmoe/machine_limits.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
 
@@ -51,6 +52,12 @@ struct MachineFigures {
   double bf16_gflops = 0;  // 0 when the instruction set has no such path
   double int8_gops = 0;    // VNNI
   double int8_madd_gops = 0;  // AVX2 multiply-adds (the avx2 kernels' int8 and 4-bit path)
+  double int8_scale16_gops = 0;  // VNNI with nvfp4's block scales (ArithmeticPath::kInt8VnniScale16)
+  double int8_scale32_gops = 0;  // VNNI with mxfp4's block scales
+
+  // The peak of `path` (the field above that holds it).
+  double& peak(ArithmeticPath path);
+  double peak(ArithmeticPath path) const { return const_cast<MachineFigures*>(this)->peak(path); }
 };
 
 struct KernelBenchPoint {
@@ -87,6 +94,12 @@ struct KernelBenchPoint {
   // bandwidth. Equal to bound_us where every touched expert is bound by the same term.
   double expert_bound_us = 0;
   double expert_roofline_fraction = 0;  // about expert_bound_us / us, as roofline_fraction
+  // The bound with the arithmetic the format itself needs (BlockScaledPathForFormat): for nvfp4
+  // and mxfp4 on avx512 the block scales' multiply-adds, which share VPDPBUSD's ports, make the
+  // arithmetic term larger (the same as bound_us for the other formats).
+  double block_scaled_peak_used = 0;
+  double block_scaled_bound_us = 0;
+  double block_scaled_roofline_fraction = 0;  // about block_scaled_bound_us / us, as roofline_fraction
   int repetitions = 0;                  // timed runs the figures are medians of
   // Timed runs during which the host took CPU time from this machine (steal time on a virtual
   // machine): left out of the figures, unless no run was free of it.

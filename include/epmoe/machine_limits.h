@@ -24,14 +24,23 @@ enum class ArithmeticPath {
   kBf16Dot,   // bf16 pairs into fp32 (AVX-512 BF16: VDPBF16PS)
   kInt8Vnni,  // u8 x s8 quads into int32 (AVX-512 VNNI: VPDPBUSD)
   kInt8Madd,  // u8 x s8 pairs into 16 bits, then into int32 (AVX2: VPMADDUBSW, VPMADDWD, VPADDD)
+  // VNNI with what a block-scaled format adds: each output's int32 sum of every 16 (nvfp4) or 32
+  // (mxfp4) inputs converted to fp32 and multiplied by its block scale into an fp32 sum (VCVTDQ2PS,
+  // VFMADD231PS). On CPUs where the FMA shares VPDPBUSD's ports (AMD Zen 4) this is the 4-bit
+  // formats' real arithmetic ceiling; operations count only the dot's multiply-adds, as kInt8Vnni.
+  kInt8VnniScale16,
+  kInt8VnniScale32,
 };
-// "fp32_fma", "bf16_dot", "int8_vnni", "int8_madd"
+// "fp32_fma", "bf16_dot", "int8_vnni", "int8_madd", "int8_vnni_scale16", "int8_vnni_scale32"
 const char* ArithmeticPathName(ArithmeticPath path);
 
 // The arithmetic path the kernel of `format` runs on at instruction set `isa`: avx512 uses bf16 dot
 // for bf16 and VNNI for int8 and the 4-bit formats; avx2 fp32 FMA for fp32 and bf16 (converted to
 // fp32) and int8 multiply-adds for int8 and the 4-bit formats; reference fp32 FMA.
 ArithmeticPath PathForFormat(WeightFormat format, Isa isa);
+// The arithmetic `format` itself needs at `isa`, block scales included: on avx512 nvfp4 and mxfp4
+// run kInt8VnniScale16 and kInt8VnniScale32; every other (format, isa) its PathForFormat.
+ArithmeticPath BlockScaledPathForFormat(WeightFormat format, Isa isa);
 
 // Reads `ranges` (any sizes) once with all threads of the pool, each range cut into pieces that the
 // threads share out, with the widest loads `isa` has (lowered to what the CPU has), prefetching

@@ -21,19 +21,9 @@
 namespace epmoe {
 namespace {
 
-constexpr ArithmeticPath kArithmeticPaths[] = {ArithmeticPath::kFp32Fma, ArithmeticPath::kBf16Dot,
-                                               ArithmeticPath::kInt8Vnni, ArithmeticPath::kInt8Madd};
-
-// The field of `limits` that holds the peak of `path`.
-double& PeakOf(MachineFigures& limits, ArithmeticPath path) {
-  switch (path) {
-    case ArithmeticPath::kFp32Fma: return limits.fp32_gflops;
-    case ArithmeticPath::kBf16Dot: return limits.bf16_gflops;
-    case ArithmeticPath::kInt8Vnni: return limits.int8_gops;
-    case ArithmeticPath::kInt8Madd: return limits.int8_madd_gops;
-  }
-  return limits.fp32_gflops;
-}
+constexpr ArithmeticPath kArithmeticPaths[] = {ArithmeticPath::kFp32Fma,         ArithmeticPath::kBf16Dot,
+                                               ArithmeticPath::kInt8Vnni,        ArithmeticPath::kInt8Madd,
+                                               ArithmeticPath::kInt8VnniScale16, ArithmeticPath::kInt8VnniScale32};
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -114,6 +104,18 @@ Matrix RandomRows(int64_t count, int hidden, uint64_t seed, ThreadPool& pool) {
 
 }  // namespace
 
+double& MachineFigures::peak(ArithmeticPath path) {
+  switch (path) {
+    case ArithmeticPath::kFp32Fma: return fp32_gflops;
+    case ArithmeticPath::kBf16Dot: return bf16_gflops;
+    case ArithmeticPath::kInt8Vnni: return int8_gops;
+    case ArithmeticPath::kInt8Madd: return int8_madd_gops;
+    case ArithmeticPath::kInt8VnniScale16: return int8_scale16_gops;
+    case ArithmeticPath::kInt8VnniScale32: return int8_scale32_gops;
+  }
+  return fp32_gflops;
+}
+
 void FitLine(const std::vector<double>& x, const std::vector<double>& y, double* intercept, double* slope) {
   const size_t n = std::min(x.size(), y.size());
   *intercept = 0;
@@ -182,7 +184,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   // Every measurement of each path's peak (indexed by the path), their median at the end.
   std::vector<double> peaks[std::size(kArithmeticPaths)];
   for (ArithmeticPath path : kArithmeticPaths) peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {}));
-  std::vector<ArithmeticPath> point_paths;  // the arithmetic path of each point's kernel
+  // The arithmetic path of each point's kernel, and the one with its format's block scales.
+  std::vector<ArithmeticPath> point_paths, point_block_scaled_paths;
   // Each point's touched experts: (bytes, picks), for its expert-by-expert bound.
   std::vector<std::vector<std::pair<double, double>>> point_experts;
   // Each point's timed runs: time (us) and the read rate of its weights just before (GB/s).
@@ -259,9 +262,12 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     const std::string kernel = store->kernel_name();
     const Result<Isa> kernel_isa = ParseIsa(kernel.substr(kernel.find('/') + 1));
     const ArithmeticPath path = PathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
+    const ArithmeticPath block_scaled_path = BlockScaledPathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
     // The peaks drift when other processes share the machine: measure the kernel's again next to
     // each format; every point is judged against the median of all measurements (see the end).
     peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {0.05, 3}));
+    if (block_scaled_path != path)
+      peaks[static_cast<int>(block_scaled_path)].push_back(peak_or_zero(block_scaled_path, {0.05, 3}));
 
     for (int64_t tokens : o.tokens) {
       const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 7919 + tokens);
@@ -314,6 +320,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       p.operations = operations_per_pick * static_cast<double>(p.picks);
       p.gflops = p.operations / (p.us * 1e-6) / 1e9;
       point_paths.push_back(path);
+      point_block_scaled_paths.push_back(block_scaled_path);
       say(fmt::format("{} T={}: {:.1f} us, {:.1f} GB/s, {:.0f} G op/s", p.kernel, tokens, p.us, p.gbps, p.gflops));
       report.points.push_back(p);
     }
@@ -398,38 +405,44 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     }
   }
   report.limits.read_gbps = Median(bandwidths);
-  for (ArithmeticPath path : kArithmeticPaths) PeakOf(report.limits, path) = Median(peaks[static_cast<int>(path)]);
+  for (ArithmeticPath path : kArithmeticPaths) report.limits.peak(path) = Median(peaks[static_cast<int>(path)]);
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
-    p.peak_used = PeakOf(report.limits, point_paths[i]);
-    auto arithmetic_us = [&](double operations) {
-      return p.peak_used > 0 ? operations / (p.peak_used * 1e9) * 1e6 : 0;
-    };
+    p.peak_used = report.limits.peak(point_paths[i]);
+    p.block_scaled_peak_used = report.limits.peak(point_block_scaled_paths[i]);
+    auto arithmetic_us = [](double operations, double peak) { return peak > 0 ? operations / (peak * 1e9) * 1e6 : 0; };
     auto memory_us = [&](double bytes, double read_gbps) { return bytes / (read_gbps * 1e9) * 1e6; };
     auto bound_us = [&](double read_gbps) {
-      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations));
+      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations, p.peak_used));
+    };
+    auto block_scaled_bound_us = [&](double read_gbps) {
+      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations, p.block_scaled_peak_used));
     };
     auto expert_bound_us = [&](double read_gbps) {
       double sum = 0;
       for (const auto& [bytes, picks] : point_experts[i])
-        sum += std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick));
+        sum += std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick, p.peak_used));
       return sum;
     };
     p.bound_us = bound_us(p.read_gbps_used);
-    p.memory_bound = memory_us(p.bytes, p.read_gbps_used) >= arithmetic_us(p.operations);
+    p.memory_bound = memory_us(p.bytes, p.read_gbps_used) >= arithmetic_us(p.operations, p.peak_used);
     p.expert_bound_us = expert_bound_us(p.read_gbps_used);
+    p.block_scaled_bound_us = block_scaled_bound_us(p.read_gbps_used);
     // Each run against the read just before it, then the median: the memory can change speed
     // between two runs of a point (and back), which medians of times and of reads taken apart
     // would pair across runs.
-    std::vector<double> bandwidth_fractions, roofline_fractions, expert_roofline_fractions;
+    std::vector<double> bandwidth_fractions, roofline_fractions, expert_roofline_fractions,
+        block_scaled_roofline_fractions;
     for (const auto& [us, read_gbps] : point_runs[i]) {
       bandwidth_fractions.push_back(memory_us(p.bytes, read_gbps) / us);
       roofline_fractions.push_back(bound_us(read_gbps) / us);
       expert_roofline_fractions.push_back(expert_bound_us(read_gbps) / us);
+      block_scaled_roofline_fractions.push_back(block_scaled_bound_us(read_gbps) / us);
     }
     p.bandwidth_fraction = Median(bandwidth_fractions);
     p.roofline_fraction = Median(roofline_fractions);
     p.expert_roofline_fraction = Median(expert_roofline_fractions);
+    p.block_scaled_roofline_fraction = Median(block_scaled_roofline_fractions);
   }
   return report;
 }

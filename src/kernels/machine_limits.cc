@@ -45,6 +45,8 @@ const char* ArithmeticPathName(ArithmeticPath path) {
     case ArithmeticPath::kBf16Dot: return "bf16_dot";
     case ArithmeticPath::kInt8Vnni: return "int8_vnni";
     case ArithmeticPath::kInt8Madd: return "int8_madd";
+    case ArithmeticPath::kInt8VnniScale16: return "int8_vnni_scale16";
+    case ArithmeticPath::kInt8VnniScale32: return "int8_vnni_scale32";
   }
   return "unknown";
 }
@@ -53,6 +55,12 @@ ArithmeticPath PathForFormat(WeightFormat format, Isa isa) {
   if (isa == Isa::kReference || format == WeightFormat::kFp32) return ArithmeticPath::kFp32Fma;
   if (format == WeightFormat::kBf16) return isa == Isa::kAvx512 ? ArithmeticPath::kBf16Dot : ArithmeticPath::kFp32Fma;
   return isa == Isa::kAvx512 ? ArithmeticPath::kInt8Vnni : ArithmeticPath::kInt8Madd;
+}
+
+ArithmeticPath BlockScaledPathForFormat(WeightFormat format, Isa isa) {
+  if (isa == Isa::kAvx512 && format == WeightFormat::kNvfp4) return ArithmeticPath::kInt8VnniScale16;
+  if (isa == Isa::kAvx512 && format == WeightFormat::kMxfp4) return ArithmeticPath::kInt8VnniScale32;
+  return PathForFormat(format, isa);
 }
 
 double MeasureReadRate(ThreadPool& pool, std::span<const std::span<const std::byte>> ranges, Isa isa) {

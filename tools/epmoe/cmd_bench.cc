@@ -56,6 +56,9 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                       {"roofline_fraction", p.roofline_fraction},
                       {"expert_bound_us", p.expert_bound_us},
                       {"expert_roofline_fraction", p.expert_roofline_fraction},
+                      {"block_scaled_peak_used", p.block_scaled_peak_used},
+                      {"block_scaled_bound_us", p.block_scaled_bound_us},
+                      {"block_scaled_roofline_fraction", p.block_scaled_roofline_fraction},
                       {"repetitions", p.repetitions},
                       {"runs_with_stolen_time", p.runs_with_stolen_time}});
   }
@@ -91,7 +94,9 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
             {"fp32_fma_gflops", r.limits.fp32_gflops},
             {"bf16_dot_gflops", r.limits.bf16_gflops},
             {"int8_vnni_gops", r.limits.int8_gops},
-            {"int8_madd_gops", r.limits.int8_madd_gops}}},
+            {"int8_madd_gops", r.limits.int8_madd_gops},
+            {"int8_vnni_scale16_gops", r.limits.int8_scale16_gops},
+            {"int8_vnni_scale32_gops", r.limits.int8_scale32_gops}}},
           {"points", points},
           {"decode", decode}};
 }
@@ -100,20 +105,22 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
   std::printf("%s layer: %d experts of %dx%d, top-%d; %d threads, isa %s\n", model.name.c_str(), model.num_experts,
               model.expert_intermediate, model.hidden, model.top_k, r.threads, r.isa.c_str());
   std::printf(
-      "limits: read %.1f GB/s; fp32 FMA %.0f, bf16 dot %.0f GFLOP/s; int8 VNNI %.0f, int8 multiply-add (AVX2) %.0f "
-      "GOP/s\n",
-      r.limits.read_gbps, r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops, r.limits.int8_madd_gops);
+      "limits: read %.1f GB/s; fp32 FMA %.0f, bf16 dot %.0f GFLOP/s; int8 VNNI %.0f (with the block scales of "
+      "nvfp4 %.0f, of mxfp4 %.0f), int8 multiply-add (AVX2) %.0f GOP/s\n",
+      r.limits.read_gbps, r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops, r.limits.int8_scale16_gops,
+      r.limits.int8_scale32_gops, r.limits.int8_madd_gops);
   std::printf(
       "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
       "and roof: medians over the runs of each run against that read; roof/e: against the bound taken expert by "
-      "expert\n");
-  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s %6s\n", "kernel", "T", "picks", "touched", "us",
-              "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e");
+      "expert; roof/s: against the bound with the format's block scales in its arithmetic\n");
+  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s %6s %6s\n", "kernel", "T", "picks", "touched",
+              "us", "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e", "roof/s");
   for (const auto& p : r.points) {
-    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %6.2f %8.1f %10.1f %5s %6.2f %6.2f\n", p.kernel.c_str(),
-                static_cast<long long>(p.tokens), static_cast<long long>(p.picks), p.experts_touched, p.us,
-                HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction, p.gflops, p.bound_us,
-                p.memory_bound ? "mem" : "arith", p.roofline_fraction, p.expert_roofline_fraction);
+    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %6.2f %8.1f %10.1f %5s %6.2f %6.2f %6.2f\n",
+                p.kernel.c_str(), static_cast<long long>(p.tokens), static_cast<long long>(p.picks), p.experts_touched,
+                p.us, HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction, p.gflops, p.bound_us,
+                p.memory_bound ? "mem" : "arith", p.roofline_fraction, p.expert_roofline_fraction,
+                p.block_scaled_roofline_fraction);
   }
   std::string disturbed;
   for (const auto& p : r.points) {

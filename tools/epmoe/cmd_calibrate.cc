@@ -84,15 +84,7 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   // AVX2's multiply-adds.
   const double fp32 = m.fp32_gflops / 1e3;
   auto rate = [&](double gops) { return gops > 0 ? gops / 1e3 : fp32; };
-  auto peak_for = [&](WeightFormat format) {
-    switch (PathForFormat(format, IsaForFormat(format, isa))) {
-      case ArithmeticPath::kFp32Fma: return fp32;
-      case ArithmeticPath::kBf16Dot: return rate(m.bf16_gflops);
-      case ArithmeticPath::kInt8Vnni: return rate(m.int8_gops);
-      case ArithmeticPath::kInt8Madd: return rate(m.int8_madd_gops);
-    }
-    return fp32;
-  };
+  auto peak_for = [&](WeightFormat format) { return rate(m.peak(PathForFormat(format, IsaForFormat(format, isa)))); };
   const double bf16 = peak_for(WeightFormat::kBf16);
   p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
   // Where ranks share this machine, DWDP's fetches are memcpys (shared-memory windows): price them at

@@ -66,6 +66,31 @@ int64_t ArithmeticLoopAvx512(ArithmeticPath path, int64_t iterations, float* sin
       *sink += static_cast<float>(_mm_cvtsi128_si32(_mm512_castsi512_si128(total)));
       return iterations * kChains * 64 * 2;
     }
+    case ArithmeticPath::kInt8VnniScale16:
+    case ArithmeticPath::kInt8VnniScale32: {
+      // The 4-bit decode tile's shape: 8 (row, channel block) pairs, each a VPDPBUSD per 4 inputs
+      // into an int32 sum, converted and scaled into its fp32 sum once per scale block. (The int32
+      // sums run on rather than restart per block: the same instructions, with no copy.)
+      constexpr int kPairs = 8;
+      const int dots = path == ArithmeticPath::kInt8VnniScale16 ? 16 / 4 : 32 / 4;
+      __m512i sum[kPairs];
+      __m512 acc[kPairs];
+      for (int j = 0; j < kPairs; ++j) {
+        sum[j] = _mm512_set1_epi32(j);
+        acc[j] = _mm512_setzero_ps();
+      }
+      const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
+      const __m512 scale = _mm512_set1_ps(1e-9f);
+      for (int64_t i = 0; i < iterations; ++i) {
+        for (int d = 0; d < dots; ++d)
+          for (int j = 0; j < kPairs; ++j) sum[j] = _mm512_dpbusd_epi32(sum[j], a, b);
+        for (int j = 0; j < kPairs; ++j) acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), scale, acc[j]);
+      }
+      __m512 total = acc[0];
+      for (int j = 1; j < kPairs; ++j) total = _mm512_add_ps(total, acc[j]);
+      *sink += _mm512_cvtss_f32(total);
+      return iterations * kPairs * dots * 64 * 2;
+    }
   }
   return 0;
 }
