@@ -56,8 +56,8 @@ struct MachineFigures {
   double int8_scale32_gops = 0;  // VNNI with mxfp4's block scales
 
   // The peak of `path` (the field above that holds it).
+  const double& peak(ArithmeticPath path) const;
   double& peak(ArithmeticPath path);
-  double peak(ArithmeticPath path) const { return const_cast<MachineFigures*>(this)->peak(path); }
 };
 
 struct KernelBenchPoint {

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include "epmoe/cpu.h"
 #include "epmoe/expert_ffn.h"
@@ -104,7 +105,7 @@ Matrix RandomRows(int64_t count, int hidden, uint64_t seed, ThreadPool& pool) {
 
 }  // namespace
 
-double& MachineFigures::peak(ArithmeticPath path) {
+const double& MachineFigures::peak(ArithmeticPath path) const {
   switch (path) {
     case ArithmeticPath::kFp32Fma: return fp32_gflops;
     case ArithmeticPath::kBf16Dot: return bf16_gflops;
@@ -114,6 +115,10 @@ double& MachineFigures::peak(ArithmeticPath path) {
     case ArithmeticPath::kInt8VnniScale32: return int8_scale32_gops;
   }
   return fp32_gflops;
+}
+
+double& MachineFigures::peak(ArithmeticPath path) {
+  return const_cast<double&>(std::as_const(*this).peak(path));
 }
 
 void FitLine(const std::vector<double>& x, const std::vector<double>& y, double* intercept, double* slope) {
