@@ -81,10 +81,13 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   p->memory_bandwidth_gbs = m.read_gbps;
   // Each format at the peak of the path its kernel runs on here: a CPU without BF16 runs bf16 weights
   // on fp32 FMA (converted), one without VNNI (or EPMOE_ISA=avx2) int8 and the 4-bit formats on
-  // AVX2's multiply-adds.
+  // AVX2's multiply-adds. With VNNI the 4-bit formats' block scales are part of their path
+  // (BlockScaledPathForFormat): on Zen 4 their FMAs share VPDPBUSD's ports, 0.8 of its peak for nvfp4.
   const double fp32 = m.fp32_gflops / 1e3;
   auto rate = [&](double gops) { return gops > 0 ? gops / 1e3 : fp32; };
-  auto peak_for = [&](WeightFormat format) { return rate(m.peak(PathForFormat(format, IsaForFormat(format, isa)))); };
+  auto peak_for = [&](WeightFormat format) {
+    return rate(m.peak(BlockScaledPathForFormat(format, IsaForFormat(format, isa))));
+  };
   const double bf16 = peak_for(WeightFormat::kBf16);
   p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
   // Where ranks share this machine, DWDP's fetches are memcpys (shared-memory windows): price them at
@@ -93,9 +96,11 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   progress(fmt::format("memory copy {:.1f} GB/s", p->memory_copy_gbs));
   p->sources.push_back(fmt::format(
       "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks fp32 {:.0f}, bf16 {:.0f}, int8 {:.0f} "
-      "G operations/s (machine_limits); fp8 priced at the bf16 rate, 4-bit formats at their kernel's path; copy_gbs "
-      "{:.1f}: every thread memcpys its share of 256 MB into another 256 MB buffer (median of 7)",
-      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, m.bf16_gflops, m.int8_gops, p->memory_copy_gbs));
+      "(with nvfp4's block scales {:.0f}) G operations/s (machine_limits); fp8 priced at the bf16 rate, 4-bit formats "
+      "at nvfp4's kernel's path with its block scales; copy_gbs {:.1f}: every thread memcpys its share of 256 MB into "
+      "another 256 MB buffer (median of 7)",
+      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, m.bf16_gflops, m.int8_gops, m.int8_scale16_gops,
+      p->memory_copy_gbs));
   p->kernel_lines.clear();
   double read_efficiency = 0, arithmetic_efficiency = 0;
   int lines = 0, points = 0;
@@ -108,9 +113,9 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
     ++lines;
   }
   for (const auto& point : report.points) {
-    // The peak of the path the point's kernel ran on, as the bench judged it.
-    if (point.peak_used <= 0 || point.gflops <= 0) continue;
-    arithmetic_efficiency += point.gflops / point.peak_used;
+    // Against the peak the profile prices the point's format at (its block scales included).
+    if (point.block_scaled_peak_used <= 0 || point.gflops <= 0) continue;
+    arithmetic_efficiency += point.gflops / point.block_scaled_peak_used;
     ++points;
   }
   if (lines > 0) p->memory_read_efficiency = std::clamp(read_efficiency / lines, 0.05, 1.0);
