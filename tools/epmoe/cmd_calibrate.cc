@@ -113,7 +113,8 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
     ++lines;
   }
   for (const auto& point : report.points) {
-    // Against the peak the profile prices the point's format at (its block scales included).
+    // Against the point's peak with its format's block scales (the profile's one fp4 peak is
+    // nvfp4's, which prices mxfp4 too).
     if (point.block_scaled_peak_used <= 0 || point.gflops <= 0) continue;
     arithmetic_efficiency += point.gflops / point.block_scaled_peak_used;
     ++points;
