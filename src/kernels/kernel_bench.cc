@@ -266,8 +266,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     // path is the one of the instruction set that runs (kernel_name is "<format>/<isa>").
     const std::string kernel = store->kernel_name();
     const Result<Isa> kernel_isa = ParseIsa(kernel.substr(kernel.find('/') + 1));
-    const ArithmeticPath path = PathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
-    const ArithmeticPath block_scaled_path = BlockScaledPathForFormat(format, kernel_isa.ok() ? *kernel_isa : isa);
+    const Isa runs_on = kernel_isa.ok() ? *kernel_isa : isa;
+    const ArithmeticPath path = PathForFormat(format, runs_on);
+    const ArithmeticPath block_scaled_path = BlockScaledPathForFormat(format, runs_on);
     // The peaks drift when other processes share the machine: measure the kernel's again next to
     // each format; every point is judged against the median of all measurements (see the end).
     peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {0.05, 3}));
@@ -417,11 +418,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     p.block_scaled_peak_used = report.limits.peak(point_block_scaled_paths[i]);
     auto arithmetic_us = [](double operations, double peak) { return peak > 0 ? operations / (peak * 1e9) * 1e6 : 0; };
     auto memory_us = [&](double bytes, double read_gbps) { return bytes / (read_gbps * 1e9) * 1e6; };
-    auto bound_us = [&](double read_gbps) {
-      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations, p.peak_used));
-    };
-    auto block_scaled_bound_us = [&](double read_gbps) {
-      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations, p.block_scaled_peak_used));
+    auto bound_us = [&](double read_gbps, double peak) {
+      return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations, peak));
     };
     auto expert_bound_us = [&](double read_gbps) {
       double sum = 0;
@@ -429,10 +427,10 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
         sum += std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick, p.peak_used));
       return sum;
     };
-    p.bound_us = bound_us(p.read_gbps_used);
+    p.bound_us = bound_us(p.read_gbps_used, p.peak_used);
     p.memory_bound = memory_us(p.bytes, p.read_gbps_used) >= arithmetic_us(p.operations, p.peak_used);
     p.expert_bound_us = expert_bound_us(p.read_gbps_used);
-    p.block_scaled_bound_us = block_scaled_bound_us(p.read_gbps_used);
+    p.block_scaled_bound_us = bound_us(p.read_gbps_used, p.block_scaled_peak_used);
     // Each run against the read just before it, then the median: the memory can change speed
     // between two runs of a point (and back), which medians of times and of reads taken apart
     // would pair across runs.
@@ -440,9 +438,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
         block_scaled_roofline_fractions;
     for (const auto& [us, read_gbps] : point_runs[i]) {
       bandwidth_fractions.push_back(memory_us(p.bytes, read_gbps) / us);
-      roofline_fractions.push_back(bound_us(read_gbps) / us);
+      roofline_fractions.push_back(bound_us(read_gbps, p.peak_used) / us);
       expert_roofline_fractions.push_back(expert_bound_us(read_gbps) / us);
-      block_scaled_roofline_fractions.push_back(block_scaled_bound_us(read_gbps) / us);
+      block_scaled_roofline_fractions.push_back(bound_us(read_gbps, p.block_scaled_peak_used) / us);
     }
     p.bandwidth_fraction = Median(bandwidth_fractions);
     p.roofline_fraction = Median(roofline_fractions);
