@@ -100,7 +100,7 @@ struct KernelBenchPoint {
   double block_scaled_peak_used = 0;
   double block_scaled_bound_us = 0;
   double block_scaled_roofline_fraction = 0;  // about block_scaled_bound_us / us, as roofline_fraction
-  int repetitions = 0;                  // timed runs the figures are medians of
+  int repetitions = 0;                        // timed runs the figures are medians of
   // Timed runs during which the host took CPU time from this machine (steal time on a virtual
   // machine): left out of the figures, unless no run was free of it.
   int runs_with_stolen_time = 0;
