@@ -85,21 +85,23 @@ struct KernelBenchPoint {
   double bound_us = 0;           // max(bytes / read_gbps_used, operations / peak_used)
   bool memory_bound = false;     // which term of the bound is larger
   double roofline_fraction = 0;  // about bound_us / us (see bandwidth_fraction)
-  // The bound taken expert by expert: the sum over touched experts of max(expert bytes / read rate,
-  // expert operations / peak). A layer that runs its experts one after another, all threads on one
-  // expert at a time (as ExpertStore::Run hands out its work), cannot beat it: an expert with few
-  // rows waits for memory, one with many for arithmetic, and the whole layer's bound lets the two
-  // overlap. Only a schedule that runs a memory-bound expert on one core beside an arithmetic-bound
-  // one on another could beat it, and only where one core can read more than its share of the
-  // bandwidth. Equal to bound_us where every touched expert is bound by the same term.
-  double expert_bound_us = 0;
-  double expert_roofline_fraction = 0;  // about expert_bound_us / us, as roofline_fraction
   // The bound with the arithmetic the format itself needs (BlockScaledPathForFormat): for nvfp4
   // and mxfp4 on avx512 the block scales' multiply-adds, which share VPDPBUSD's ports, make the
   // arithmetic term larger (the same as bound_us for the other formats).
   double block_scaled_peak_used = 0;
   double block_scaled_bound_us = 0;
   double block_scaled_roofline_fraction = 0;  // about block_scaled_bound_us / us, as roofline_fraction
+  // The bound taken expert by expert: the sum over touched experts of max(expert bytes / read rate,
+  // expert operations / block_scaled_peak_used). A layer that runs its experts one after another,
+  // all threads on one expert at a time (as ExpertStore::Run hands out its work), cannot beat it:
+  // an expert with few rows waits for memory, one with many for arithmetic, and the whole layer's
+  // bound lets the two overlap. Only a schedule that runs a memory-bound expert on one core beside
+  // an arithmetic-bound one on another could beat it, and only where one core can read more than
+  // its share of the bandwidth. Equal to block_scaled_bound_us where every touched expert is bound
+  // by the same term; bound_us / expert_bound_us is the most of roofline_fraction such a layer can
+  // reach with this format on this CPU.
+  double expert_bound_us = 0;
+  double expert_roofline_fraction = 0;  // about expert_bound_us / us, as roofline_fraction
   int repetitions = 0;                        // timed runs the figures are medians of
   // Timed runs during which the host took CPU time from this machine (steal time on a virtual
   // machine): left out of the figures, unless no run was free of it.

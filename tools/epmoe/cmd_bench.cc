@@ -112,7 +112,7 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
   std::printf(
       "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
       "and roof: medians over the runs of each run against that read; roof/e: against the bound taken expert by "
-      "expert; roof/s: against the bound with the format's block scales in its arithmetic\n");
+      "expert, with the format's block scales in its arithmetic; roof/s: against the bound with those block scales\n");
   std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s %6s %6s\n", "kernel", "T", "picks", "touched",
               "us", "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e", "roof/s");
   for (const auto& p : r.points) {
