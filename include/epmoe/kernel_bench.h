@@ -101,7 +101,7 @@ struct KernelBenchPoint {
   // by the same term; bound_us / expert_bound_us is the most of roofline_fraction such a layer can
   // reach with this format on this CPU.
   double expert_bound_us = 0;
-  double expert_roofline_fraction = 0;  // about expert_bound_us / us, as roofline_fraction
+  double expert_roofline_fraction = 0;        // about expert_bound_us / us, as roofline_fraction
   int repetitions = 0;                        // timed runs the figures are medians of
   // Timed runs during which the host took CPU time from this machine (steal time on a virtual
   // machine): left out of the figures, unless no run was free of it.

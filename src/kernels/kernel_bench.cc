@@ -424,7 +424,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     auto expert_bound_us = [&](double read_gbps) {
       double sum = 0;
       for (const auto& [bytes, picks] : point_experts[i])
-        sum += std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick, p.block_scaled_peak_used));
+        sum +=
+            std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick, p.block_scaled_peak_used));
       return sum;
     };
     p.bound_us = bound_us(p.read_gbps_used, p.peak_used);
