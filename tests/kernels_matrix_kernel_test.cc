@@ -28,8 +28,8 @@ using epmoe::testing::RandomMatrix;
 class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 
 // Rows 0 .. rows-1 of `out` hold the dot products (against the dequantized weights, within the
-// activation rounding) and the row after them is untouched: a 1-row call runs a 2-row tile over
-// its row twice, which must write the row's place only. 13 and 43 rows are split into row tiles of
+// activation rounding) and the row after them is untouched: a 1-row call runs a 3-row tile over
+// its row three times, which must write the row's place only. 13 and 43 rows are split into row tiles of
 // unequal height (5 + 4 + 4 and 7 + 6 for the dense and 4-bit tiles; 8 + 5 x 7).
 TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   const auto [format, isa] = GetParam();

@@ -685,15 +685,19 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows == 1) {
-      // One row runs the 2-row tile over the row twice, both results written to the same place:
-      // from memory the 1-row tile reads less than the 2-row tile does on the same weights, and the
-      // second row's arithmetic costs nothing while the tile waits for memory (kernels_matmul_bench,
-      // one thread, BM_MatMul 1 row: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1). Why is not
-      // known: neither the 1-row tile's dependency chains nor its prefetch distances explain it
-      // (docs/performance.md, session 10).
+      // One row runs the 3-row tile over the row three times, all results written to the same
+      // place: from memory the shorter tiles read less than the 3-row tile does on the same
+      // weights, and the extra rows' arithmetic costs nothing while the tile waits for memory (one
+      // thread from memory, 1 row: the 1-row tile against the 2-row one, BM_MatMul: nvfp4 25.3 ->
+      // 30.5 GB/s, mxfp4 25.4 -> 29.1 (session 10); the 2-row tile against the 3-row one, 5
+      // alternated runs, medians: BM_MatMul nvfp4 29.1 -> 29.2, mxfp4 27.2 -> 29.8; on 2 MiB pages
+      // 0.85 - 0.91 -> 0.93 - 0.95 and 0.79 - 0.81 -> 0.91 - 0.93 of the read rate (session 12)).
+      // Why is not known: neither the short tiles' dependency chains nor their prefetch distances
+      // explain it (docs/performance.md, sessions 10 and 12). Two rows run as three (the second
+      // repeated) were level.
       base.act_stride = 0;
       base.out_stride = 0;
-      rows = 2;
+      rows = 3;
     }
     if (rows <= kStreamRows) {
       RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
