@@ -29,8 +29,8 @@ class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 
 // Rows 0 .. rows-1 of `out` hold the dot products (against the dequantized weights, within the
 // activation rounding) and the row after them is untouched: a 1-row call runs a 3-row tile over
-// its row three times, which must write the row's place only. 13 and 43 rows are split into row tiles of
-// unequal height (5 + 4 + 4 and 7 + 6 for the dense and 4-bit tiles; 8 + 5 x 7).
+// its row three times, which must write the row's place only. 13 and 43 rows are split into row
+// tiles of unequal height (13: 5 + 4 + 4 dense, 7 + 6 4-bit; 43: 8 + 5 x 7 4-bit).
 TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   const auto [format, isa] = GetParam();
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
