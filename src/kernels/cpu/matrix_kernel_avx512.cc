@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -101,6 +102,9 @@ struct TileArgs {
   // next panel's weights, so that its expansion does not wait for memory).
   const uint8_t* prefetch = nullptr;
   int64_t prefetch_lines = 0;
+  // 4-bit streaming tiles: rows past this one read and write this one again (a call with fewer
+  // rows than the tile, FourBitKernel::MatMul).
+  int64_t last_row = std::numeric_limits<int64_t>::max();
 };
 
 using TileFn = void (*)(const TileArgs&);
@@ -488,11 +492,12 @@ struct FourBit {
   static inline __attribute__((always_inline)) void StoreTile(const TileArgs& a, const __m512 (&acc)[R][B]) {
     const float tensor = kFormat == WeightFormat::kNvfp4 ? a.weights->tensor_scale : 1.0f;
     for (int r = 0; r < R; ++r) {
-      const float act_scale = LoadFloat(a.acts + r * a.act_stride + ScaleOffset(a.weights->cols));
+      const int64_t row = std::min<int64_t>(r, a.last_row);
+      const float act_scale = LoadFloat(a.acts + row * a.act_stride + ScaleOffset(a.weights->cols));
       const __m512 factor = _mm512_set1_ps(0.5f * act_scale * tensor);
       // acc first, which is small by kScaleFactor (so factor * kScaleFactor cannot overflow).
       for (int j = 0; j < B; ++j)
-        _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes,
+        _mm512_storeu_ps(a.out + row * a.out_stride + j * kLanes,
                          _mm512_mul_ps(_mm512_mul_ps(acc[r][j], _mm512_set1_ps(kScaleFactor)), factor));
     }
   }
@@ -504,6 +509,8 @@ struct FourBit {
       const PackedMatrix& m = *a.weights;
       const int64_t chunks = m.cols / 16, scale_blocks = m.cols / kScaleBlock;
       const __m512i table = Table();
+      const uint8_t* act[R];
+      for (int r = 0; r < R; ++r) act[r] = a.acts + std::min<int64_t>(r, a.last_row) * a.act_stride;
       const uint8_t* w[B];
       const uint8_t* s[B];
       for (int j = 0; j < B; ++j) {
@@ -537,7 +544,7 @@ struct FourBit {
         __m512i sum[R][B];
         for (int r = 0; r < R; ++r) {
           const __m512i correction =
-              _mm512_set1_epi32(LoadInt32(a.acts + r * a.act_stride + FourBitCorrectionOffset(m.cols) + 4 * sb));
+              _mm512_set1_epi32(LoadInt32(act[r] + FourBitCorrectionOffset(m.cols) + 4 * sb));
           for (int j = 0; j < B; ++j) sum[r][j] = correction;
         }
         for (int chunk = 0; chunk < kScaleBlock / 16; ++chunk) {
@@ -572,7 +579,7 @@ struct FourBit {
           }
           for (int r = 0; r < R; ++r) {
             for (int i = 0; i < 4; ++i) {
-              const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + c * 16 + 4 * i);
+              const __m512i x = BroadcastGroup(act[r] + c * 16 + 4 * i);
               for (int j = 0; j < B; ++j) sum[r][j] = DotAdd(sum[r][j], v[j][i], x);
             }
           }
@@ -654,6 +661,8 @@ struct FourBit {
 // expansion serves twice the rows; one stream is enough when there is that much arithmetic per
 // byte); prefill 6 rows x 2 blocks (12 sums, 12 accumulators).
 constexpr int kFourBitStreamBlocks = 2, kFourBitStreamTallRows = 8, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
+// Fewer rows than this run the tile of this many rows (FourBitKernel::MatMul).
+constexpr int64_t kFourBitShortestStreamRows = 3;
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
 // Up to this many rows, 4-bit weights are expanded in registers as they stream, once per row tile
@@ -684,20 +693,22 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
-    if (rows == 1) {
-      // One row runs the 3-row tile over the row three times, all results written to the same
-      // place: from memory the shorter tiles read less than the 3-row tile does on the same
-      // weights, and the extra rows' arithmetic costs nothing while the tile waits for memory (one
-      // thread from memory, 1 row: the 1-row tile against the 2-row one, BM_MatMul: nvfp4 25.3 ->
-      // 30.5 GB/s, mxfp4 25.4 -> 29.1 (session 10); the 2-row tile against the 3-row one, 5
-      // alternated runs, medians: BM_MatMul nvfp4 29.1 -> 29.2, mxfp4 27.2 -> 29.8; on 2 MiB pages
-      // 0.85 - 0.91 -> 0.93 - 0.95 and 0.79 - 0.81 -> 0.91 - 0.93 of the read rate (session 12)).
-      // Why is not known: neither the short tiles' dependency chains nor their prefetch distances
-      // explain it (docs/performance.md, sessions 10 and 12). Two rows run as three (the second
-      // repeated) were level.
-      base.act_stride = 0;
-      base.out_stride = 0;
-      rows = 3;
+    if (rows < kFourBitShortestStreamRows) {
+      // One or two rows run the 3-row tile, their last row repeated (read again, its result written
+      // to the same place): from memory the shorter tiles read less than the 3-row tile does on the
+      // same weights, and the extra rows' arithmetic costs nothing while the tile waits for memory.
+      // One thread from memory: the 1-row tile against the 2-row tile over the row twice, BM_MatMul:
+      // nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1 (session 10); the 2-row tile against the 3-row
+      // one, 5 alternated runs, medians: 1 row BM_MatMul nvfp4 29.1 -> 29.2, mxfp4 27.2 -> 29.8; on
+      // 2 MiB pages 1 row 0.85 - 0.91 -> 0.93 - 0.95 and 0.79 - 0.81 -> 0.91 - 0.93 of the read rate,
+      // 2 rows 0.88 -> 0.94 and 0.82 -> 0.89; the layer at T = 8 / 16 / 64, one thread, two sets of
+      // 4 alternated runs: about +0.02 of the bound, a third set of T = 8 / 16 level, all within the
+      // runs' spread on a busy host (session 12). Why is not known: neither the
+      // short tiles' dependency chains nor their prefetch distances explain it (docs/performance.md,
+      // sessions 10 and 12). The 4-row tile, with one prefetch per line, read less (1 row: 0.73 -
+      // 0.84).
+      base.last_row = rows - 1;
+      rows = kFourBitShortestStreamRows;
     }
     if (rows <= kStreamRows) {
       RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
