@@ -703,10 +703,9 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       // 2 MiB pages 1 row 0.85 - 0.91 -> 0.93 - 0.95 and 0.79 - 0.81 -> 0.91 - 0.93 of the read rate,
       // 2 rows 0.88 -> 0.94 and 0.82 -> 0.89; the layer at T = 8 / 16 / 64, one thread, two sets of
       // 4 alternated runs: about +0.02 of the bound, a third set of T = 8 / 16 level, all within the
-      // runs' spread on a busy host (session 12). Why is not known: neither the
-      // short tiles' dependency chains nor their prefetch distances explain it (docs/performance.md,
-      // sessions 10 and 12). The 4-row tile, with one prefetch per line, read less (1 row: 0.73 -
-      // 0.84).
+      // runs' spread on a busy host (session 12). Why is not known: neither the short tiles'
+      // dependency chains nor their prefetch distances explain it (docs/performance.md, sessions 10
+      // and 12). The 4-row tile, with one prefetch per line, read less (1 row: 0.73 - 0.84).
       base.last_row = rows - 1;
       rows = kFourBitShortestStreamRows;
     }
