@@ -693,7 +693,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
-    if (rows < kFourBitShortestStreamRows) {
+    if (rows > 0 && rows < kFourBitShortestStreamRows) {
       // One or two rows run the 3-row tile, their last row repeated (read again, its result written
       // to the same place): from memory the shorter tiles read less than the 3-row tile does on the
       // same weights, and the extra rows' arithmetic costs nothing while the tile waits for memory.
