@@ -626,6 +626,8 @@ struct FourBit {
       const int64_t first = a.block - a.panel_block;
       const uint8_t* w = a.expanded + first * groups * 64;
       const float* s = a.expanded_scales + first * scale_blocks * kLanes;
+      const uint8_t* act[R];
+      for (int r = 0; r < R; ++r) act[r] = a.acts + r * a.act_stride;
       __m512 acc[R][B];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -635,17 +637,23 @@ struct FourBit {
         __m512i sum[R][B];
         for (int r = 0; r < R; ++r) {
           const __m512i correction =
-              _mm512_set1_epi32(LoadInt32(a.acts + r * a.act_stride + FourBitCorrectionOffset(m.cols) + 4 * sb));
+              _mm512_set1_epi32(LoadInt32(act[r] + FourBitCorrectionOffset(m.cols) + 4 * sb));
           for (int j = 0; j < B; ++j) sum[r][j] = correction;
         }
-        for (int64_t g = sb * kGroupsPerScale; g < (sb + 1) * kGroupsPerScale; ++g) {
+        // A scale block's groups unrolled, the row pointers taken once: GCC 12 otherwise kept a
+        // loop counter and recomputed every row's address in each group (one thread, cached weights,
+        // nvfp4 at 64 / 256 rows: 0.89 / 0.92 -> 0.92 / 0.95 of the block-scaled peak, mxfp4 +1 -
+        // 2%; the layer at T = 1024, 4 alternated runs: nvfp4 0.623 -> 0.638, mxfp4 0.740 -> 0.752).
+#pragma GCC unroll 8
+        for (int i = 0; i < kGroupsPerScale; ++i) {
+          const int64_t g = sb * kGroupsPerScale + i;
           __m512i wv[B];
           for (int j = 0; j < B; ++j) {
             wv[j] = _mm512_loadu_si512(w + (j * groups + g) * 64);
             asm("" : "+v"(wv[j]));  // held in a register, as in DenseTile
           }
           for (int r = 0; r < R; ++r) {
-            const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
+            const __m512i x = BroadcastGroup(act[r] + 4 * g);
             for (int j = 0; j < B; ++j) sum[r][j] = DotAdd(sum[r][j], wv[j], x);
           }
         }
