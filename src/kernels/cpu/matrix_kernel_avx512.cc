@@ -636,8 +636,7 @@ struct FourBit {
           _mm_prefetch(reinterpret_cast<const char*>(a.prefetch + line * 64), _MM_HINT_T1);
         __m512i sum[R][B];
         for (int r = 0; r < R; ++r) {
-          const __m512i correction =
-              _mm512_set1_epi32(LoadInt32(act[r] + FourBitCorrectionOffset(m.cols) + 4 * sb));
+          const __m512i correction = _mm512_set1_epi32(LoadInt32(act[r] + FourBitCorrectionOffset(m.cols) + 4 * sb));
           for (int j = 0; j < B; ++j) sum[r][j] = correction;
         }
         // A scale block's groups unrolled, the row pointers taken once: GCC 12 otherwise kept a
