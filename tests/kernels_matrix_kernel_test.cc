@@ -28,8 +28,8 @@ using epmoe::testing::RandomMatrix;
 class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 
 // Rows 0 .. rows-1 of `out` hold the dot products (against the dequantized weights, within the
-// activation rounding) and the row after them is untouched: a 1- or 2-row call runs a 3-row tile
-// with its last row repeated, which must write the rows' places only (and a 0-row call nothing).
+// activation rounding) and the row after them is untouched: a 1-row 4-bit call runs the 2-row tile
+// with its row repeated, which must write the row's place only (and a 0-row call nothing).
 // 13 and 43 rows are split into row tiles of unequal height (13: 5 + 4 + 4 dense, 7 + 6 4-bit; 43:
 // 8 + 5 x 7 4-bit).
 TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {

@@ -669,7 +669,7 @@ struct FourBit {
 // byte); prefill 6 rows x 2 blocks (12 sums, 12 accumulators).
 constexpr int kFourBitStreamBlocks = 2, kFourBitStreamTallRows = 8, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
 // Fewer rows than this run the tile of this many rows (FourBitKernel::MatMul).
-constexpr int64_t kFourBitShortestStreamRows = 3;
+constexpr int64_t kFourBitShortestStreamRows = 2;
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
 // Up to this many rows, 4-bit weights are expanded in registers as they stream, once per row tile
@@ -701,18 +701,20 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows > 0 && rows < kFourBitShortestStreamRows) {
-      // One or two rows run the 3-row tile, their last row repeated (read again, its result written
-      // to the same place): from memory the shorter tiles read less than the 3-row tile does on the
-      // same weights, and the extra rows' arithmetic costs nothing while the tile waits for memory.
-      // One thread from memory: the 1-row tile against the 2-row tile over the row twice, BM_MatMul:
-      // nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1 (session 10); the 2-row tile against the 3-row
-      // one, 5 alternated runs, medians: 1 row BM_MatMul nvfp4 29.1 -> 29.2, mxfp4 27.2 -> 29.8; on
-      // 2 MiB pages 1 row 0.85 - 0.91 -> 0.93 - 0.95 and 0.79 - 0.81 -> 0.91 - 0.93 of the read rate,
-      // 2 rows 0.88 -> 0.94 and 0.82 -> 0.89; the layer at T = 8 / 16 / 64, one thread, two sets of
-      // 4 alternated runs: about +0.02 of the bound, a third set of T = 8 / 16 level, all within the
-      // runs' spread on a busy host (session 12). Why is not known: neither the short tiles'
-      // dependency chains nor their prefetch distances explain it (docs/performance.md, sessions 10
-      // and 12). The 4-row tile, with one prefetch per line, read less (1 row: 0.73 - 0.84).
+      // One row runs the 2-row tile, the row repeated (read again, its result written to the same
+      // place): from memory the 1-row tile reads less than the 2-row tile does on the same weights
+      // (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1; session 10), and the
+      // repeated row's arithmetic costs little while the tile waits for memory. Not the 3-row tile
+      // (session 12): a core spends per 128 bytes of codes 4 VPERMB (0.58 of a VPDPBUSD's slot
+      // each on Zen 4), R x 4 VPDPBUSD and R FMA (nvfp4) for R rows, so the 3-row tile cannot
+      // expand faster than about 27 GB/s a core (measured over cached nvfp4 weights: 27 - 28; the
+      // 2-row tile 35, the 1-row tile 46), which is what one core reads from memory here: whenever
+      // the host slows the core or the memory speeds up, it stops the tile. One thread from memory,
+      // 1 and 2 rows, the tiles alternated within one process, 4 sets of 8 runs (session 13): nvfp4
+      // 1 row 0.67 - 0.94 -> 0.84 - 0.93 of the read rate, 2 rows 0.77 - 0.88 -> 0.92 - 0.95; mxfp4
+      // 1 row 0.79 - 0.93 -> 0.85 - 0.90, 2 rows 0.84 - 0.93 -> 0.91 - 0.95; the layer at one thread,
+      // 5 alternated runs, T = 1 / 8 / 16 / 64: nvfp4 0.78 / 0.78 / 0.74 / 0.57 -> 0.86 / 0.83 / 0.83
+      // / 0.61 of the bound, mxfp4 level; with two threads -0.02 to +0.02 (mxfp4 T = 1 +0.09).
       base.last_row = rows - 1;
       rows = kFourBitShortestStreamRows;
     }
