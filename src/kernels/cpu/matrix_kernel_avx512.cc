@@ -702,9 +702,10 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows > 0 && rows < kFourBitShortestStreamRows) {
       // One row runs the 2-row tile, the row repeated (read again, its result written to the same
-      // place): from memory the 1-row tile reads less than the 2-row tile does on the same weights
-      // (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1; session 10), and the
-      // repeated row's arithmetic costs little while the tile waits for memory. Not the 3-row tile
+      // place): from memory the 1-row tile read less than the 2-row tile does on the same weights
+      // (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1; session 10; alternated
+      // within one process in session 13, level on average but less steady), and the repeated
+      // row's arithmetic costs little while the tile waits for memory. Not the 3-row tile
       // (session 12): a core spends per 128 bytes of codes 4 VPERMB (0.58 of a VPDPBUSD's slot
       // each on Zen 4), R x 4 VPDPBUSD and R FMA (nvfp4) for R rows, so the 3-row tile cannot
       // expand faster than about 27 GB/s a core (measured over cached nvfp4 weights: 27 - 28; the
