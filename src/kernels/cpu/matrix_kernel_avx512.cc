@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <limits>
 #include <utility>
 #include <vector>
 
@@ -102,9 +101,6 @@ struct TileArgs {
   // next panel's weights, so that its expansion does not wait for memory).
   const uint8_t* prefetch = nullptr;
   int64_t prefetch_lines = 0;
-  // 4-bit streaming tiles: rows past this one read and write this one again (a call with fewer
-  // rows than the tile, FourBitKernel::MatMul).
-  int64_t last_row = std::numeric_limits<int64_t>::max();
 };
 
 using TileFn = void (*)(const TileArgs&);
@@ -492,12 +488,11 @@ struct FourBit {
   static inline __attribute__((always_inline)) void StoreTile(const TileArgs& a, const __m512 (&acc)[R][B]) {
     const float tensor = kFormat == WeightFormat::kNvfp4 ? a.weights->tensor_scale : 1.0f;
     for (int r = 0; r < R; ++r) {
-      const int64_t row = std::min<int64_t>(r, a.last_row);
-      const float act_scale = LoadFloat(a.acts + row * a.act_stride + ScaleOffset(a.weights->cols));
+      const float act_scale = LoadFloat(a.acts + r * a.act_stride + ScaleOffset(a.weights->cols));
       const __m512 factor = _mm512_set1_ps(0.5f * act_scale * tensor);
       // acc first, which is small by kScaleFactor (so factor * kScaleFactor cannot overflow).
       for (int j = 0; j < B; ++j)
-        _mm512_storeu_ps(a.out + row * a.out_stride + j * kLanes,
+        _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes,
                          _mm512_mul_ps(_mm512_mul_ps(acc[r][j], _mm512_set1_ps(kScaleFactor)), factor));
     }
   }
@@ -510,7 +505,7 @@ struct FourBit {
       const int64_t chunks = m.cols / 16, scale_blocks = m.cols / kScaleBlock;
       const __m512i table = Table();
       const uint8_t* act[R];
-      for (int r = 0; r < R; ++r) act[r] = a.acts + std::min<int64_t>(r, a.last_row) * a.act_stride;
+      for (int r = 0; r < R; ++r) act[r] = a.acts + r * a.act_stride;
       const uint8_t* w[B];
       const uint8_t* s[B];
       for (int j = 0; j < B; ++j) {
@@ -668,8 +663,6 @@ struct FourBit {
 // expansion serves twice the rows; one stream is enough when there is that much arithmetic per
 // byte); prefill 6 rows x 2 blocks (12 sums, 12 accumulators).
 constexpr int kFourBitStreamBlocks = 2, kFourBitStreamTallRows = 8, kFourBitPrefillRows = 6, kFourBitPrefillBlocks = 2;
-// Fewer rows than this run the tile of this many rows (FourBitKernel::MatMul).
-constexpr int64_t kFourBitShortestStreamRows = 2;
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
 // Up to this many rows, 4-bit weights are expanded in registers as they stream, once per row tile
@@ -700,24 +693,26 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
     TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
-    if (rows > 0 && rows < kFourBitShortestStreamRows) {
-      // One row runs the 2-row tile, the row repeated (read again, its result written to the same
-      // place): from memory the 1-row tile read less than the 2-row tile does on the same weights
-      // (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4 -> 29.1; session 10; alternated
-      // within one process in session 13, level on average but less steady), and the repeated
-      // row's arithmetic costs little while the tile waits for memory. Not the 3-row tile
-      // (session 12): a core spends per 128 bytes of codes 4 VPERMB (0.58 of a VPDPBUSD's slot
-      // each on Zen 4), R x 4 VPDPBUSD and R FMA (nvfp4) for R rows, so the 3-row tile cannot
-      // expand faster than about 27 GB/s a core (measured over cached nvfp4 weights: 27 - 28; the
-      // 2-row tile 35, the 1-row tile 46), which is what one core reads from memory here: whenever
-      // the host slows the core or the memory speeds up, it stops the tile. One thread from memory,
-      // 1 and 2 rows, the tiles alternated within one process, 4 sets of 8 runs (session 13): nvfp4
-      // 1 row 0.67 - 0.94 -> 0.84 - 0.93 of the read rate, 2 rows 0.77 - 0.88 -> 0.92 - 0.95; mxfp4
-      // 1 row 0.79 - 0.93 -> 0.85 - 0.90, 2 rows 0.84 - 0.93 -> 0.91 - 0.95; the layer at one thread,
-      // 5 alternated runs, T = 1 / 8 / 16 / 64: nvfp4 0.78 / 0.78 / 0.74 / 0.57 -> 0.86 / 0.83 / 0.83
-      // / 0.61 of the bound, mxfp4 level; with two threads -0.02 to +0.02 (mxfp4 T = 1 +0.09).
-      base.last_row = rows - 1;
-      rows = kFourBitShortestStreamRows;
+    if (rows == 1) {
+      // One row runs the 2-row tile over the row twice (activation and output stride 0: read again,
+      // its result written to the same place): from memory the 1-row tile read less than the 2-row
+      // tile does on the same weights (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4
+      // -> 29.1; session 10; alternated within one process in session 13, level on average but less
+      // steady), and the repeated row's arithmetic costs little while the tile waits for memory.
+      // Not the 3-row tile (session 12): a core spends per 128 bytes of codes 4 VPERMB (0.58 of a
+      // VPDPBUSD's slot each on Zen 4), R x 4 VPDPBUSD and R FMA (nvfp4) for R rows, so the 3-row
+      // tile cannot expand faster than about 27 GB/s a core (measured over cached nvfp4 weights: 27
+      // - 28; the 2-row tile 35, the 1-row tile 46), which is what one core reads from memory here:
+      // whenever the host slows the core or the memory speeds up, it stops the tile. One thread
+      // from memory, 1 and 2 rows, the tiles alternated within one process, 4 sets of 8 runs
+      // (session 13): nvfp4 1 row 0.67 - 0.94 -> 0.84 - 0.93 of the read rate, 2 rows 0.77 - 0.88
+      // -> 0.92 - 0.95; mxfp4 1 row 0.79 - 0.93 -> 0.85 - 0.90, 2 rows 0.84 - 0.93 -> 0.91 - 0.95;
+      // the layer at one thread, 5 alternated runs, T = 1 / 8 / 16 / 64: nvfp4 0.78 / 0.78 / 0.74 /
+      // 0.57 -> 0.86 / 0.83 / 0.83 / 0.61 of the bound, mxfp4 level; with two threads -0.02 to
+      // +0.02 (mxfp4 T = 1 +0.09).
+      base.act_stride = 0;
+      base.out_stride = 0;
+      rows = 2;
     }
     if (rows <= kStreamRows) {
       RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
