@@ -84,9 +84,10 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   // AVX2's multiply-adds. With VNNI the 4-bit formats' block scales are part of their path
   // (BlockScaledPathForFormat): on Zen 4 their FMAs share VPDPBUSD's ports, 0.8 of its peak for nvfp4.
   const double fp32 = m.fp32_gflops / 1e3;
-  auto rate = [&](double gops) { return gops > 0 ? gops / 1e3 : fp32; };
+  auto path_for = [&](WeightFormat format) { return BlockScaledPathForFormat(format, IsaForFormat(format, isa)); };
   auto peak_for = [&](WeightFormat format) {
-    return rate(m.peak(BlockScaledPathForFormat(format, IsaForFormat(format, isa))));
+    const double gops = m.peak(path_for(format));
+    return gops > 0 ? gops / 1e3 : fp32;
   };
   const double bf16 = peak_for(WeightFormat::kBf16);
   p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
@@ -94,13 +95,16 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   // the rate all cores copy at together.
   EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyBandwidth(pool));
   progress(fmt::format("memory copy {:.1f} GB/s", p->memory_copy_gbs));
+  // The peaks as priced, each with the path it was measured on (machine_limits).
+  auto priced = [&](WeightFormat format) {
+    return fmt::format("{:.0f} ({})", 1e3 * peak_for(format), ArithmeticPathName(path_for(format)));
+  };
   p->sources.push_back(fmt::format(
-      "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks fp32 {:.0f}, bf16 {:.0f}, int8 {:.0f} "
-      "(with nvfp4's block scales {:.0f}) G operations/s (machine_limits); fp8 priced at the bf16 rate, 4-bit formats "
-      "at nvfp4's kernel's path with its block scales; copy_gbs {:.1f}: every thread memcpys its share of 256 MB into "
-      "another 256 MB buffer (median of 7)",
-      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, m.bf16_gflops, m.int8_gops, m.int8_scale16_gops,
-      p->memory_copy_gbs));
+      "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks in G operations/s fp32 {:.0f}, bf16 {}, "
+      "int8 {}, 4-bit as nvfp4's kernel with its block scales {}; fp8 priced at the bf16 rate; copy_gbs "
+      "{:.1f}: every thread memcpys its share of 256 MB into another 256 MB buffer (median of 7)",
+      Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, priced(WeightFormat::kBf16),
+      priced(WeightFormat::kInt8), priced(WeightFormat::kNvfp4), p->memory_copy_gbs));
   p->kernel_lines.clear();
   double read_efficiency = 0, arithmetic_efficiency = 0;
   int lines = 0, points = 0;
