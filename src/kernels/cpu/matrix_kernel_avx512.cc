@@ -105,22 +105,37 @@ struct TileArgs {
 
 using TileFn = void (*)(const TileArgs&);
 
-template <template <int, int> class Tile, int kMaxRows, int kMaxBlocks>
+// The shortest row tile RunTiles makes for `fewest_rows` or more rows in tiles of up to `max_rows`.
+// (From max_rows x (max_rows - 1) rows on, every tile has at least max_rows - 1 rows, which a count
+// below that already gives.)
+constexpr int ShortestRowTile(int fewest_rows, int max_rows) {
+  int shortest = max_rows;
+  for (int rows = fewest_rows; rows <= fewest_rows + max_rows * max_rows; ++rows)
+    shortest = std::min(shortest, rows / ((rows + max_rows - 1) / max_rows));
+  return shortest;
+}
+
+// The tiles of kShortest to kMaxRows rows and 1 to kMaxBlocks blocks, by (rows - kShortest) x
+// kMaxBlocks + blocks - 1: only the heights a call can use are compiled.
+template <template <int, int> class Tile, int kShortest, int kMaxRows, int kMaxBlocks>
 struct TileTable {
+  static constexpr int kHeights = kMaxRows - kShortest + 1;
   template <int... I>
   static constexpr std::array<TileFn, sizeof...(I)> Make(std::integer_sequence<int, I...>) {
-    return {&Tile<I / kMaxBlocks + 1, I % kMaxBlocks + 1>::Run...};
+    return {&Tile<kShortest + I / kMaxBlocks, I % kMaxBlocks + 1>::Run...};
   }
-  static constexpr std::array<TileFn, kMaxRows* kMaxBlocks> kTable =
-      Make(std::make_integer_sequence<int, kMaxRows * kMaxBlocks>{});
+  static constexpr std::array<TileFn, kHeights * kMaxBlocks> kTable =
+      Make(std::make_integer_sequence<int, kHeights * kMaxBlocks>{});
 };
 
-// Runs channel blocks [block_begin, block_end) for `rows` rows in tiles of up to kMaxRows x
-// kMaxBlocks: a column of row tiles per group of blocks, so each group's weights are read from
-// memory by the first row tile and from cache by the others. `base` points at block_begin, row 0;
-// its prefetch lines are shared out among the tiles in order.
-template <template <int, int> class Tile, int kMaxRows, int kMaxBlocks>
+// Runs channel blocks [block_begin, block_end) for `rows` (none, or at least kFewestRows) rows in tiles of
+// up to kMaxRows x kMaxBlocks: a column of row tiles per group of blocks, so each group's weights
+// are read from memory by the first row tile and from cache by the others. `base` points at
+// block_begin, row 0; its prefetch lines are shared out among the tiles in order.
+template <template <int, int> class Tile, int kFewestRows, int kMaxRows, int kMaxBlocks>
 void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
+  constexpr int kShortest = ShortestRowTile(kFewestRows, kMaxRows);
+  EPMOE_CHECK(rows == 0 || rows >= kFewestRows);
   // Row tiles of even height, the first rows % row_tiles one row taller (8 rows: 4 + 4, not 6 + 2;
   // 43 rows in tiles of up to 8: 8 + 5 x 7, not 5 x 8 + 3), so that no tile is much shorter than
   // the others (kernels_matmul_bench BM_MatMulCached, int8 at 8 rows: 392 -> 428 GOP/s; the VNNI
@@ -141,7 +156,7 @@ void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int6
       a.prefetch = base.prefetch + prefetched * 64;
       a.prefetch_lines = std::min(lines_per_tile, base.prefetch_lines - prefetched);
       prefetched += a.prefetch_lines;
-      TileTable<Tile, kMaxRows, kMaxBlocks>::kTable[(tile_rows - 1) * kMaxBlocks + (blocks - 1)](a);
+      TileTable<Tile, kShortest, kMaxRows, kMaxBlocks>::kTable[(tile_rows - kShortest) * kMaxBlocks + (blocks - 1)](a);
       r += tile_rows;
     }
   }
@@ -371,11 +386,11 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
     const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows <= kStreamRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows, kDenseBlocks>(base, block_begin, block_end, rows);
+      RunTiles<DenseTiles<Dot>::template Stream, 1, kStreamRows, kDenseBlocks>(base, block_begin, block_end, rows);
       return;
     }
     if (rows <= 2 * kDenseTallRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kDenseTallRows, kDenseBlocks>(base, block_begin, block_end, rows);
+      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows + 1, kDenseTallRows, kDenseBlocks>(base, block_begin, block_end, rows);
       return;
     }
     // Three or more row tiles per group of blocks: the first reads the group's weights from memory,
@@ -396,9 +411,9 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
       group.prefetch = w.values.data() + next;
       group.prefetch_lines = std::min(kDenseBlocks * block_bytes, matrix_bytes - next) / 64;
       if (rows <= kStreamTallRows) {
-        RunTiles<DenseTiles<Dot>::template Stream, kDenseTallRows, kDenseBlocks>(group, b, b + blocks, rows);
+        RunTiles<DenseTiles<Dot>::template Stream, 2 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b, b + blocks, rows);
       } else {
-        RunTiles<DenseTiles<Dot>::template Cached, kDenseTallRows, kDenseBlocks>(group, b, b + blocks, rows);
+        RunTiles<DenseTiles<Dot>::template Cached, kStreamTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b, b + blocks, rows);
       }
     }
   }
@@ -715,11 +730,11 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       rows = 2;
     }
     if (rows <= kStreamRows) {
-      RunTiles<Ops::template StreamTile, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
+      RunTiles<Ops::template StreamTile, 2, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
       return;
     }
     if (rows <= kFourBitStreamMaxRows) {
-      RunTiles<Ops::template StreamTile, kFourBitStreamTallRows, 1>(base, block_begin, block_end, rows);
+      RunTiles<Ops::template StreamTile, kStreamRows + 1, kFourBitStreamTallRows, 1>(base, block_begin, block_end, rows);
       return;
     }
     // Grow-only per-thread panel buffers: MatMul runs on pool threads, many times per step.
@@ -740,7 +755,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       const int64_t next_blocks = std::clamp<int64_t>(w.rows / kLanes - b - blocks, 0, kFourBitPanelBlocks);
       panel.prefetch = w.values.data() + (b + blocks) * (w.cols / 16 * 128);
       panel.prefetch_lines = next_blocks * (w.cols / 16 * 128) / 64;
-      RunTiles<Ops::template CachedTile, kFourBitPrefillRows, kFourBitPrefillBlocks>(panel, b, b + blocks, rows);
+      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows + 1, kFourBitPrefillRows, kFourBitPrefillBlocks>(panel, b, b + blocks, rows);
     }
   }
 };
