@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <optional>
@@ -297,6 +298,64 @@ TEST(KernelChoice, RefusesWhatItCannotStore) {
   auto refused = PackExperts(bad_pointers, PackOptions{WeightFormat::kInt8, "auto"});
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("row 3, column 5"), std::string::npos) << refused.status().message();
+}
+
+// Experts made one at a time pack into the same bytes as the same experts given at once, on a pool
+// and without one; a maker's error or a wrong shape fails the pack with the expert named.
+TEST(PackFromMaker, PacksWhatTheSpanPacks) {
+  const auto experts = RandomExperts(5, 64, 32, 7);
+  ThreadPool pool(2);
+  for (WeightFormat format : AllWeightFormats()) {
+    SCOPED_TRACE(WeightFormatName(format));
+    auto given = PackExperts(Pointers(experts), PackOptions{format, "auto"});
+    ASSERT_TRUE(given.ok()) << given.status().message();
+    for (ThreadPool* on : {static_cast<ThreadPool*>(nullptr), &pool}) {
+      std::atomic<int> calls{0};
+      auto made = PackExperts(
+          5, 64, 32,
+          [&](int e) -> Result<ExpertWeights> {
+            ++calls;
+            return experts[e];
+          },
+          PackOptions{format, "auto", on});
+      ASSERT_TRUE(made.ok()) << made.status().message();
+      EXPECT_EQ(calls.load(), 5);
+      EXPECT_EQ((*made)->kernel_name(), (*given)->kernel_name());
+      for (int e = 0; e < 5; ++e) {
+        ASSERT_EQ((*made)->expert_bytes(e), (*given)->expert_bytes(e));
+        std::vector<std::byte> a((*made)->expert_bytes(e)), b(a.size());
+        ASSERT_TRUE((*made)->ExportExpert(e, a).ok());
+        ASSERT_TRUE((*given)->ExportExpert(e, b).ok());
+        EXPECT_TRUE(a == b) << "expert " << e;
+      }
+    }
+  }
+}
+
+TEST(PackFromMaker, NamesTheExpertThatFailed) {
+  const auto experts = RandomExperts(3, 64, 32, 8);
+  auto failing = PackExperts(
+      3, 64, 32,
+      [&](int e) -> Result<ExpertWeights> {
+        if (e == 2) return IoError("weights file truncated");
+        return experts[e];
+      },
+      PackOptions{WeightFormat::kInt8, "auto"});
+  ASSERT_FALSE(failing.ok());
+  EXPECT_NE(failing.status().message().find("expert 2"), std::string::npos) << failing.status().message();
+  EXPECT_NE(failing.status().message().find("truncated"), std::string::npos) << failing.status().message();
+
+  const auto wider = RandomExperts(1, 128, 32, 9);
+  auto misshapen = PackExperts(
+      3, 64, 32, [&](int e) -> Result<ExpertWeights> { return e == 1 ? wider[0] : experts[e]; },
+      PackOptions{WeightFormat::kInt8, "auto"});
+  ASSERT_FALSE(misshapen.ok());
+  EXPECT_NE(misshapen.status().message().find("expert 1 has shapes"), std::string::npos)
+      << misshapen.status().message();
+
+  auto none = PackExperts(
+      0, 64, 32, [&](int e) -> Result<ExpertWeights> { return experts[e]; }, PackOptions{WeightFormat::kInt8, "auto"});
+  EXPECT_FALSE(none.ok());
 }
 
 // Which formats each CPU generation runs on avx512 (the others give way to avx2).

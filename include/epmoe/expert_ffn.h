@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -99,5 +100,16 @@ struct PackOptions {
 // rows.
 Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
                                                  const PackOptions& options);
+
+// Makes expert e's fp32 weights for the PackExperts below. Called from the pool's threads at once
+// (each expert once), so it must not use that pool.
+using ExpertMaker = std::function<Result<ExpertWeights>(int expert)>;
+
+// Packs `count` experts of the given shape, made one at a time by `make`: only the experts being
+// packed exist in fp32, so a layer much larger in fp32 than in its format packs in its format's
+// memory (DeepSeek-V3's 256 routed experts: 45 GB in fp32, 6.3 GB in nvfp4). An expert of another
+// shape, or an error from `make`, fails the pack naming the expert.
+Result<std::unique_ptr<ExpertStore>> PackExperts(int count, int64_t hidden, int64_t intermediate,
+                                                 const ExpertMaker& make, const PackOptions& options);
 
 }  // namespace epmoe

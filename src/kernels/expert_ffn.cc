@@ -28,26 +28,58 @@ void ReferenceExpertFfn(const ExpertWeights& expert, std::span<const float> row,
   }
 }
 
+namespace {
+
+Status CheckExpertShape(const ExpertWeights& x, int expert, int64_t hidden, int64_t inter) {
+  if (x.gate.rows != inter || x.gate.cols != hidden || x.up.rows != inter || x.up.cols != hidden ||
+      x.down.rows != hidden || x.down.cols != inter)
+    return InvalidArgument(
+        fmt::format("pack experts: expert {} has shapes gate {}x{}, up {}x{}, down {}x{}; expected "
+                    "gate and up {}x{}, down {}x{}",
+                    expert, x.gate.rows, x.gate.cols, x.up.rows, x.up.cols, x.down.rows, x.down.cols, inter, hidden,
+                    hidden, inter));
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<ExpertStore>> Pack(int count, int64_t hidden, int64_t inter,
+                                          const kernels::KernelExpertStore::Source& source,
+                                          const PackOptions& options) {
+  EPMOE_RETURN_IF_ERROR(CheckShape(options.format, inter, hidden));
+  EPMOE_RETURN_IF_ERROR(CheckShape(options.format, hidden, inter));
+  Result<Isa> isa = ResolveIsa(options.isa);
+  if (!isa.ok()) return isa.status().WithContext("pack experts");
+  EPMOE_ASSIGN_OR_RETURN(
+      auto store, kernels::KernelExpertStore::Create(count, hidden, inter, source, options.format, *isa, options.pool));
+  return std::unique_ptr<ExpertStore>(std::move(store));
+}
+
+}  // namespace
+
 Result<std::unique_ptr<ExpertStore>> PackExperts(std::span<const ExpertWeights* const> experts,
                                                  const PackOptions& options) {
   if (experts.empty()) return InvalidArgument("pack experts: no experts given");
   const int64_t hidden = experts[0]->hidden();
   const int64_t inter = experts[0]->intermediate();
-  for (size_t e = 0; e < experts.size(); ++e) {
-    const ExpertWeights& x = *experts[e];
-    if (x.gate.rows != inter || x.gate.cols != hidden || x.up.rows != inter || x.up.cols != hidden ||
-        x.down.rows != hidden || x.down.cols != inter)
-      return InvalidArgument(fmt::format(
-          "pack experts: expert {} has shapes gate {}x{}, up {}x{}, down {}x{}; expected "
-          "gate and up {}x{}, down {}x{}",
-          e, x.gate.rows, x.gate.cols, x.up.rows, x.up.cols, x.down.rows, x.down.cols, inter, hidden, hidden, inter));
-  }
-  EPMOE_RETURN_IF_ERROR(CheckShape(options.format, inter, hidden));
-  EPMOE_RETURN_IF_ERROR(CheckShape(options.format, hidden, inter));
-  Result<Isa> isa = ResolveIsa(options.isa);
-  if (!isa.ok()) return isa.status().WithContext("pack experts");
-  EPMOE_ASSIGN_OR_RETURN(auto store, kernels::KernelExpertStore::Create(experts, options.format, *isa, options.pool));
-  return std::unique_ptr<ExpertStore>(std::move(store));
+  for (size_t e = 0; e < experts.size(); ++e)
+    EPMOE_RETURN_IF_ERROR(CheckExpertShape(*experts[e], static_cast<int>(e), hidden, inter));
+  return Pack(
+      static_cast<int>(experts.size()), hidden, inter,
+      [&](int e, ExpertWeights*) -> Result<const ExpertWeights*> { return experts[e]; }, options);
+}
+
+Result<std::unique_ptr<ExpertStore>> PackExperts(int count, int64_t hidden, int64_t intermediate,
+                                                 const ExpertMaker& make, const PackOptions& options) {
+  if (count <= 0) return InvalidArgument(fmt::format("pack experts: {} experts to make", count));
+  if (hidden <= 0 || intermediate <= 0)
+    return InvalidArgument(fmt::format("pack experts: shape hidden {} x intermediate {}", hidden, intermediate));
+  auto made = [&](int e, ExpertWeights* scratch) -> Result<const ExpertWeights*> {
+    Result<ExpertWeights> weights = make(e);
+    if (!weights.ok()) return weights.status().WithContext(fmt::format("pack experts: expert {}", e));
+    EPMOE_RETURN_IF_ERROR(CheckExpertShape(*weights, e, hidden, intermediate));
+    *scratch = std::move(*weights);
+    return scratch;
+  };
+  return Pack(count, hidden, intermediate, made, options);
 }
 
 }  // namespace epmoe

@@ -109,33 +109,36 @@ std::vector<std::span<Byte>> PartsOf(Expert& expert) {
 
 }  // namespace
 
-Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<const ExpertWeights* const> experts,
-                                                                     WeightFormat format, Isa highest,
-                                                                     ThreadPool* pool) {
+Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, int64_t hidden, int64_t intermediate,
+                                                                     const Source& source, WeightFormat format,
+                                                                     Isa highest, ThreadPool* pool) {
   std::unique_ptr<KernelExpertStore> store(new KernelExpertStore());
   store->format_ = format;
-  store->hidden_ = experts[0]->hidden();
-  store->intermediate_ = experts[0]->intermediate();
+  store->hidden_ = hidden;
+  store->intermediate_ = intermediate;
   store->kernel_ = ChooseKernel(format, highest, store->hidden_, store->intermediate_);
-  store->experts_.resize(experts.size());
+  store->experts_.resize(count);
   // All experts in one allocation on 2 MiB pages (core/huge_pages.h), each expert's gate, up and
   // down in turn: the decode path streams them, and a single allocation rounds up to whole pages
   // once (a 4-bit matrix of the qwen3-30b-a3b shape alone is 0.75 MB).
-  const int64_t hidden = store->hidden_, intermediate = store->intermediate_;
   const int64_t gate_storage = PackedStorageBytes(format, intermediate, hidden);  // and up's
   const int64_t offsets[3] = {0, gate_storage, 2 * gate_storage};
   const int64_t expert_storage = 2 * gate_storage + PackedStorageBytes(format, hidden, intermediate);
-  store->weights_memory_ = AllocateHugePageMemory(expert_storage * static_cast<int64_t>(experts.size()));
+  store->weights_memory_ = AllocateHugePageMemory(expert_storage * count);
   if (store->weights_memory_ == nullptr)
-    return OutOfRange(fmt::format("cannot allocate {} bytes for {} packed experts",
-                                  expert_storage * static_cast<int64_t>(experts.size()), experts.size()));
-  std::vector<Status> errors(experts.size());
+    return OutOfRange(fmt::format("cannot allocate {} bytes for {} packed experts", expert_storage * count, count));
+  std::vector<Status> errors(count);
   const PackLayout layout = store->kernel_->layout();
   auto pack_one = [&](int64_t begin, int64_t end) {
+    ExpertWeights scratch;
     for (int64_t e = begin; e < end; ++e) {
-      const ExpertWeights& source = *experts[e];
+      const Result<const ExpertWeights*> weights = source(static_cast<int>(e), &scratch);
+      if (!weights.ok()) {
+        errors[e] = weights.status();
+        continue;
+      }
       PackedExpert& packed = store->experts_[e];
-      const Matrix* matrices[3] = {&source.gate, &source.up, &source.down};
+      const Matrix* matrices[3] = {&(*weights)->gate, &(*weights)->up, &(*weights)->down};
       PackedMatrix* targets[3] = {&packed.gate, &packed.up, &packed.down};
       uint8_t* memory = store->weights_memory_.get() + e * expert_storage;
       for (int m = 0; m < 3; ++m) {
@@ -150,9 +153,9 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(std::span<c
     }
   };
   if (pool != nullptr) {
-    pool->ParallelFor(static_cast<int64_t>(experts.size()), 1, pack_one);
+    pool->ParallelFor(count, 1, pack_one);
   } else {
-    pack_one(0, static_cast<int64_t>(experts.size()));
+    pack_one(0, count);
   }
   for (const Status& s : errors) EPMOE_RETURN_IF_ERROR(s);
   return store;

@@ -11,6 +11,7 @@
 // step that thread ran: a serving loop's steady state then takes no page faults.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -27,8 +28,14 @@ class KernelExpertStore final : public ExpertStore {
   // Rows per expert up to which the decode path runs.
   static constexpr int64_t kDecodeMaxRows = 16;
 
-  static Result<std::unique_ptr<KernelExpertStore>> Create(std::span<const ExpertWeights* const> experts,
-                                                           WeightFormat format, Isa highest, ThreadPool* pool);
+  // Expert e's fp32 weights, the source's own or made into `scratch` (which lives while e is packed).
+  using Source = std::function<Result<const ExpertWeights*>(int expert, ExpertWeights* scratch)>;
+
+  // Packs `count` experts of shape [intermediate x hidden] taken from `source` (on the pool's
+  // threads, each expert once), for the kernel chosen for that shape at or below `highest`.
+  static Result<std::unique_ptr<KernelExpertStore>> Create(int count, int64_t hidden, int64_t intermediate,
+                                                           const Source& source, WeightFormat format, Isa highest,
+                                                           ThreadPool* pool);
 
   WeightFormat format() const override { return format_; }
   int num_experts() const override { return static_cast<int>(experts_.size()); }
