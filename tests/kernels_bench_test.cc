@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "epmoe/kernel_bench.h"
 #include "epmoe/machine_limits.h"
@@ -139,6 +141,36 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   }
   o.experts = 10;  // does not split into 4 ranks of whole experts
   EXPECT_FALSE(RunKernelBench(o, pool).ok());
+}
+
+// The memory estimate grows with what the bench holds, and a budget below it refuses the formats
+// that do not fit, naming them and those that do, before anything runs.
+TEST(KernelBench, RefusesFormatsOverTheMemoryBudget) {
+  KernelBenchOptions o;
+  o.hidden = 7168;
+  o.intermediate = 2048;
+  o.experts = 256;
+  const int64_t fp32 = KernelBenchMemoryBytes(o, WeightFormat::kFp32, 2);
+  const int64_t nvfp4 = KernelBenchMemoryBytes(o, WeightFormat::kNvfp4, 2);
+  EXPECT_GT(fp32, 256 * ExpertByteCount(WeightFormat::kFp32, 7168, 2048));
+  EXPECT_GT(nvfp4, 256 * ExpertByteCount(WeightFormat::kNvfp4, 7168, 2048));
+  EXPECT_LT(nvfp4, fp32);
+  EXPECT_GT(KernelBenchMemoryBytes(o, WeightFormat::kNvfp4, 8), nvfp4);  // more experts made at once
+  o.tokens = {1};
+  EXPECT_LT(KernelBenchMemoryBytes(o, WeightFormat::kNvfp4, 2), nvfp4);  // smaller points
+
+  ThreadPool pool(1);
+  o.formats = {WeightFormat::kFp32, WeightFormat::kNvfp4};
+  o.max_memory_bytes =
+      (KernelBenchMemoryBytes(o, WeightFormat::kNvfp4, 1) + KernelBenchMemoryBytes(o, WeightFormat::kFp32, 1)) / 2;
+  std::vector<std::string> stages;
+  auto refused = RunKernelBench(o, pool, [&](const std::string& line) { stages.push_back(line); });
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(refused.status().message().find("in fp32"), std::string::npos) << refused.status().message();
+  EXPECT_EQ(refused.status().message().find("in nvfp4"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("--formats nvfp4"), std::string::npos) << refused.status().message();
+  EXPECT_TRUE(stages.empty()) << "refused after " << stages.back();  // before measuring or packing anything
 }
 
 }  // namespace

@@ -3,8 +3,8 @@
 // token counts for each weight format against the roofline bound
 // max(bytes / bandwidth, operations / peak), and the decode experiment (time against bytes read
 // and against picks over many small steps, split over ranks of whole experts, with a fitted line).
-// RunKernelBench is a plain function; it uses the pool it is given and allocates the layer's
-// weights (fp32 source plus one packed format at a time).
+// RunKernelBench is a plain function; it uses the pool it is given and holds one format's packed
+// experts at a time (made in fp32 one expert per thread at a time), with the rows of one point.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +41,14 @@ struct KernelBenchOptions {
   // The MemoryReadProbe read before each timed run and before each read of the run's weights: it
   // flushes the caches (so that both come from memory) and samples the machine's bandwidth.
   int64_t probe_bytes = int64_t{128} << 20;
+  // Refuse, before anything runs, the formats whose KernelBenchMemoryBytes exceeds this (0: no limit).
+  int64_t max_memory_bytes = 0;
 };
+
+// About the most memory RunKernelBench holds while it runs `format` on `threads` threads: the
+// format's packed experts, the experts being made in fp32, the rows, outputs and Run's scratch of the
+// largest point, the decode experiment's rows and the probe buffer.
+int64_t KernelBenchMemoryBytes(const KernelBenchOptions& options, WeightFormat format, int threads);
 
 // The machine's limits over the run: the peaks are medians of measurements at the start and before
 // each format, the read bandwidth the median of every MemoryReadProbe read (at the start and

@@ -152,6 +152,19 @@ double Correlation(const std::vector<double>& x, const std::vector<double>& y) {
   return sxx > 0 && syy > 0 ? sxy / std::sqrt(sxx * syy) : 0;
 }
 
+int64_t KernelBenchMemoryBytes(const KernelBenchOptions& o, WeightFormat format, int threads) {
+  const int64_t hidden = o.hidden, intermediate = o.intermediate;
+  const int64_t packed = o.experts * ExpertByteCount(format, hidden, intermediate);
+  // Each thread's expert in fp32 and its quantized copy before packing (at most as large).
+  const int64_t making = std::max(1, threads) * 2 * ExpertByteCount(WeightFormat::kFp32, hidden, intermediate);
+  const int64_t tokens = o.tokens.empty() ? 0 : *std::max_element(o.tokens.begin(), o.tokens.end());
+  // Per pick: its row and output (fp32), Run's copy of the row in the kernel's format (at most
+  // fp32) and its intermediate row in fp32 and in the kernel's format.
+  const int64_t point = tokens * o.top_k * (3 * 4 * hidden + 2 * 4 * intermediate);
+  const int64_t decode = o.decode ? int64_t{o.decode_steps} * o.decode_max_tokens * o.top_k * 4 * hidden : 0;
+  return packed + making + point + decode + o.probe_bytes;
+}
+
 Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool& pool,
                                          const std::function<void(const std::string&)>& progress) {
   auto say = [&](const std::string& line) {
@@ -171,6 +184,23 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       return InvalidArgument(fmt::format("bench: token count {} out of 1..2^20", t));
   }
   EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa(o.isa));
+  if (o.max_memory_bytes > 0) {
+    std::string over, fit;
+    for (WeightFormat format : o.formats) {
+      const int64_t bytes = KernelBenchMemoryBytes(o, format, pool.size());
+      if (bytes > o.max_memory_bytes) {
+        over += fmt::format("{}{:.1f} GB in {}", over.empty() ? "" : ", ", bytes / 1e9, WeightFormatName(format));
+      } else {
+        fit += fmt::format("{}{}", fit.empty() ? "" : ",", WeightFormatName(format));
+      }
+    }
+    if (!over.empty())
+      return OutOfRange(fmt::format(
+          "bench: a layer of {} experts of {}x{} needs about {} (the weights, the largest point's rows and scratch), "
+          "over the memory budget of {:.1f} GB; {}, fewer or smaller --tokens, or a larger budget",
+          o.experts, o.intermediate, o.hidden, over, o.max_memory_bytes / 1e9,
+          fit.empty() ? "no format fits" : "formats that fit: --formats " + fit));
+  }
 
   KernelBenchReport report;
   report.threads = pool.size();
@@ -196,15 +226,15 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   // Each point's timed runs: time (us) and the read rate of its weights just before (GB/s).
   std::vector<std::vector<std::pair<double, double>>> point_runs;
 
-  say(fmt::format("generating {} experts of {}x{} (fp32 source)", o.experts, o.intermediate, o.hidden));
-  std::vector<ExpertWeights> source(o.experts);
-  for (int e = 0; e < o.experts; ++e) {
-    source[e].gate = SyntheticMatrix(o.seed, {TensorKind::kExpertGate, 0, e, o.intermediate, o.hidden}, &pool);
-    source[e].up = SyntheticMatrix(o.seed, {TensorKind::kExpertUp, 0, e, o.intermediate, o.hidden}, &pool);
-    source[e].down = SyntheticMatrix(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate}, &pool);
-  }
-  std::vector<const ExpertWeights*> pointers;
-  for (const auto& e : source) pointers.push_back(&e);
+  // Each format packs the synthetic experts as they are made, one per thread at a time, so that the
+  // whole layer never exists in fp32 (DeepSeek-V3's 256 experts: 45 GB).
+  const ExpertMaker make_expert = [&o](int e) -> Result<ExpertWeights> {
+    ExpertWeights w;
+    w.gate = SyntheticMatrix(o.seed, {TensorKind::kExpertGate, 0, e, o.intermediate, o.hidden});
+    w.up = SyntheticMatrix(o.seed, {TensorKind::kExpertUp, 0, e, o.intermediate, o.hidden});
+    w.down = SyntheticMatrix(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate});
+    return w;
+  };
 
   const SkewedRouter router(o.experts, o.top_k, o.skew_sigma, o.seed);
   const double operations_per_pick = 2.0 * 3.0 * o.hidden * static_cast<double>(o.intermediate);
@@ -259,9 +289,11 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   };
 
   for (WeightFormat format : o.formats) {
-    say(fmt::format("packing {}", WeightFormatName(format)));
+    say(fmt::format("packing {} experts of {}x{} in {}", o.experts, o.intermediate, o.hidden,
+                    WeightFormatName(format)));
     PackOptions pack{format, IsaName(isa), &pool};
-    EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertStore> store, PackExperts(pointers, pack));
+    EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertStore> store,
+                           PackExperts(o.experts, o.hidden, o.intermediate, make_expert, pack));
     // The kernel may have given way to a lower instruction set for this shape: its arithmetic
     // path is the one of the instruction set that runs (kernel_name is "<format>/<isa>").
     const std::string kernel = store->kernel_name();

@@ -14,6 +14,7 @@
 #include "epmoe/model.h"
 #include "epmoe/thread_pool.h"
 #include "output.h"
+#include "system_memory.h"
 
 namespace epmoe::cli {
 namespace {
@@ -31,6 +32,7 @@ struct BenchKernelsOptions {
   int decode_ranks = 8;
   double skew = 0.3;
   uint64_t seed = 1;
+  double max_memory_gb = 0;
   std::string format = "text";
 };
 
@@ -161,6 +163,8 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.decode_ranks = o.decode_ranks;
   options.skew_sigma = o.skew;
   options.seed = o.seed;
+  options.max_memory_bytes =
+      o.max_memory_gb > 0 ? static_cast<int64_t>(o.max_memory_gb * 1e9) : AvailableMemoryBytes() * 8 / 10;
   ThreadPool pool(o.threads);
   EPMOE_ASSIGN_OR_RETURN(*report, RunKernelBench(options, pool, [](const std::string& line) {
     std::fprintf(stderr, "bench: %s\n", line.c_str());
@@ -206,6 +210,10 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
       ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of weights, rows and routing")->capture_default_str();
+  cmd->add_option("--max-memory-gb", o->max_memory_gb,
+                  "Memory budget: formats that would need more are refused before anything runs (0: 80% of "
+                  "available memory)")
+      ->check(kNonNegative);
   AddFormatOption(cmd, &o->format, {"text", "json"});
   cmd->callback([o, exit_code] {
     KernelBenchReport report;
