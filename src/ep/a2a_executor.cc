@@ -43,10 +43,11 @@ class A2aExecutor : public MoeExecutor {
     const ExpertSource routed = RoutedSource(model_, options_);
     stores_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers; ++layer) {
-      std::vector<ExpertWeights> local;
-      for (int s = 0; s < p.slots_per_rank(); ++s)
-        local.push_back(routed(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, model_.expert_intermediate));
-      EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(local, options_.pack));
+      auto slot_expert = [&](int s) {
+        return routed(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, model_.expert_intermediate);
+      };
+      EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
+                                                  slot_expert, options_.pack));
     }
     EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(p, me, options_.dispatch_seed));
     dispatch_ = std::make_unique<DispatchTable>(std::move(table));

@@ -73,9 +73,9 @@ class DwdpExecutor : public MoeExecutor {
     const ExpertSource routed = RoutedSource(model_, options_);
     owned_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers && owned > 0; ++layer) {
-      std::vector<ExpertWeights> local;
-      for (int e = own_begin_; e < own_end_; ++e) local.push_back(routed(layer, e, 0, model_.expert_intermediate));
-      EPMOE_ASSIGN_OR_RETURN(owned_[layer], Pack(local, options_.pack));
+      auto owned_expert = [&](int i) { return routed(layer, own_begin_ + i, 0, model_.expert_intermediate); };
+      EPMOE_ASSIGN_OR_RETURN(owned_[layer],
+                             Pack(owned, model_.hidden, model_.expert_intermediate, owned_expert, options_.pack));
     }
     // Bytes of one packed expert; every expert of every rank must have the same size and layout
     // (same format, shape and kernel), or the bytes read would not fit the importing store.

@@ -176,10 +176,11 @@ ExpertSource SharedSource(const ModelConfig& model, const ExecutorOptions& optio
   };
 }
 
-Result<std::unique_ptr<ExpertStore>> Pack(const std::vector<ExpertWeights>& experts, const PackOptions& options) {
-  std::vector<const ExpertWeights*> pointers;
-  for (const auto& e : experts) pointers.push_back(&e);
-  return PackExperts(pointers, options);
+Result<std::unique_ptr<ExpertStore>> Pack(int count, int64_t hidden, int64_t width,
+                                          const std::function<ExpertWeights(int index)>& make,
+                                          const PackOptions& options) {
+  return PackExperts(
+      count, hidden, width, [&make](int index) -> Result<ExpertWeights> { return make(index); }, options);
 }
 
 Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelConfig& model,
@@ -188,9 +189,10 @@ Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelCo
   if (model.num_shared_experts == 0) return stores;
   const ExpertSource source = SharedSource(model, options);
   for (int layer = 0; layer < options.num_layers; ++layer) {
-    std::vector<ExpertWeights> shared;
-    for (int s = 0; s < model.num_shared_experts; ++s) shared.push_back(source(layer, s, 0, model.shared_intermediate));
-    EPMOE_ASSIGN_OR_RETURN(stores[layer], Pack(shared, options.pack));
+    EPMOE_ASSIGN_OR_RETURN(stores[layer],
+                           Pack(
+                               model.num_shared_experts, model.hidden, model.shared_intermediate,
+                               [&](int s) { return source(layer, s, 0, model.shared_intermediate); }, options.pack));
   }
   return stores;
 }

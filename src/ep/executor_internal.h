@@ -40,8 +40,11 @@ class Stopwatch {
 ExpertSource RoutedSource(const ModelConfig& model, const ExecutorOptions& options);
 ExpertSource SharedSource(const ModelConfig& model, const ExecutorOptions& options);
 
-// Packs the given weights into one store.
-Result<std::unique_ptr<ExpertStore>> Pack(const std::vector<ExpertWeights>& experts, const PackOptions& options);
+// Packs `count` experts (or slices) of [width x hidden], made one at a time by make(i): one expert's
+// fp32 weights at a time, not a whole layer's.
+Result<std::unique_ptr<ExpertStore>> Pack(int count, int64_t hidden, int64_t width,
+                                          const std::function<ExpertWeights(int index)>& make,
+                                          const PackOptions& options);
 
 // The shared experts of every layer packed whole (a full copy on this rank); empty stores (null)
 // when the model has none.

@@ -59,25 +59,27 @@ class GatherExecutor : public MoeExecutor {
       }
     }
     for (int layer = 0; layer < options_.num_layers; ++layer) {
-      std::vector<ExpertWeights> local;
       // Sliced and hybrid: local_of_[layer][e]: the store index holding e's slice here, or -1.
       std::vector<int32_t>& local_of = local_of_[layer];
       local_of.assign(e_count, -1);
       if (options_.option == EpOption::kWhole) {
         const Placement& p = *placement_;
         const int first = me * p.slots_per_rank();
-        for (int s = 0; s < p.slots_per_rank(); ++s)
-          local.push_back(routed(layer, p.phy2log(layer)[first + s], 0, model_.expert_intermediate));
+        auto slot_expert = [&](int s) {
+          return routed(layer, p.phy2log(layer)[first + s], 0, model_.expert_intermediate);
+        };
+        if (p.slots_per_rank() > 0) {
+          EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
+                                                      slot_expert, options_.pack));
+        }
       } else {
         const int begin = static_cast<int>(static_cast<int64_t>(group) * e_count / groups);
         const int end = static_cast<int>(static_cast<int64_t>(group + 1) * e_count / groups);
-        for (int e = begin; e < end; ++e) {
-          local.push_back(routed(layer, e, slice * width, (slice + 1) * width));
-          local_of[e] = e - begin;
+        for (int e = begin; e < end; ++e) local_of[e] = e - begin;
+        auto expert_slice = [&](int i) { return routed(layer, begin + i, slice * width, (slice + 1) * width); };
+        if (end > begin) {
+          EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(end - begin, model_.hidden, width, expert_slice, options_.pack));
         }
-      }
-      if (!local.empty()) {
-        EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(local, options_.pack));
       }
     }
     // Shared expert: sliced over all G ranks, or a full copy applied to the home rows.
@@ -89,9 +91,9 @@ class GatherExecutor : public MoeExecutor {
       const int64_t w = model_.shared_intermediate / g;
       shared_.resize(options_.num_layers);
       for (int layer = 0; layer < options_.num_layers; ++layer) {
-        std::vector<ExpertWeights> parts;
-        for (int s = 0; s < model_.num_shared_experts; ++s) parts.push_back(source(layer, s, me * w, (me + 1) * w));
-        EPMOE_ASSIGN_OR_RETURN(shared_[layer], Pack(parts, options_.pack));
+        auto shared_slice = [&](int s) { return source(layer, s, me * w, (me + 1) * w); };
+        EPMOE_ASSIGN_OR_RETURN(shared_[layer],
+                               Pack(model_.num_shared_experts, model_.hidden, w, shared_slice, options_.pack));
       }
     } else {
       shared_.resize(options_.num_layers);
