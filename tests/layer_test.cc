@@ -66,6 +66,28 @@ TEST_P(EveryPreset, ProductionAndReferenceMatchTheNaiveLoop) {
   }
 }
 
+// Packed expert by expert, on a pool, the synthetic layer routes and computes exactly as the layer
+// packed from MakeSyntheticLayer's weights (shared experts and correction bias included).
+TEST_P(EveryPreset, SyntheticLayerPackedAsMadeIsTheSameLayer) {
+  auto loaded = LoadModel(GetParam());
+  ASSERT_TRUE(loaded.ok());
+  const ModelConfig m = ScaledModel(*loaded, 64, 32);
+  ThreadPool pool(2);
+  auto whole = MoeLayer::Create(m, MakeSyntheticLayer(m, 2, 7), PackOptions{WeightFormat::kInt8});
+  auto made = MoeLayer::CreateSynthetic(m, 2, 7, PackOptions{WeightFormat::kInt8, "auto", &pool});
+  ASSERT_TRUE(whole.ok() && made.ok());
+  const Matrix rows = SyntheticRows(7, m, 0, 0, 37);
+  Picks a, b;
+  ASSERT_TRUE((*whole)->Route(rows, &a).ok());
+  ASSERT_TRUE((*made)->Route(rows, &b).ok());
+  ASSERT_EQ(a.experts, b.experts);
+  ASSERT_EQ(a.weights, b.weights);
+  Matrix x, y;
+  ASSERT_TRUE((*whole)->Forward(rows, a, &x, pool, nullptr).ok());
+  ASSERT_TRUE((*made)->Forward(rows, b, &y, pool, nullptr).ok());
+  EXPECT_EQ(x.data, y.data);
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, EveryPreset, ::testing::ValuesIn(ListModelPresets()), [](const auto& info) {
   std::string name = info.param;
   for (char& c : name)

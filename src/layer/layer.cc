@@ -46,6 +46,15 @@ Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& pick
   return Status::Ok();
 }
 
+// The synthetic layer's router and correction bias (the weights besides the experts).
+void MakeSyntheticRouting(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool, MoeLayerWeights* w) {
+  w->layer = layer;
+  w->router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
+  if (model.correction_bias) {
+    w->correction_bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts}).data;
+  }
+}
+
 }  // namespace
 
 ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed, int64_t begin,
@@ -62,11 +71,7 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
 
 MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool) {
   MoeLayerWeights w;
-  w.layer = layer;
-  w.router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
-  if (model.correction_bias) {
-    w.correction_bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts}).data;
-  }
+  MakeSyntheticRouting(model, layer, seed, pool, &w);
   w.experts.resize(model.num_experts);
   auto make = [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) w.experts[e] = MakeSyntheticExpert(model, layer, static_cast<int>(e), seed);
@@ -169,6 +174,27 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
     std::vector<const ExpertWeights*> shared;
     for (const auto& e : weights.shared) shared.push_back(&e);
     EPMOE_ASSIGN_OR_RETURN(layer->shared_, PackExperts(shared, options));
+  }
+  return layer;
+}
+
+Result<std::unique_ptr<MoeLayer>> MoeLayer::CreateSynthetic(const ModelConfig& model, int layer_index, uint64_t seed,
+                                                            const PackOptions& options) {
+  MoeLayerWeights routing;
+  MakeSyntheticRouting(model, layer_index, seed, options.pool, &routing);
+  std::unique_ptr<MoeLayer> layer(new MoeLayer());
+  layer->model_ = model;
+  layer->router_ = std::move(routing.router);
+  layer->correction_bias_ = std::move(routing.correction_bias);
+  auto routed = [&](int e) -> Result<ExpertWeights> { return MakeSyntheticExpert(model, layer_index, e, seed); };
+  EPMOE_ASSIGN_OR_RETURN(layer->routed_,
+                         PackExperts(model.num_experts, model.hidden, model.expert_intermediate, routed, options));
+  if (model.num_shared_experts > 0) {
+    auto shared = [&](int s) -> Result<ExpertWeights> {
+      return MakeSyntheticSharedExpert(model, layer_index, s, seed);
+    };
+    EPMOE_ASSIGN_OR_RETURN(layer->shared_, PackExperts(model.num_shared_experts, model.hidden,
+                                                       model.shared_intermediate, shared, options));
   }
   return layer;
 }

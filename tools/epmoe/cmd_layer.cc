@@ -77,12 +77,13 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
     return InvalidArgument(
         fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
 
-  // Packed weights of every layer stay resident; one layer's fp32 source is alive while packing
-  // (all of them with --check, which keeps them for the reference).
+  // Packed weights of every layer stay resident. Without --check the experts are packed as they are
+  // made, one per thread at a time; --check keeps every layer's fp32 weights for the reference.
+  ThreadPool pool(o.threads);
   const int64_t experts_per_layer = model.num_experts + model.num_shared_experts;
   const int64_t packed =
       o.layers * experts_per_layer * ExpertByteCount(format, model.hidden, model.expert_intermediate);
-  const int64_t source = (o.check ? o.layers : 1) * experts_per_layer *
+  const int64_t source = (o.check ? o.layers * experts_per_layer : 2 * pool.size()) *
                          ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate);
   const int64_t budget =
       o.max_memory_gb > 0 ? static_cast<int64_t>(o.max_memory_gb * 1e9) : AvailableMemoryBytes() * 8 / 10;
@@ -93,15 +94,18 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
         "or raise --max-memory-gb",
         o.layers, model.name, WeightFormatName(format), HumanBytes(packed), HumanBytes(source), HumanBytes(budget)));
 
-  ThreadPool pool(o.threads);
-  PackOptions pack{format, o.isa};
+  PackOptions pack{format, o.isa, &pool};
   std::vector<std::unique_ptr<MoeLayer>> layers;
   std::vector<MoeLayerWeights> reference_weights;
   for (int l = 0; l < o.layers; ++l) {
-    MoeLayerWeights weights = MakeSyntheticLayer(model, l, o.seed, &pool);
-    EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, weights, pack));
-    layers.push_back(std::move(layer));
-    if (o.check) reference_weights.push_back(std::move(weights));
+    if (o.check) {
+      reference_weights.push_back(MakeSyntheticLayer(model, l, o.seed, &pool));
+      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, reference_weights.back(), pack));
+      layers.push_back(std::move(layer));
+    } else {
+      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::CreateSynthetic(model, l, o.seed, pack));
+      layers.push_back(std::move(layer));
+    }
   }
 
   std::vector<LayerReport> per_layer(o.layers);
