@@ -22,6 +22,15 @@ struct Matrix {
   std::span<const float> row_span(int64_t i) const { return {row(i), static_cast<size_t>(cols)}; }
   float& at(int64_t i, int64_t j) { return data[i * cols + j]; }
   float at(int64_t i, int64_t j) const { return data[i * cols + j]; }
+
+  // Makes this rows_ x cols_ and keeps the allocation where it is large enough, for buffers that
+  // are written whole step after step (a fresh one costs a page fault and zeroing per 4 KB on every
+  // step); the values are then unspecified.
+  void Reshape(int64_t rows_, int64_t cols_) {
+    rows = rows_;
+    cols = cols_;
+    data.resize(rows_ * cols_);
+  }
 };
 
 // Index of the first non-finite value (NaN or Inf), or -1 when all are finite.

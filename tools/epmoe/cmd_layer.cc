@@ -110,6 +110,7 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
 
   std::vector<LayerReport> per_layer(o.layers);
   int64_t tokens = o.tokens;
+  Matrix out;  // each layer's output, written whole by Forward (reused: no page faults per step)
   for (int step = 0; step < o.steps; ++step) {
     if (replay != nullptr) {
       EPMOE_ASSIGN_OR_RETURN(tokens, replay->NextStep());
@@ -126,7 +127,6 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
         case RoutingMode::kReplay: picks = replay->LayerPicks(l); break;
       }
       stats.route_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-      Matrix out;
       EPMOE_RETURN_IF_ERROR(layers[l]->Forward(x, picks, &out, pool, &stats).WithContext(fmt::format("layer {}", l)));
       LayerReport& r = per_layer[l];
       if (o.check) {
