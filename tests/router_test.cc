@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
+
+#include "epmoe/thread_pool.h"
 
 namespace epmoe {
 namespace {
@@ -172,6 +175,46 @@ TEST(Router, RouteComputesLogitsFromTheRouterMatrix) {
   ASSERT_TRUE(Router(m).Route(rows, weight, {}, &picks).ok());
   EXPECT_EQ(picks.expert(0, 0), 1);  // row 0 = e0, expert 1's weight is e0
   EXPECT_EQ(picks.expert(1, 0), 0);  // row 1 = 2 e3, expert 0's weight is e3
+}
+
+// The logits are computed in tiles of rows x experts spread over threads; a row's picks must not
+// depend on that (nor on the batch it comes in), and must be what its exact logits give. Hidden 4100
+// (not a multiple of 8) and 13 experts leave partial tiles and a remainder of the 4-way dots.
+TEST(Router, RouteDoesNotDependOnBatchTilesOrThreads) {
+  ModelConfig m = TinyModel(Scoring::kSoftmax, 13, 3);
+  m.hidden = 4100;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Matrix rows(70, m.hidden), weight(m.num_experts, m.hidden);
+  for (float& v : rows.data) v = normal(rng);
+  for (float& v : weight.data) v = normal(rng) * 0.02f;
+  const Router router(m);
+  Picks alone, pooled;
+  ThreadPool pool(2);
+  ASSERT_TRUE(router.Route(rows, weight, {}, &alone).ok());
+  ASSERT_TRUE(router.Route(rows, weight, {}, &pooled, &pool).ok());
+  EXPECT_EQ(alone.experts, pooled.experts);
+  EXPECT_EQ(alone.weights, pooled.weights);
+  Matrix exact(rows.rows, m.num_experts);
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    Matrix one(1, m.hidden);
+    std::copy(rows.row(r), rows.row(r) + m.hidden, one.row(0));
+    Picks single;
+    ASSERT_TRUE(router.Route(one, weight, {}, &single, &pool).ok());
+    for (int j = 0; j < m.top_k; ++j) {
+      EXPECT_EQ(single.expert(0, j), alone.expert(r, j)) << "row " << r;
+      EXPECT_EQ(single.weight(0, j), alone.weight(r, j)) << "row " << r;
+    }
+    for (int e = 0; e < m.num_experts; ++e) {
+      double dot = 0;
+      for (int64_t c = 0; c < m.hidden; ++c) dot += static_cast<double>(rows.at(r, c)) * weight.at(e, c);
+      exact.at(r, e) = static_cast<float>(dot);
+    }
+  }
+  Picks from_exact;
+  ASSERT_TRUE(router.RouteLogits(exact, {}, &from_exact).ok());
+  EXPECT_EQ(from_exact.experts, alone.experts);
+  for (size_t i = 0; i < alone.weights.size(); ++i) EXPECT_NEAR(from_exact.weights[i], alone.weights[i], 1e-5);
 }
 
 TEST(Router, ZeroRowsGiveNoPicks) {
