@@ -46,8 +46,15 @@ void Dots(const float* x, const float* const (&w)[kWays], int64_t n, float (&out
       high[j] += x_high * w_high;
     }
   }
-  for (int i = 0; c < n; ++c, ++i)
-    for (int j = 0; j < kWays; ++j) (i < 4 ? low[j][i] : high[j][i - 4]) += x[c] * w[j][c];
+  for (int i = 0; c < n; ++c, ++i) {
+    for (int j = 0; j < kWays; ++j) {
+      if (i < 4) {
+        low[j][i] += x[c] * w[j][c];
+      } else {
+        high[j][i - 4] += x[c] * w[j][c];
+      }
+    }
+  }
   for (int j = 0; j < kWays; ++j)
     out[j] =
         ((low[j][0] + low[j][1]) + (low[j][2] + low[j][3])) + ((high[j][0] + high[j][1]) + (high[j][2] + high[j][3]));
