@@ -109,21 +109,35 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
     case WeightFormat::kInt8: {
       const int value_bytes = ValueBytes(q.format);
       w.row_bytes = q.cols * value_bytes;
-      // Natural bytes first (int8 as offset binary, q + 128): the values themselves, or a copy that
-      // is then reordered.
-      std::vector<uint8_t> reordered_from(blocked ? count * value_bytes : 0);
-      uint8_t* natural = blocked ? reordered_from.data() : w.values.data();
-      if (q.format == WeightFormat::kFp32) std::memcpy(natural, q.fp32.data(), count * value_bytes);
-      if (q.format == WeightFormat::kBf16) std::memcpy(natural, q.bf16.data(), count * value_bytes);
-      if (q.format == WeightFormat::kInt8) {
-        for (int64_t i = 0; i < count; ++i) natural[i] = static_cast<uint8_t>(static_cast<uint8_t>(q.int8[i]) ^ 0x80);
-        std::memcpy(w.scales.data(), q.row_scales.data(), w.scales.size());
+      const uint8_t* source = q.format == WeightFormat::kFp32   ? reinterpret_cast<const uint8_t*>(q.fp32.data())
+                              : q.format == WeightFormat::kBf16 ? reinterpret_cast<const uint8_t*>(q.bf16.data())
+                                                                : reinterpret_cast<const uint8_t*>(q.int8.data());
+      if (q.format == WeightFormat::kInt8) std::memcpy(w.scales.data(), q.row_scales.data(), w.scales.size());
+      // Copies `bytes` of values, int8 as offset binary (q + 128).
+      auto copy = [int8 = q.format == WeightFormat::kInt8](uint8_t* to, const uint8_t* from, int64_t bytes) {
+        if (int8) {
+          for (int64_t i = 0; i < bytes; ++i) to[i] = static_cast<uint8_t>(from[i] ^ 0x80);
+        } else {
+          std::memcpy(to, from, bytes);
+        }
+      };
+      if (!blocked) {
+        copy(w.values.data(), source, count * value_bytes);
+        break;
       }
-      if (!blocked) break;
+      // Row n's input groups (4 bytes each) go to one lane of its block's vectors, which follow each
+      // other group by group within its interleaved group of blocks (BlockedOffset, row by row).
+      const int64_t groups = (w.row_bytes + kGroupBytes - 1) / kGroupBytes;
+      const int64_t full_groups = w.row_bytes / kGroupBytes;
       for (int64_t n = 0; n < q.rows; ++n) {
-        for (int64_t c = 0; c < q.cols; ++c)
-          std::memcpy(w.values.data() + BlockedOffset(q.rows, q.cols, value_bytes, n, c),
-                      natural + (n * q.cols + c) * value_bytes, value_bytes);
+        const int64_t block = n / kBlockChannels;
+        const InterleavedGroup group = InterleavedGroupOf(block, q.rows / kBlockChannels);
+        uint8_t* lane = w.values.data() + (group.first * full_groups + (block - group.first)) * 64 +
+                        (n % kBlockChannels) * kGroupBytes;
+        const uint8_t* from = source + n * w.row_bytes;
+        for (int64_t g = 0; g < groups; ++g)
+          copy(lane + g * group.count * 64, from + g * kGroupBytes,
+               std::min<int64_t>(kGroupBytes, w.row_bytes - g * kGroupBytes));
       }
       break;
     }
@@ -131,25 +145,31 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
     case WeightFormat::kMxfp4: {
       const int block = BlockSize(q.format);
       const int64_t blocks_per_row = q.cols / block;
+      const bool nv = q.format == WeightFormat::kNvfp4;
       w.row_bytes = q.cols / 2;
-      std::memset(w.values.data(), 0, w.values.size());  // codes are or-ed in, nibble by nibble
       w.tensor_scale = q.tensor_scale;
       for (int64_t n = 0; n < q.rows; ++n) {
         for (int64_t b = 0; b < blocks_per_row; ++b) {
           const int64_t index = n * blocks_per_row + b;
-          const bool nv = q.format == WeightFormat::kNvfp4;
-          const uint8_t* packed = nv ? q.nvfp4[index].packed : q.mxfp4[index].packed;
           w.scales[ScaleIndex(w, n, b)] = nv ? q.nvfp4[index].scale_e4m3 : q.mxfp4[index].scale_e8m0;
+          const uint8_t* packed = nv ? q.nvfp4[index].packed : q.mxfp4[index].packed;
           if (!blocked) {
             std::memcpy(w.values.data() + n * w.row_bytes + b * block / 2, packed, block / 2);
             continue;
           }
-          for (int i = 0; i < block; ++i) {
-            const uint8_t code = (i % 2) ? packed[i / 2] >> 4 : packed[i / 2] & 0xF;
-            int64_t byte = 0;
-            bool high = false;
-            BlockedCodePosition(q.cols, n, b * block + i, &byte, &high);
-            w.values[byte] |= high ? code << 4 : code;
+          // Each 16 inputs (8 packed bytes: input 2i low, 2i + 1 high) become 8 bytes of row n's
+          // lane in its block's 128-byte chunk (BlockedCodePosition): byte k of the first 64 holds
+          // inputs k (low) and 4 + k (high), byte k of the second 64 inputs 8 + k and 12 + k.
+          for (int64_t within = 0; within < block; within += 16) {
+            const uint8_t* codes = packed + within / 2;
+            auto code = [codes](int i) { return (i % 2) ? codes[i / 2] >> 4 : codes[i / 2] & 0xF; };
+            const int64_t chunk = (b * block + within) / 16;
+            uint8_t* lane = w.values.data() + ((n / kBlockChannels) * (q.cols / 16) + chunk) * 128 +
+                            (n % kBlockChannels) * kGroupBytes;
+            for (int k = 0; k < 4; ++k) {
+              lane[k] = static_cast<uint8_t>(code(k) | code(4 + k) << 4);
+              lane[64 + k] = static_cast<uint8_t>(code(8 + k) | code(12 + k) << 4);
+            }
           }
         }
       }
