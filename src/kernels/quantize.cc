@@ -31,6 +31,14 @@ float MaxAbs(const float* values, int64_t count) {
   return m;
 }
 
+// x rounded to the nearest integer, ties to even: std::nearbyint's value in the default rounding
+// mode for |x| < 2^22 (checked for every float up to 200 in magnitude; only the sign of a zero
+// differs), without its library call per weight. Adding 1.5 x 2^23 leaves no bits below the units.
+float RoundHalfEven(float x) {
+  constexpr float kShift = 0x1.8p23f;
+  return (x + kShift) - kShift;
+}
+
 uint8_t PackPair(uint8_t low, uint8_t high) {
   return static_cast<uint8_t>(low | (high << 4));
 }
@@ -93,7 +101,7 @@ float DecodeE8m0(uint8_t code) {
 BlockNvfp4 QuantizeNvfp4Block(const float* values16, float tensor_scale) {
   BlockNvfp4 block{};
   block.scale_e4m3 = EncodeE4m3(MaxAbs(values16, 16) / (kE2m1Max * tensor_scale));
-  const float scale = DecodeE4m3(block.scale_e4m3) * tensor_scale;
+  const float scale = E4m3Table()[block.scale_e4m3] * tensor_scale;  // DecodeE4m3 of codes 0 - 126
   for (int i = 0; i < 8; ++i) {
     const uint8_t low = scale > 0 ? EncodeE2m1(values16[2 * i] / scale) : 0;
     const uint8_t high = scale > 0 ? EncodeE2m1(values16[2 * i + 1] / scale) : 0;
@@ -173,7 +181,7 @@ Result<QuantizedMatrix> Quantize(WeightFormat format, const Matrix& weights) {
         const float scale = MaxAbs(w, weights.cols) / 127.0f;
         q.row_scales[r] = scale;
         for (int64_t c = 0; c < weights.cols; ++c) {
-          const float v = scale > 0 ? std::nearbyint(w[c] / scale) : 0.0f;
+          const float v = scale > 0 ? RoundHalfEven(w[c] / scale) : 0.0f;
           q.int8[r * weights.cols + c] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
         }
       }
