@@ -126,14 +126,12 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
         break;
       }
       // Row n's input groups (4 bytes each) go to one lane of its block's vectors, which follow each
-      // other group by group within its interleaved group of blocks (BlockedOffset, row by row).
+      // other group by group within its interleaved group of blocks: BlockedOffset of the row's first
+      // value, then group.count vectors per input group.
       const int64_t groups = (w.row_bytes + kGroupBytes - 1) / kGroupBytes;
-      const int64_t full_groups = w.row_bytes / kGroupBytes;
       for (int64_t n = 0; n < q.rows; ++n) {
-        const int64_t block = n / kBlockChannels;
-        const InterleavedGroup group = InterleavedGroupOf(block, q.rows / kBlockChannels);
-        uint8_t* lane = w.values.data() + (group.first * full_groups + (block - group.first)) * 64 +
-                        (n % kBlockChannels) * kGroupBytes;
+        const InterleavedGroup group = InterleavedGroupOf(n / kBlockChannels, q.rows / kBlockChannels);
+        uint8_t* lane = w.values.data() + BlockedOffset(q.rows, q.cols, value_bytes, n, 0);
         const uint8_t* from = source + n * w.row_bytes;
         for (int64_t g = 0; g < groups; ++g)
           copy(lane + g * group.count * 64, from + g * kGroupBytes,
@@ -158,14 +156,16 @@ PackedMatrix PackMatrixAt(const QuantizedMatrix& q, PackLayout layout, uint8_t* 
             continue;
           }
           // Each 16 inputs (8 packed bytes: input 2i low, 2i + 1 high) become 8 bytes of row n's
-          // lane in its block's 128-byte chunk (BlockedCodePosition): byte k of the first 64 holds
-          // inputs k (low) and 4 + k (high), byte k of the second 64 inputs 8 + k and 12 + k.
+          // lane in its block's 128-byte chunk, from where BlockedCodePosition puts the first: byte k
+          // of the first 64 holds inputs k (low) and 4 + k (high), byte k of the second 64 inputs
+          // 8 + k and 12 + k.
           for (int64_t within = 0; within < block; within += 16) {
             const uint8_t* codes = packed + within / 2;
             auto code = [codes](int i) { return (i % 2) ? codes[i / 2] >> 4 : codes[i / 2] & 0xF; };
-            const int64_t chunk = (b * block + within) / 16;
-            uint8_t* lane = w.values.data() + ((n / kBlockChannels) * (q.cols / 16) + chunk) * 128 +
-                            (n % kBlockChannels) * kGroupBytes;
+            int64_t first = 0;
+            bool high = false;
+            BlockedCodePosition(q.cols, n, b * block + within, &first, &high);
+            uint8_t* lane = w.values.data() + first;
             for (int k = 0; k < 4; ++k) {
               lane[k] = static_cast<uint8_t>(code(k) | code(4 + k) << 4);
               lane[64 + k] = static_cast<uint8_t>(code(8 + k) | code(12 + k) << 4);

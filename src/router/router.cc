@@ -22,14 +22,13 @@ struct ByScoreThenId {
   }
 };
 
-// out[j] = x . w[j] for kWays weight rows at once, each over n floats in 8 partial sums combined in
-// a fixed order: the compiler vectorizes them, and a row's logits do not depend on the batch, the
-// tiling or the thread count. One dot's additions form a chain (each waits for the one before), so
-// kWays independent dots keep the adders busy where one would leave them waiting.
-// Four floats as one value (GCC's vector extension: an SSE register on any x86-64). Dot's 8 partial
-// sums are two of them, lanes 0 - 3 and 4 - 7.
+// Four floats as one value (GCC's vector extension: an SSE register on any x86-64).
 typedef float Float4 __attribute__((vector_size(16)));
 
+// out[j] = x . w[j] for kWays weight rows at once, each over n floats in 8 partial sums (two Float4,
+// lanes 0 - 3 and 4 - 7) combined in a fixed order: a row's logits do not depend on the batch, the
+// tiling or the thread count. One dot's additions form a chain (each waits for the one before), so
+// kWays independent dots keep the adders busy where one would leave them waiting.
 template <int kWays>
 void Dots(const float* x, const float* const (&w)[kWays], int64_t n, float (&out)[kWays]) {
   Float4 low[kWays] = {}, high[kWays] = {};

@@ -124,14 +124,14 @@ struct TileTable {
   static constexpr std::array<TileFn, sizeof...(I)> Make(std::integer_sequence<int, I...>) {
     return {&Tile<kShortest + I / kMaxBlocks, I % kMaxBlocks + 1>::Run...};
   }
-  static constexpr std::array<TileFn, kHeights * kMaxBlocks> kTable =
+  static constexpr std::array<TileFn, kHeights* kMaxBlocks> kTable =
       Make(std::make_integer_sequence<int, kHeights * kMaxBlocks>{});
 };
 
-// Runs channel blocks [block_begin, block_end) for `rows` (none, or at least kFewestRows) rows in tiles of
-// up to kMaxRows x kMaxBlocks: a column of row tiles per group of blocks, so each group's weights
-// are read from memory by the first row tile and from cache by the others. `base` points at
-// block_begin, row 0; its prefetch lines are shared out among the tiles in order.
+// Runs channel blocks [block_begin, block_end) for `rows` (none, or at least kFewestRows) rows in
+// tiles of up to kMaxRows x kMaxBlocks: a column of row tiles per group of blocks, so each group's
+// weights are read from memory by the first row tile and from cache by the others. `base` points
+// at block_begin, row 0; its prefetch lines are shared out among the tiles in order.
 template <template <int, int> class Tile, int kFewestRows, int kMaxRows, int kMaxBlocks>
 void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
   constexpr int kShortest = ShortestRowTile(kFewestRows, kMaxRows);
@@ -390,7 +390,8 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
       return;
     }
     if (rows <= 2 * kDenseTallRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows + 1, kDenseTallRows, kDenseBlocks>(base, block_begin, block_end, rows);
+      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows + 1, kDenseTallRows, kDenseBlocks>(base, block_begin,
+                                                                                                block_end, rows);
       return;
     }
     // Three or more row tiles per group of blocks: the first reads the group's weights from memory,
@@ -411,9 +412,11 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
       group.prefetch = w.values.data() + next;
       group.prefetch_lines = std::min(kDenseBlocks * block_bytes, matrix_bytes - next) / 64;
       if (rows <= kStreamTallRows) {
-        RunTiles<DenseTiles<Dot>::template Stream, 2 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b, b + blocks, rows);
+        RunTiles<DenseTiles<Dot>::template Stream, 2 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(
+            group, b, b + blocks, rows);
       } else {
-        RunTiles<DenseTiles<Dot>::template Cached, kStreamTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b, b + blocks, rows);
+        RunTiles<DenseTiles<Dot>::template Cached, kStreamTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b,
+                                                                                                      b + blocks, rows);
       }
     }
   }
@@ -734,7 +737,8 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       return;
     }
     if (rows <= kFourBitStreamMaxRows) {
-      RunTiles<Ops::template StreamTile, kStreamRows + 1, kFourBitStreamTallRows, 1>(base, block_begin, block_end, rows);
+      RunTiles<Ops::template StreamTile, kStreamRows + 1, kFourBitStreamTallRows, 1>(base, block_begin, block_end,
+                                                                                     rows);
       return;
     }
     // Grow-only per-thread panel buffers: MatMul runs on pool threads, many times per step.
@@ -755,7 +759,8 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       const int64_t next_blocks = std::clamp<int64_t>(w.rows / kLanes - b - blocks, 0, kFourBitPanelBlocks);
       panel.prefetch = w.values.data() + (b + blocks) * (w.cols / 16 * 128);
       panel.prefetch_lines = next_blocks * (w.cols / 16 * 128) / 64;
-      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows + 1, kFourBitPrefillRows, kFourBitPrefillBlocks>(panel, b, b + blocks, rows);
+      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows + 1, kFourBitPrefillRows, kFourBitPrefillBlocks>(
+          panel, b, b + blocks, rows);
     }
   }
 };
