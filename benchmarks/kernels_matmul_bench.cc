@@ -4,12 +4,14 @@
 // machine shared with other processes (unlike wall time); compare weights GB/s with BM_Read.
 // BM_MatMulCached and BM_Peak compare the prefill register tiles with the arithmetic peak.
 // BM_ExpertStore times a whole grouped SwiGLU (ExpertStore::Run, all four phases) on one thread
-// for a given number of rows per expert, which is what T tokens make of a layer.
+// for a given number of rows per expert, which is what T tokens make of a layer. BM_PoolDispatch:
+// the thread pool's cost per parallel phase.
 //   build/benchmarks/kernels_matmul_bench --benchmark_filter='int8|Read'
 //   EPMOE_ISA=avx2 build/benchmarks/kernels_matmul_bench ...   (the kernels of a lower instruction set)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -233,6 +235,20 @@ void BM_ExpertStoreSkewed(benchmark::State& state) {
   state.counters["wall_ms"] = wall_ms / std::max<double>(1, static_cast<double>(state.iterations()));
 }
 
+// What one of Run's four parallel phases costs besides its work: RunOnAll of an empty task on a
+// pool of state.range(0) threads (skipped above the cores this process may use), wall time.
+void BM_PoolDispatch(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  if (threads > UsableCores()) {
+    state.SkipWithError("more threads than usable cores");
+    return;
+  }
+  ThreadPool pool(threads);
+  std::atomic<int> calls{0};
+  for (auto _ : state) pool.RunOnAll([&](int) { calls.fetch_add(1, std::memory_order_relaxed); });
+  benchmark::DoNotOptimize(calls.load());
+}
+
 void MatMulArguments(benchmark::internal::Benchmark* b) {
   for (WeightFormat f : AllWeightFormats())
     for (int rows : {1, 2, 3, 4, 5, 8, 16, 64}) b->Args({static_cast<int64_t>(f), rows});
@@ -254,6 +270,7 @@ BENCHMARK(BM_ExpertStoreSkewed)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_QuantizeActivations)->DenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1);
 BENCHMARK(BM_Peak)->DenseRange(0, 5)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PoolDispatch)->RangeMultiplier(2)->Range(2, 64)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace epmoe::kernels

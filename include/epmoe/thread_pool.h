@@ -46,7 +46,7 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable work_done_;
-  const std::function<void(int)>* task_ = nullptr;  // set under mutex_
+  std::atomic<const std::function<void(int)>*> task_{nullptr};  // set under mutex_, read without it
   std::atomic<uint64_t> generation_{0};             // changed under mutex_, polled without it
   std::atomic<int> pending_{0};                     // workers still running the task
   bool stopping_ = false;                           // under mutex_

@@ -62,16 +62,17 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
   while (true) {
-    if (poll_) PollBriefly([&] { return generation_.load(std::memory_order_acquire) != seen; });
-    const std::function<void(int)>* task;
-    {
+    // A worker that sees the next task while polling takes it without the mutex: with many
+    // workers, each taking the mutex in turn queued them behind one another at every task.
+    if (!poll_ || !PollBriefly([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
       std::unique_lock<std::mutex> lock(mutex_);
       work_ready_.wait(lock, [&] { return stopping_ || generation_.load(std::memory_order_relaxed) != seen; });
       if (stopping_) return;
-      seen = generation_.load(std::memory_order_relaxed);
-      task = task_;
     }
-    (*task)(index);
+    seen = generation_.load(std::memory_order_acquire);
+    // The caller publishes task_ before the generation and changes it only after every worker has
+    // finished this one.
+    (*task_.load(std::memory_order_relaxed))(index);
     // The caller may be polling pending_ rather than waiting on work_done_: count down first,
     // then notify under the mutex, so that a caller that checked pending_ under it is woken.
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -88,7 +89,7 @@ void ThreadPool::RunOnAll(const std::function<void(int)>& body) {
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    task_ = &body;
+    task_.store(&body, std::memory_order_relaxed);
     pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -99,8 +100,6 @@ void ThreadPool::RunOnAll(const std::function<void(int)>& body) {
     std::unique_lock<std::mutex> lock(mutex_);
     work_done_.wait(lock, all_done);
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  task_ = nullptr;
 }
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
