@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "epmoe/caches.h"
 #include "epmoe/load.h"
 #include "epmoe/model.h"
 #include "epmoe/synthetic.h"
@@ -190,6 +191,71 @@ TEST(ThreadPoolTest, UsableCoresAreTheAffinityMask) {
   ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
   EXPECT_EQ(UsableCores(), CPU_COUNT(&cpus));
   EXPECT_GE(UsableCores(), 1);
+}
+
+// A sysfs CPU directory of `cpus` CPUs with L1 data and instruction caches and an L2 of their own,
+// and an L3 shared by each `per_l3` consecutive CPUs.
+std::filesystem::path FakeCpuDirectory(const std::string& name, int cpus, int per_l3, const std::string& l3_size) {
+  const auto root = std::filesystem::temp_directory_path() / name;
+  std::filesystem::remove_all(root);
+  auto write = [](const std::filesystem::path& path, const std::string& text) {
+    std::filesystem::create_directories(path.parent_path());
+    std::ofstream(path) << text << "\n";
+  };
+  for (int cpu = 0; cpu < cpus; ++cpu) {
+    const auto cache = root / ("cpu" + std::to_string(cpu)) / "cache";
+    const int first = cpu / per_l3 * per_l3;
+    const struct {
+      const char *level, *type, *size;
+      std::string shared;
+    } entries[] = {{"1", "Data", "48K", std::to_string(cpu)},
+                   {"1", "Instruction", "32K", std::to_string(cpu)},
+                   {"2", "Unified", "2048K", std::to_string(cpu)},
+                   {"3", "Unified", l3_size.c_str(), std::to_string(first) + "-" + std::to_string(first + per_l3 - 1)}};
+    for (int i = 0; i < 4; ++i) {
+      const auto entry = cache / ("index" + std::to_string(i));
+      write(entry / "level", entries[i].level);
+      write(entry / "type", entries[i].type);
+      write(entry / "size", entries[i].size);
+      write(entry / "shared_cpu_list", entries[i].shared);
+    }
+  }
+  return root;
+}
+
+TEST(Caches, EachSharedLastLevelCacheCountsOnce) {
+  const auto root = FakeCpuDirectory("epmoe_cpus_two_l3", 4, 2, "32768K");
+  const std::vector<int> all = {0, 1, 2, 3}, first_two = {0, 1}, one_each = {1, 2};
+  EXPECT_EQ(LastLevelCacheBytes(root.string(), all), int64_t{64} << 20);
+  EXPECT_EQ(LastLevelCacheBytes(root.string(), first_two), int64_t{32} << 20);
+  EXPECT_EQ(LastLevelCacheBytes(root.string(), one_each), int64_t{64} << 20);
+  const auto big = FakeCpuDirectory("epmoe_cpus_one_l3", 16, 16, "300M");
+  const std::vector<int> sixteen = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  EXPECT_EQ(LastLevelCacheBytes(big.string(), sixteen), int64_t{300} << 20);
+  std::filesystem::remove_all(root);
+  std::filesystem::remove_all(big);
+}
+
+TEST(Caches, UnknownCachesCountZero) {
+  const std::vector<int> cpus = {0, 1};
+  EXPECT_EQ(LastLevelCacheBytes("/nonexistent/epmoe/cpu", cpus), 0);
+  const auto root = FakeCpuDirectory("epmoe_cpus_bad_size", 2, 2, "lots");
+  // An L3 of no readable size: the last level known is each CPU's own L2.
+  EXPECT_EQ(LastLevelCacheBytes(root.string(), cpus), int64_t{4} << 20);
+  std::filesystem::remove_all(root);
+}
+
+TEST(Caches, BuffersBeyondTheCachesAreFourTimesThemAtLeast) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  const int64_t here = LastLevelCacheBytes("/sys/devices/system/cpu", cpus);
+  EXPECT_EQ(LastLevelCacheBytes(), here);
+  EXPECT_EQ(BytesBeyondCaches(1), std::max<int64_t>(1, 4 * here));
+  EXPECT_EQ(BytesBeyondCaches(int64_t{1} << 40), int64_t{1} << 40);
 }
 
 // Calls back to back (the workers still polling) and after pauses longer than the polling window

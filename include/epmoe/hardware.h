@@ -42,6 +42,7 @@
 #include <string_view>
 #include <vector>
 
+#include "epmoe/caches.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
 
@@ -119,7 +120,7 @@ std::vector<std::string> ListHardwareProfiles();
 class ThreadPool;
 
 struct CopyBandwidthOptions {
-  int64_t buffer_bytes = int64_t{256} << 20;  // far beyond the caches: the copies go through DRAM
+  int64_t buffer_bytes = BytesBeyondCaches(int64_t{256} << 20);  // the copies go through DRAM
   int repetitions = 7;
 };
 // The device's copy rate for memory.copy_gbs, in GB/s of bytes copied (each read once and written

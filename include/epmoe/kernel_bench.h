@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "epmoe/caches.h"
 #include "epmoe/machine_limits.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
@@ -39,8 +40,9 @@ struct KernelBenchOptions {
   int decode_ranks = 8;
   int decode_repetitions = 5;
   // The MemoryReadProbe read before each timed run and before each read of the run's weights: it
-  // flushes the caches (so that both come from memory) and samples the machine's bandwidth.
-  int64_t probe_bytes = int64_t{128} << 20;
+  // flushes the caches (so that both come from memory) and samples the machine's bandwidth: 128 MB,
+  // or 4 x the last-level caches where they are larger than 32 MB.
+  int64_t probe_bytes = BytesBeyondCaches(int64_t{128} << 20);
   // Refuse, before anything runs, the formats whose KernelBenchMemoryBytes exceeds this (0: no limit).
   int64_t max_memory_bytes = 0;
 };
@@ -141,6 +143,8 @@ struct DecodeExperiment {
 struct KernelBenchReport {
   int threads = 0;
   std::string isa;
+  int64_t probe_bytes = 0;             // the options' probe_bytes
+  int64_t last_level_cache_bytes = 0;  // LastLevelCacheBytes(): what the probe has to be well over
   MachineFigures limits;
   std::vector<KernelBenchPoint> points;
   std::vector<DecodeExperiment> decode;

@@ -11,6 +11,7 @@
 #include <span>
 #include <string_view>
 
+#include "epmoe/caches.h"
 #include "epmoe/cpu.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
@@ -75,7 +76,7 @@ class MemoryReadProbe {
 };
 
 struct BandwidthOptions {
-  int64_t buffer_bytes = int64_t{512} << 20;  // far larger than the caches, so reads come from DRAM
+  int64_t buffer_bytes = BytesBeyondCaches(int64_t{512} << 20);  // so that reads come from DRAM
   int repetitions = 7;
 };
 // Read bandwidth in GB/s: a MemoryReadProbe of buffer_bytes, the median of `repetitions` reads.

@@ -205,6 +205,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   KernelBenchReport report;
   report.threads = pool.size();
   report.isa = IsaName(isa);
+  report.probe_bytes = o.probe_bytes;
+  report.last_level_cache_bytes = LastLevelCacheBytes();
   say("measuring memory read bandwidth and arithmetic peaks");
   // The limits are the machine's (its best instruction set), whichever kernel runs; a path the
   // machine lacks has peak 0 and drops out of the bound.

@@ -93,7 +93,8 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   p->peak_tflops = {fp32, bf16, peak_for(WeightFormat::kInt8), bf16, peak_for(WeightFormat::kNvfp4)};
   // Where ranks share this machine, DWDP's fetches are memcpys (shared-memory windows): price them at
   // the rate all cores copy at together.
-  EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyBandwidth(pool));
+  const CopyBandwidthOptions copy;  // a buffer 4 x the last-level caches, at least 256 MB
+  EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyBandwidth(pool, copy));
   progress(fmt::format("memory copy {:.1f} GB/s", p->memory_copy_gbs));
   // The peaks as priced, each with the path it was measured on (machine_limits).
   auto priced = [&](WeightFormat format) {
@@ -102,9 +103,10 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   p->sources.push_back(fmt::format(
       "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks in G operations/s fp32 {:.0f}, bf16 {}, "
       "int8 {}, 4-bit as nvfp4's kernel with its block scales {}; fp8 priced at the bf16 rate; copy_gbs "
-      "{:.1f}: every thread memcpys its share of 256 MB into another 256 MB buffer (median of 7)",
+      "{:.1f}: every thread memcpys its share of {} into another buffer as large (median of {})",
       Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, priced(WeightFormat::kBf16),
-      priced(WeightFormat::kInt8), priced(WeightFormat::kNvfp4), p->memory_copy_gbs));
+      priced(WeightFormat::kInt8), priced(WeightFormat::kNvfp4), p->memory_copy_gbs, HumanBytes(copy.buffer_bytes),
+      copy.repetitions));
   p->kernel_lines.clear();
   double read_efficiency = 0, arithmetic_efficiency = 0;
   int lines = 0, points = 0;
