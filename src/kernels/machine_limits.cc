@@ -153,26 +153,43 @@ Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOpti
   if (loop(1, &probe) == 0)
     return FailedPrecondition(
         fmt::format("instruction set {} has no {} instruction", IsaName(use), ArithmeticPathName(path)));
-  // Calibrate the iterations for the wanted duration on one thread.
-  int64_t iterations = 1 << 16;
+  // Chunks of about 0.5 ms on one thread, so that a thread overruns the deadline by little.
+  constexpr double kChunkSeconds = 0.5e-3;
+  int64_t chunk = 1 << 10;
   while (true) {
     const auto start = std::chrono::steady_clock::now();
-    loop(iterations, &probe);
+    loop(chunk, &probe);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (seconds > options.seconds_per_repetition / 4 || iterations > (int64_t{1} << 34)) {
-      iterations = static_cast<int64_t>(iterations * options.seconds_per_repetition / std::max(seconds, 1e-6));
+    if (seconds > kChunkSeconds / 4 || chunk > (int64_t{1} << 34)) {
+      chunk = std::max<int64_t>(1, static_cast<int64_t>(chunk * kChunkSeconds / std::max(seconds, 1e-9)));
       break;
     }
-    iterations *= 4;
+    chunk *= 4;
   }
+  // Every thread runs chunks until a common deadline, and the peak is the sum of the threads' own
+  // rates (operations over the time from their own start to their own end), which the kernels,
+  // handing out work as threads free up, can use whole. (Before session 15 every thread ran the
+  // same work and the time was the slowest one's, so one thread slowed by the host stood for all.)
   std::vector<double> rates;
   std::vector<float> sinks(pool.size(), 0.0f);
+  std::vector<double> thread_rates(pool.size(), 0.0);
   for (int rep = 0; rep < std::max(1, options.repetitions); ++rep) {
-    std::atomic<int64_t> operations{0};
-    const auto start = std::chrono::steady_clock::now();
-    pool.RunOnAll([&](int thread) { operations.fetch_add(loop(iterations, &sinks[thread])); });
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    rates.push_back(static_cast<double>(operations.load()) / seconds / 1e9);
+    using Clock = std::chrono::steady_clock;
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.seconds_per_repetition));
+    pool.RunOnAll([&](int thread) {
+      const auto start = Clock::now();
+      int64_t operations = 0;
+      auto now = start;
+      do {
+        operations += loop(chunk, &sinks[thread]);
+        now = Clock::now();
+      } while (now < deadline);
+      thread_rates[thread] = static_cast<double>(operations) / std::chrono::duration<double>(now - start).count();
+    });
+    double total = 0;
+    for (double rate : thread_rates) total += rate;
+    rates.push_back(total / 1e9);
   }
   return Median(rates);
 }
