@@ -175,8 +175,8 @@ Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOpti
   std::vector<double> thread_rates(pool.size(), 0.0);
   for (int rep = 0; rep < std::max(1, options.repetitions); ++rep) {
     using Clock = std::chrono::steady_clock;
-    const auto deadline =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.seconds_per_repetition));
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(options.seconds_per_repetition));
     pool.RunOnAll([&](int thread) {
       const auto start = Clock::now();
       int64_t operations = 0;
