@@ -2,6 +2,7 @@
 // packed layouts holding the same values.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
 
@@ -41,6 +42,27 @@ TEST(Encodings, E8m0AndBf16) {
   // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties go to even (1).
   EXPECT_EQ(FloatFromBf16(Bf16FromFloat(1.0f + std::ldexp(1.0f, -8))), 1.0f);
   EXPECT_EQ(FloatFromBf16(Bf16FromFloat(1.0f + 3 * std::ldexp(1.0f, -8))), 1.0f + std::ldexp(1.0f, -6));
+}
+
+// Every float from 0.5 to 200 and its negative (the int8 and row codes round values up to 127),
+// and a million below 0.5 (which round to zero): the value std::nearbyint gives.
+TEST(Encodings, RoundHalfEvenIsNearbyint) {
+  int64_t wrong = 0;
+  for (uint32_t bits = std::bit_cast<uint32_t>(0.5f); bits <= std::bit_cast<uint32_t>(200.0f); ++bits) {
+    const float x = std::bit_cast<float>(bits);
+    wrong += RoundHalfEven(x) != std::nearbyint(x);
+    wrong += RoundHalfEven(-x) != std::nearbyint(-x);
+  }
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<uint32_t> below(0, std::bit_cast<uint32_t>(0.5f) - 1);
+  for (int i = 0; i < 1000000; ++i) {
+    const float x = std::bit_cast<float>(below(rng));
+    wrong += RoundHalfEven(x) != std::nearbyint(x);
+  }
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(RoundHalfEven(2.5f), 2.0f);
+  EXPECT_EQ(RoundHalfEven(3.5f), 4.0f);
+  EXPECT_EQ(RoundHalfEven(-126.5f), -126.0f);
 }
 
 TEST(Blocks, Mxfp4ScaleNeverClips) {

@@ -26,6 +26,8 @@ Status CheckRowWidth(RowFormat format, int64_t cols);
 // Bytes of one encoded row of `cols` values (cols must pass CheckRowWidth).
 int64_t RowBytes(RowFormat format, int64_t cols);
 
+// Values must be finite (the executors check rows before they travel): a NaN or infinity encodes
+// to no particular value.
 void EncodeRow(RowFormat format, const float* values, int64_t cols, uint8_t* out);
 void DecodeRow(RowFormat format, const uint8_t* in, int64_t cols, float* values);
 

@@ -1,30 +1,17 @@
 #include "epmoe/row_codec.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include <fmt/format.h>
+#include "epmoe/quantize.h"
 
 namespace epmoe {
 namespace {
 
 constexpr int kBlock = 32;
-
-uint16_t FloatToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  // Round to nearest, ties to even (rows are finite: checked before they travel).
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float Bf16ToFloat(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
 
 float BlockScale(const float* values, float max_level) {
   float max_abs = 0;
@@ -34,7 +21,7 @@ float BlockScale(const float* values, float max_level) {
 
 int Quantize(float value, float scale, int lo, int hi) {
   if (scale == 0) return 0;
-  return std::clamp(static_cast<int>(std::nearbyint(value / scale)), lo, hi);
+  return std::clamp(static_cast<int>(RoundHalfEven(value / scale)), lo, hi);
 }
 
 }  // namespace
@@ -81,7 +68,7 @@ void EncodeRow(RowFormat format, const float* values, int64_t cols, uint8_t* out
     case RowFormat::kFp32: std::memcpy(out, values, cols * sizeof(float)); return;
     case RowFormat::kBf16:
       for (int64_t i = 0; i < cols; ++i) {
-        const uint16_t v = FloatToBf16(values[i]);
+        const uint16_t v = Bf16FromFiniteFloat(values[i]);
         std::memcpy(out + 2 * i, &v, 2);
       }
       return;
@@ -113,7 +100,7 @@ void DecodeRow(RowFormat format, const uint8_t* in, int64_t cols, float* values)
       for (int64_t i = 0; i < cols; ++i) {
         uint16_t v;
         std::memcpy(&v, in + 2 * i, 2);
-        values[i] = Bf16ToFloat(v);
+        values[i] = FloatFromBf16(v);
       }
       return;
     case RowFormat::kQ8:
@@ -147,7 +134,7 @@ void EncodeScaledRow(RowFormat format, float scale, const float* values, int64_t
       return;
     case RowFormat::kBf16:
       for (int64_t i = 0; i < cols; ++i) {
-        const uint16_t v = FloatToBf16(scale * values[i]);
+        const uint16_t v = Bf16FromFiniteFloat(scale * values[i]);
         std::memcpy(out + 2 * i, &v, 2);
       }
       return;
@@ -178,7 +165,7 @@ void AddDecodedRow(RowFormat format, const uint8_t* in, int64_t cols, float* acc
       for (int64_t i = 0; i < cols; ++i) {
         uint16_t v;
         std::memcpy(&v, in + 2 * i, 2);
-        accumulate[i] += Bf16ToFloat(v);
+        accumulate[i] += FloatFromBf16(v);
       }
       return;
     case RowFormat::kQ8:

@@ -31,30 +31,11 @@ float MaxAbs(const float* values, int64_t count) {
   return m;
 }
 
-// x rounded to the nearest integer, ties to even: std::nearbyint's value in the default rounding
-// mode for |x| < 2^22 (checked for every float up to 200 in magnitude; only the sign of a zero
-// differs), without its library call per weight. Adding 1.5 x 2^23 leaves no bits below the units.
-float RoundHalfEven(float x) {
-  constexpr float kShift = 0x1.8p23f;
-  return (x + kShift) - kShift;
-}
-
 uint8_t PackPair(uint8_t low, uint8_t high) {
   return static_cast<uint8_t>(low | (high << 4));
 }
 
 }  // namespace
-
-uint16_t Bf16FromFloat(float value) {
-  uint32_t bits = std::bit_cast<uint32_t>(value);
-  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest, ties to even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float FloatFromBf16(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
 
 float DecodeE2m1(uint8_t code) {
   const float magnitude = kE2m1Magnitudes[code & 7];
