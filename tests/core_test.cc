@@ -7,11 +7,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "epmoe/caches.h"
 #include "epmoe/load.h"
+#include "epmoe/matrix.h"
 #include "epmoe/model.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
@@ -147,6 +149,24 @@ TEST(WeightFormats, BlockFormatsRefuseRaggedShapes) {
   EXPECT_TRUE(CheckShape(WeightFormat::kInt8, 10, 7).ok());
   EXPECT_FALSE(ParseWeightFormat("fp8").ok());
   EXPECT_EQ(*ParseWeightFormat("mxfp4"), WeightFormat::kMxfp4);
+}
+
+// NaN and infinities of either sign found wherever they are: first or last of a 1024-value chunk,
+// after a finite chunk, in a short tail; -1 when every value is finite (the largest float is).
+TEST(MatrixTest, FirstNonFiniteFindsTheFirst) {
+  std::vector<float> values(5000, 1.0f);
+  values[4321] = std::numeric_limits<float>::max();
+  EXPECT_EQ(FirstNonFinite(values), -1);
+  EXPECT_EQ(FirstNonFinite(std::span<const float>()), -1);
+  for (int64_t at : {0, 1023, 1024, 2047, 3000, 4999}) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> v = values;
+      v[at] = bad;
+      if (at + 7 < 5000) v[at + 7] = bad;  // a later one does not count
+      EXPECT_EQ(FirstNonFinite(v), at) << at << " " << bad;
+    }
+  }
 }
 
 TEST(Synthetic, ValuesDoNotDependOnTheBlockAsked) {

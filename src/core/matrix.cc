@@ -1,13 +1,23 @@
 #include "epmoe/matrix.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 
 namespace epmoe {
 
 int64_t FirstNonFinite(std::span<const float> values) {
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
+  // Chunks of 1024 tested without an exit per value (a loop the compiler vectorizes: every weight
+  // and row passes here), then the first one searched in the chunk that has one.
+  constexpr size_t kChunk = 1024;
+  for (size_t begin = 0; begin < values.size(); begin += kChunk) {
+    const size_t end = std::min(values.size(), begin + kChunk);
+    uint32_t non_finite = 0;
+    for (size_t i = begin; i < end; ++i)
+      non_finite |= (std::bit_cast<uint32_t>(values[i]) & 0x7F800000u) == 0x7F800000u;  // exponent all ones
+    if (non_finite == 0) continue;
+    for (size_t i = begin; i < end; ++i)
+      if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
   }
   return -1;
 }

@@ -26,13 +26,37 @@ const std::array<float, 127>& E4m3Table() {
 }
 
 float MaxAbs(const float* values, int64_t count) {
-  float m = 0;
-  for (int64_t i = 0; i < count; ++i) m = std::max(m, std::fabs(values[i]));
-  return m;
+  // Eight running maxima, combined at the end (the maximum does not depend on the order; values
+  // are finite, checked first): one running maximum was a chain of dependent instructions, one
+  // value at a time, and a tenth of the time of packing.
+  constexpr int kLanes = 8;
+  float lanes[kLanes] = {};
+  const int64_t whole = count - count % kLanes;
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float a = std::fabs(values[i + j]);
+      lanes[j] = a > lanes[j] ? a : lanes[j];
+    }
+  }
+  for (int64_t i = whole; i < count; ++i) lanes[0] = std::max(lanes[0], std::fabs(values[i]));
+  return *std::max_element(lanes, lanes + kLanes);
 }
 
-uint8_t PackPair(uint8_t low, uint8_t high) {
-  return static_cast<uint8_t>(low | (high << 4));
+// The E2M1 codes of values[i] / scale (EncodeE2m1's, for a block of kCount values), packed two a
+// byte, low nibble first. Written as whole-block loops so that the compiler vectorizes them: code
+// by code, the division and the seven comparisons were most of the time of packing 4-bit experts.
+template <int kCount>
+void EncodeE2m1Block(const float* values, float scale, uint8_t* packed) {
+  static constexpr float kMidpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  int32_t codes[kCount];  // 32-bit lanes, as wide as the floats they come from
+  for (int i = 0; i < kCount; ++i) {
+    const float q = values[i] / scale;
+    const float magnitude = std::fabs(q);
+    int32_t code = 0;
+    for (float midpoint : kMidpoints) code += magnitude >= midpoint;
+    codes[i] = code | (code != 0 && std::signbit(q) ? 8 : 0);
+  }
+  for (int i = 0; i < kCount / 2; ++i) packed[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
 }  // namespace
@@ -67,8 +91,16 @@ uint8_t EncodeE4m3(float value) {
   const auto& table = E4m3Table();
   if (!(value > 0)) return 0;
   if (value >= kE4m3Max) return 126;
-  const auto it = std::lower_bound(table.begin(), table.end(), value);
-  const int upper = static_cast<int>(it - table.begin());
+  // std::lower_bound's index without its branches (one per halving, which the scales of
+  // successive blocks leave unpredictable): the first code whose value is at or above `value`,
+  // which exists as value < 448.
+  const float* base = table.data();
+  for (size_t n = table.size(); n > 1;) {
+    const size_t half = n / 2;
+    base = base[half] < value ? base + half : base;
+    n -= half;
+  }
+  const int upper = static_cast<int>(base - table.data()) + (*base < value);
   if (upper == 0) return 0;
   const int lower = upper - 1;
   return static_cast<uint8_t>(value - table[lower] < table[upper] - value ? lower : upper);
@@ -83,11 +115,7 @@ BlockNvfp4 QuantizeNvfp4Block(const float* values16, float tensor_scale) {
   BlockNvfp4 block{};
   block.scale_e4m3 = EncodeE4m3(MaxAbs(values16, 16) / (kE2m1Max * tensor_scale));
   const float scale = E4m3Table()[block.scale_e4m3] * tensor_scale;  // DecodeE4m3 of codes 0 - 126
-  for (int i = 0; i < 8; ++i) {
-    const uint8_t low = scale > 0 ? EncodeE2m1(values16[2 * i] / scale) : 0;
-    const uint8_t high = scale > 0 ? EncodeE2m1(values16[2 * i + 1] / scale) : 0;
-    block.packed[i] = PackPair(low, high);
-  }
+  if (scale > 0) EncodeE2m1Block<16>(values16, scale, block.packed);  // else all codes 0
   return block;
 }
 
@@ -113,9 +141,7 @@ BlockMxfp4 QuantizeMxfp4Block(const float* values32) {
   exponent = std::clamp(exponent, -126, 127);
   block.scale_e8m0 = static_cast<uint8_t>(exponent + 127);
   const float scale = DecodeE8m0(block.scale_e8m0);
-  for (int i = 0; i < 16; ++i) {
-    block.packed[i] = PackPair(EncodeE2m1(values32[2 * i] / scale), EncodeE2m1(values32[2 * i + 1] / scale));
-  }
+  EncodeE2m1Block<32>(values32, scale, block.packed);
   return block;
 }
 
