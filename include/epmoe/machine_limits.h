@@ -88,8 +88,8 @@ struct PeakOptions {
 };
 // Peak arithmetic in G operations per second (a multiply-add is 2 operations): independent chains
 // of the path's instruction in registers, on every thread until a common deadline
-// (seconds_per_repetition), the sum of the threads' own rates; median over the repetitions. Fails when
-// `isa` (lowered to what the CPU has) has no instruction for the path.
+// (seconds_per_repetition), the sum of the threads' own rates; median over the repetitions. Fails
+// when `isa` (lowered to what the CPU has) has no instruction for the path.
 Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOptions& options = {},
                            Isa isa = Isa::kAvx512);
 

@@ -31,8 +31,8 @@ inline uint16_t Bf16FromFiniteFloat(float value) {
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 inline uint16_t Bf16FromFloat(float value) {
-  if (value != value) return static_cast<uint16_t>((std::bit_cast<uint32_t>(value) >> 16) | 0x40);  // quiet NaN
-  return Bf16FromFiniteFloat(value);
+  const uint16_t quiet_nan = static_cast<uint16_t>((std::bit_cast<uint32_t>(value) >> 16) | 0x40);
+  return value != value ? quiet_nan : Bf16FromFiniteFloat(value);
 }
 inline float FloatFromBf16(uint16_t bits) {
   return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);

@@ -14,7 +14,7 @@ int64_t FirstNonFinite(std::span<const float> values) {
     const size_t end = std::min(values.size(), begin + kChunk);
     uint32_t non_finite = 0;
     for (size_t i = begin; i < end; ++i)
-      non_finite |= (std::bit_cast<uint32_t>(values[i]) & 0x7F800000u) == 0x7F800000u;  // exponent all ones
+      non_finite |= (std::bit_cast<uint32_t>(values[i]) & 0x7F800000u) == 0x7F800000u;  // all-ones exponent
     if (non_finite == 0) continue;
     for (size_t i = begin; i < end; ++i)
       if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
