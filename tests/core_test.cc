@@ -211,6 +211,29 @@ TEST(ThreadPoolTest, UsableCoresAreTheAffinityMask) {
   ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
   EXPECT_EQ(UsableCores(), CPU_COUNT(&cpus));
   EXPECT_GE(UsableCores(), 1);
+  EXPECT_EQ(ThreadPool(0).size(), UsableCores());
+}
+
+// A pool asked for every core takes the cores the calling thread may run on (as under mpirun's
+// --bind-to or a cpuset), not the machine's: bound to one CPU, one thread.
+TEST(ThreadPoolTest, AllCoresMeansTheBoundOnes) {
+  std::thread bound([] {
+    cpu_set_t all, one;
+    CPU_ZERO(&all);
+    ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+    int first = 0;
+    while (!CPU_ISSET(first, &all)) ++first;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);  // this thread only
+    EXPECT_EQ(UsableCores(), 1);
+    ThreadPool pool(0);
+    EXPECT_EQ(pool.size(), 1);
+    std::atomic<int> calls{0};
+    pool.RunOnAll([&](int) { calls++; });
+    EXPECT_EQ(calls.load(), 1);
+  });
+  bound.join();
 }
 
 // A sysfs CPU directory of `cpus` CPUs with L1 data and instruction caches and an L2 of their own,

@@ -23,7 +23,7 @@ int UsableCores();
 
 class ThreadPool {
  public:
-  // threads <= 0 means std::thread::hardware_concurrency().
+  // threads <= 0 means UsableCores(): the cores of this process's affinity mask.
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

@@ -44,7 +44,9 @@ int UsableCores() {
 }
 
 ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // All the cores this process may run on: under mpirun's --bind-to socket or a container's cpuset,
+  // hardware_concurrency() counts the whole machine, and a rank would run more threads than cores.
+  if (threads <= 0) threads = UsableCores();
   // Polling only helps while every thread has a core of its own.
   poll_ = threads <= UsableCores();
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });

@@ -197,7 +197,9 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--isa", o->isa, "Highest instruction set (auto, avx512, avx2, reference)")
       ->check(CLI::IsMember({"auto", "avx512", "avx2", "reference"}))
       ->capture_default_str();
-  cmd->add_option("--threads", o->threads, "Worker threads (0: all cores)")->check(kNonNegative)->capture_default_str();
+  cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_option("--reps", o->repetitions, "Timed runs per point (median)")->check(kPositive)->capture_default_str();
   cmd->add_option("--seconds-per-point", o->seconds_per_point, "Stop repeating a point after this long")
       ->check(kPositive)

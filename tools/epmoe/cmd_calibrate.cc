@@ -338,7 +338,9 @@ void AddCalibrateCommand(CLI::App& app, int* exit_code) {
       ->delimiter(',')
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
-  cmd->add_option("--threads", f->threads, "Threads (0: all cores)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--threads", f->threads, "Threads (0: every core this process may use)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--prefill-tokens", f->prefill_tokens, "Tokens of the arithmetic-bound point")
       ->check(CLI::Range(int64_t{64}, int64_t{1} << 16))
       ->capture_default_str();

@@ -230,7 +230,9 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels (auto, or a lower one to force it)")
       ->capture_default_str();
-  cmd->add_option("--threads", o->threads, "Worker threads (0: all cores)")->check(kNonNegative)->capture_default_str();
+  cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);

@@ -654,7 +654,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--comm-timeout", o->comm_timeout, "Seconds an exchange may wait for a peer (0: forever)")
       ->check(kNonNegative)
       ->capture_default_str();
-  cmd->add_option("--threads", o->threads, "Worker threads per rank (0: all cores)")
+  cmd->add_option("--threads", o->threads, "Worker threads per rank (0: every core the rank is bound to)")
       ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
