@@ -168,8 +168,8 @@ Result<double> MeasurePeak(ArithmeticPath path, ThreadPool& pool, const PeakOpti
   }
   // Every thread runs chunks until a common deadline, and the peak is the sum of the threads' own
   // rates (operations over the time from their own start to their own end), which the kernels,
-  // handing out work as threads free up, can use whole. (Before session 15 every thread ran the
-  // same work and the time was the slowest one's, so one thread slowed by the host stood for all.)
+  // handing out work as threads free up, can use whole. (Equal work per thread, timed to the
+  // slowest, lets one thread slowed by the host stand for all.)
   std::vector<double> rates;
   std::vector<float> sinks(pool.size(), 0.0f);
   std::vector<double> thread_rates(pool.size(), 0.0);

@@ -42,20 +42,24 @@ float MaxAbs(const float* values, int64_t count) {
   return *std::max_element(lanes, lanes + kLanes);
 }
 
-// The E2M1 codes of values[i] / scale (EncodeE2m1's, for a block of kCount values), packed two a
-// byte, low nibble first. Written as whole-block loops so that the compiler vectorizes them: code
-// by code, the division and the seven comparisons were most of the time of packing 4-bit experts.
+// The E2M1 code of q: the count of midpoints between neighbouring magnitudes at or below |q| (ties
+// go to the larger magnitude), with the sign bit for a negative non-zero code. No data-dependent
+// branches, which mispredicted on nearly every weight and made packing 4-bit experts slow.
+int32_t E2m1Code(float q) {
+  static constexpr float kMidpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const float magnitude = std::fabs(q);
+  int32_t code = 0;
+  for (float midpoint : kMidpoints) code += magnitude >= midpoint;
+  return code | (code != 0 && std::signbit(q) ? 8 : 0);
+}
+
+// The E2M1 codes of values[i] / scale for a block of kCount values, packed two a byte, low nibble
+// first. Whole-block loops in 32-bit lanes, which the compiler vectorizes: code by code, the
+// division and the seven comparisons were most of the time of packing 4-bit experts.
 template <int kCount>
 void EncodeE2m1Block(const float* values, float scale, uint8_t* packed) {
-  static constexpr float kMidpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-  int32_t codes[kCount];  // 32-bit lanes, as wide as the floats they come from
-  for (int i = 0; i < kCount; ++i) {
-    const float q = values[i] / scale;
-    const float magnitude = std::fabs(q);
-    int32_t code = 0;
-    for (float midpoint : kMidpoints) code += magnitude >= midpoint;
-    codes[i] = code | (code != 0 && std::signbit(q) ? 8 : 0);
-  }
+  int32_t codes[kCount];
+  for (int i = 0; i < kCount; ++i) codes[i] = E2m1Code(values[i] / scale);
   for (int i = 0; i < kCount / 2; ++i) packed[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
@@ -67,15 +71,7 @@ float DecodeE2m1(uint8_t code) {
 }
 
 uint8_t EncodeE2m1(float value) {
-  const float a = std::fabs(value);
-  // Midpoints between neighbouring magnitudes; ties go to the larger magnitude.
-  static constexpr std::array<float, 7> kMidpoints = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-  // The count of midpoints at or below |value| is its code: no data-dependent branches, which
-  // mispredicted on nearly every weight and made packing 4-bit experts slow.
-  uint8_t code = 0;
-  for (float midpoint : kMidpoints) code += a >= midpoint;
-  const bool negative = std::signbit(value) && code != 0;
-  return static_cast<uint8_t>(code | (negative ? 8 : 0));
+  return static_cast<uint8_t>(E2m1Code(value));
 }
 
 float DecodeE4m3(uint8_t code) {
