@@ -96,6 +96,9 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   auto report = RunKernelBench(o, pool);
   ASSERT_TRUE(report.ok()) << report.status().message();
   ASSERT_EQ(report->points.size(), 6u);
+  EXPECT_GT(report->limits.read_gbps_low, 0);
+  EXPECT_LE(report->limits.read_gbps_low, report->limits.read_gbps);
+  EXPECT_LE(report->limits.read_gbps, report->limits.read_gbps_high);
   for (const auto& p : report->points) {
     EXPECT_EQ(p.picks, p.tokens * 2);
     EXPECT_EQ(p.bytes, p.experts_touched * ExpertByteCount(p.format, 256, 256));

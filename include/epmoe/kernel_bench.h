@@ -57,6 +57,10 @@ int64_t KernelBenchMemoryBytes(const KernelBenchOptions& options, WeightFormat f
 // beside each timed run). The points are judged against their own weights' read rate instead.
 struct MachineFigures {
   double read_gbps = 0;
+  // The 5th and 95th percentiles of those reads: how far the memory's speed moved during the run (on
+  // a shared virtual machine 31 - 35 GB/s in one state, 55 - 63 in another), which is what spreads
+  // the decode experiment's samples.
+  double read_gbps_low = 0, read_gbps_high = 0;
   double fp32_gflops = 0;  // G operations/s, a multiply-add counts 2
   double bf16_gflops = 0;  // 0 when the instruction set has no such path
   double int8_gops = 0;    // VNNI

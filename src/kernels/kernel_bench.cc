@@ -33,6 +33,14 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The value below which a `fraction` of v lies (nearest rank); 0 for none.
+double Percentile(std::vector<double> v, double fraction) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(fraction * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(rank, v.size() - 1)];
+}
+
 // Skewed top-k routing: expert e has log-popularity sigma * z_e (z_e ~ N(0,1), fixed per seed);
 // each row takes the k experts with the largest log-popularity + Gumbel noise, which samples k
 // distinct experts with probabilities proportional to popularity (Gumbel top-k).
@@ -445,6 +453,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     }
   }
   report.limits.read_gbps = Median(bandwidths);
+  report.limits.read_gbps_low = Percentile(bandwidths, 0.05);
+  report.limits.read_gbps_high = Percentile(bandwidths, 0.95);
   for (ArithmeticPath path : kArithmeticPaths) report.limits.peak(path) = Median(peaks[static_cast<int>(path)]);
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
