@@ -56,6 +56,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/executor.h"
 #include "epmoe/row_codec.h"
+#include "epmoe/statistics.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 
@@ -374,11 +375,7 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
     rows_seen += static_cast<double>(st.rows);
     state.SetIterationTime(ours * 1e-6);
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-  };
-  const double ours_median = median(exchange_us), raw_median = median(raw_us);
+  const double ours_median = Median(exchange_us), raw_median = Median(raw_us);
   double all_copies = 0, all_rows = 0;
   MPI_Allreduce(&copies, &all_copies, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
   MPI_Allreduce(&rows_seen, &all_rows, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
@@ -387,20 +384,20 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   state.counters["exchange_ms"] = ours_median / 1000;
   state.counters["raw_alltoallv_ms"] = raw_median / 1000;
   state.counters["overhead_pct"] = raw_median > 0 ? 100.0 * (ours_median / raw_median - 1.0) : 0;
-  state.counters["counts_ms"] = median(counts_us) / 1000;
-  state.counters["rows_ms"] = median(rows_us) / 1000;
-  state.counters["outputs_ms"] = median(outputs_us) / 1000;
-  state.counters["sends_ms"] = median(sends_us) / 1000;
-  state.counters["out_skew_ms"] = median(out_skew_us) / 1000;
-  state.counters["out_last_post_ms"] = median(out_post_us) / 1000;
-  state.counters["out_last_wait_ms"] = median(out_wait_us) / 1000;
-  state.counters["nbc_wait_ms"] = median(nbc_us) / 1000;
-  state.counters["raw_fresh_ms"] = median(fresh_us) / 1000;
-  state.counters["raw_cold_ms"] = median(cold_us) / 1000;
-  state.counters["comm_alltoallv_ms"] = median(wrapper_us) / 1000;
-  state.counters["wait_ms"] = median(wait_us) / 1000;
-  state.counters["pack_ms"] = median(pack_us) / 1000;
-  state.counters["with_pack_pct"] = raw_median > 0 ? 100.0 * ((ours_median + median(pack_us)) / raw_median - 1.0) : 0;
+  state.counters["counts_ms"] = Median(counts_us) / 1000;
+  state.counters["rows_ms"] = Median(rows_us) / 1000;
+  state.counters["outputs_ms"] = Median(outputs_us) / 1000;
+  state.counters["sends_ms"] = Median(sends_us) / 1000;
+  state.counters["out_skew_ms"] = Median(out_skew_us) / 1000;
+  state.counters["out_last_post_ms"] = Median(out_post_us) / 1000;
+  state.counters["out_last_wait_ms"] = Median(out_wait_us) / 1000;
+  state.counters["nbc_wait_ms"] = Median(nbc_us) / 1000;
+  state.counters["raw_fresh_ms"] = Median(fresh_us) / 1000;
+  state.counters["raw_cold_ms"] = Median(cold_us) / 1000;
+  state.counters["comm_alltoallv_ms"] = Median(wrapper_us) / 1000;
+  state.counters["wait_ms"] = Median(wait_us) / 1000;
+  state.counters["pack_ms"] = Median(pack_us) / 1000;
+  state.counters["with_pack_pct"] = raw_median > 0 ? 100.0 * ((ours_median + Median(pack_us)) / raw_median - 1.0) : 0;
   state.counters["copies_per_row"] = all_rows > 0 ? all_copies / all_rows : 0;
   state.counters["expected_copies"] = ExpectedCopiesPerRow(model.num_experts, model.top_k, g);
   // Bytes this rank (rank 0) sends to other ranks per step.

@@ -15,6 +15,7 @@
 #include "epmoe/load.h"
 #include "epmoe/matrix.h"
 #include "epmoe/model.h"
+#include "epmoe/statistics.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 #include "epmoe/weight_format.h"
@@ -149,6 +150,21 @@ TEST(WeightFormats, BlockFormatsRefuseRaggedShapes) {
   EXPECT_TRUE(CheckShape(WeightFormat::kInt8, 10, 7).ok());
   EXPECT_FALSE(ParseWeightFormat("fp8").ok());
   EXPECT_EQ(*ParseWeightFormat("mxfp4"), WeightFormat::kMxfp4);
+}
+
+TEST(Statistics, MedianAndNearestRankQuantile) {
+  EXPECT_EQ(Median({}), 0);
+  EXPECT_EQ(Median({3, 1, 2}), 2);
+  EXPECT_EQ(Median({4, 1, 3, 2}), 2.5);
+  EXPECT_EQ(Quantile({}, 0.5), 0);
+  std::vector<double> twenty;
+  for (int i = 20; i >= 1; --i) twenty.push_back(i);  // unsorted: 20 .. 1
+  EXPECT_EQ(Quantile(twenty, 0), 1);
+  EXPECT_EQ(Quantile(twenty, 0.05), 1);  // 1 of 20 values at or below
+  EXPECT_EQ(Quantile(twenty, 0.06), 2);
+  EXPECT_EQ(Quantile(twenty, 0.5), 10);
+  EXPECT_EQ(Quantile(twenty, 0.95), 19);
+  EXPECT_EQ(Quantile(twenty, 1), 20);
 }
 
 // NaN and infinities of either sign found wherever they are: first or last of a 1024-value chunk,

@@ -16,6 +16,7 @@
 #include "epmoe/cpu.h"
 #include "epmoe/expert_ffn.h"
 #include "epmoe/machine_limits.h"
+#include "epmoe/statistics.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 
@@ -25,21 +26,6 @@ namespace {
 constexpr ArithmeticPath kArithmeticPaths[] = {ArithmeticPath::kFp32Fma,         ArithmeticPath::kBf16Dot,
                                                ArithmeticPath::kInt8Vnni,        ArithmeticPath::kInt8Madd,
                                                ArithmeticPath::kInt8VnniScale16, ArithmeticPath::kInt8VnniScale32};
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  if (v.empty()) return 0;
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// The value below which a `fraction` of v lies (nearest rank); 0 for none.
-double Percentile(std::vector<double> v, double fraction) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(fraction * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(rank, v.size() - 1)];
-}
 
 // Skewed top-k routing: expert e has log-popularity sigma * z_e (z_e ~ N(0,1), fixed per seed);
 // each row takes the k experts with the largest log-popularity + Gumbel noise, which samples k
@@ -453,8 +439,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     }
   }
   report.limits.read_gbps = Median(bandwidths);
-  report.limits.read_gbps_low = Percentile(bandwidths, 0.05);
-  report.limits.read_gbps_high = Percentile(bandwidths, 0.95);
+  report.limits.read_gbps_low = Quantile(bandwidths, 0.05);
+  report.limits.read_gbps_high = Quantile(bandwidths, 0.95);
   for (ArithmeticPath path : kArithmeticPaths) report.limits.peak(path) = Median(peaks[static_cast<int>(path)]);
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];

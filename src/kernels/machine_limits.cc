@@ -10,16 +10,12 @@
 #include <vector>
 
 #include "core/huge_pages.h"
+#include "epmoe/statistics.h"
 #include "epmoe/thread_pool.h"
 #include "kernels/cpu/limits_kernels.h"
 
 namespace epmoe {
 namespace {
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 Isa Lowered(Isa isa) {
   return std::min(isa, BestSupportedIsa());

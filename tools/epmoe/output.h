@@ -1,14 +1,14 @@
 // Small helpers shared by the commands: error reporting, report printing and human-readable numbers.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
+#include "epmoe/statistics.h"  // Median and Quantile, for the reports
 #include "epmoe/status.h"
 
 namespace epmoe::cli {
@@ -37,9 +37,5 @@ Result<nlohmann::json> ReadRunReport(const std::string& path);
 // 1234567 -> "1.23 M"; bytes -> "1.23 GB" (powers of 1,000, as the seeds quote sizes).
 std::string HumanCount(int64_t n);
 std::string HumanBytes(int64_t bytes);
-
-// Median and the q-quantile (0..1, nearest rank) of a list of values (empty -> 0).
-double Median(std::vector<double> values);
-double Quantile(std::vector<double> values, double q);
 
 }  // namespace epmoe::cli
