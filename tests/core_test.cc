@@ -227,6 +227,9 @@ TEST(ThreadPoolTest, UsableCoresAreTheAffinityMask) {
   ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
   EXPECT_EQ(UsableCores(), CPU_COUNT(&cpus));
   EXPECT_GE(UsableCores(), 1);
+  const std::vector<int> listed = UsableCpus();
+  EXPECT_EQ(static_cast<int>(listed.size()), CPU_COUNT(&cpus));
+  for (int cpu : listed) EXPECT_TRUE(CPU_ISSET(cpu, &cpus)) << cpu;
   EXPECT_EQ(ThreadPool(0).size(), UsableCores());
 }
 
@@ -305,13 +308,7 @@ TEST(Caches, UnknownCachesCountZero) {
 }
 
 TEST(Caches, BuffersBeyondTheCachesAreFourTimesThemAtLeast) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
-  std::vector<int> cpus;
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
-    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-  const int64_t here = LastLevelCacheBytes("/sys/devices/system/cpu", cpus);
+  const int64_t here = LastLevelCacheBytes("/sys/devices/system/cpu", UsableCpus());
   EXPECT_EQ(LastLevelCacheBytes(), here);
   EXPECT_EQ(BytesBeyondCaches(1), std::max<int64_t>(1, 4 * here));
   EXPECT_EQ(BytesBeyondCaches(int64_t{1} << 40), int64_t{1} << 40);

@@ -18,7 +18,10 @@
 
 namespace epmoe {
 
-// The CPUs this process may run on (its affinity mask, which mpirun's binding narrows); at least 1.
+// The CPUs this process may run on (its affinity mask, which mpirun's binding narrows), by number;
+// empty when the mask cannot be read.
+std::vector<int> UsableCpus();
+// How many there are; the machine's count when the mask cannot be read; at least 1.
 int UsableCores();
 
 class ThreadPool {

@@ -1,12 +1,12 @@
 #include "epmoe/caches.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cctype>
 #include <fstream>
 #include <map>
 #include <vector>
+
+#include "epmoe/thread_pool.h"
 
 namespace epmoe {
 namespace {
@@ -70,16 +70,7 @@ int64_t LastLevelCacheBytes(const std::string& cpu_directory, std::span<const in
 }
 
 int64_t LastLevelCacheBytes() {
-  static const int64_t bytes = [] {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    std::vector<int> cpus;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-      for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
-        if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-    }
-    return LastLevelCacheBytes("/sys/devices/system/cpu", cpus);
-  }();
+  static const int64_t bytes = LastLevelCacheBytes("/sys/devices/system/cpu", UsableCpus());
   return bytes;
 }
 

@@ -36,10 +36,19 @@ bool PollBriefly(const Done& done) {
 
 }  // namespace
 
+std::vector<int> UsableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  return cpus;
+}
+
 int UsableCores() {
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return std::max(1, CPU_COUNT(&cpus));
+  const std::vector<int> cpus = UsableCpus();
+  if (!cpus.empty()) return static_cast<int>(cpus.size());
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
