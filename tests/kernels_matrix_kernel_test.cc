@@ -17,7 +17,9 @@
 namespace epmoe::kernels {
 namespace {
 
-constexpr int64_t kChannels = 64, kCols = 256;
+// 288 input features: 72 input groups of int8, 144 of bf16, 288 of fp32, none a multiple of the
+// 64 that the dense pair tiles take per chunk, so every format ends on a short chunk.
+constexpr int64_t kChannels = 64, kCols = 288;
 
 using epmoe::testing::AllKernelCases;
 using epmoe::testing::KernelCase;
@@ -31,7 +33,7 @@ class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 // activation rounding) and the row after them is untouched: a 1-row 4-bit call runs the 2-row tile
 // with its row repeated, which must write the row's place only (and a 0-row call nothing).
 // 13 and 43 rows are split into row tiles of unequal height (13: 5 + 4 + 4 dense, 7 + 6 4-bit; 43:
-// 8 + 5 x 7 4-bit).
+// 8 + 5 x 7 4-bit); 7, 9 and 12 rows run the dense pair tiles (4 + 3, 5 + 4, 6 + 6).
 TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   const auto [format, isa] = GetParam();
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
@@ -40,7 +42,7 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   std::vector<float> dequantized(kChannels * kCols);
   for (int64_t n = 0; n < kChannels; ++n) DequantizePackedRow(w, n, dequantized.data() + n * kCols);
   const int64_t stride = kernel->ActivationBytes(kCols);
-  for (int64_t rows : {0, 1, 2, 3, 5, 13, 43}) {
+  for (int64_t rows : {0, 1, 2, 3, 5, 7, 9, 12, 13, 43}) {
     SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
     const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
     std::vector<uint8_t> acts(rows * stride);
@@ -60,6 +62,32 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
     }
     for (int64_t n = 0; n < kChannels; ++n)
       ASSERT_TRUE(std::isnan(out[rows * kChannels + n])) << "wrote past row " << rows - 1;
+  }
+}
+
+// A channel range without the first and last channel block (for the AVX-512 dense kernels channels
+// 16 - 47 of an interleaved group of 64: tiles that do not cover a whole group, addressed block by
+// block) gives the same values, bit for bit, as those channels of the whole range, for every tile
+// height and both paths.
+TEST_P(MatMulContract, InnerChannelRangeMatchesTheWholeRange) {
+  const auto [format, isa] = GetParam();
+  const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
+  const int64_t begin = kernel->channel_block(), end = kChannels - kernel->channel_block();
+  ASSERT_LT(begin, end);
+  std::mt19937 rng(2);
+  const PackedMatrix w = PackMatrix(*Quantize(format, RandomMatrix(kChannels, kCols, 0.05f, rng)), kernel->layout());
+  const int64_t stride = kernel->ActivationBytes(kCols);
+  for (int64_t rows : {1, 3, 5, 8, 11, 16, 43, 64}) {
+    SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
+    const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
+    std::vector<uint8_t> acts(rows * stride);
+    for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
+    std::vector<float> whole(rows * kChannels), part(rows * kChannels);
+    kernel->MatMul(w, 0, kChannels, acts.data(), rows, whole.data(), kChannels);
+    kernel->MatMul(w, begin, end, acts.data(), rows, part.data(), kChannels);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = begin; n < end; ++n)
+        ASSERT_EQ(part[r * kChannels + n - begin], whole[r * kChannels + n]) << "row " << r << " channel " << n;
   }
 }
 

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -105,12 +106,12 @@ struct TileArgs {
 
 using TileFn = void (*)(const TileArgs&);
 
-// The shortest row tile RunTiles makes for `fewest_rows` or more rows in tiles of up to `max_rows`.
-// (From max_rows x (max_rows - 1) rows on, every tile has at least max_rows - 1 rows, which a count
-// below that already gives.)
-constexpr int ShortestRowTile(int fewest_rows, int max_rows) {
+// The shortest row tile RunTiles makes for `fewest_rows` to `most_rows` rows in tiles of up to
+// `max_rows`. (From max_rows x (max_rows - 1) rows on, every tile has at least max_rows - 1 rows,
+// which a count below that already gives.)
+constexpr int ShortestRowTile(int fewest_rows, int most_rows, int max_rows) {
   int shortest = max_rows;
-  for (int rows = fewest_rows; rows <= fewest_rows + max_rows * max_rows; ++rows)
+  for (int rows = fewest_rows; rows <= std::min(most_rows, fewest_rows + max_rows * max_rows); ++rows)
     shortest = std::min(shortest, rows / ((rows + max_rows - 1) / max_rows));
   return shortest;
 }
@@ -128,14 +129,15 @@ struct TileTable {
       Make(std::make_integer_sequence<int, kHeights * kMaxBlocks>{});
 };
 
-// Runs channel blocks [block_begin, block_end) for `rows` (none, or at least kFewestRows) rows in
-// tiles of up to kMaxRows x kMaxBlocks: a column of row tiles per group of blocks, so each group's
-// weights are read from memory by the first row tile and from cache by the others. `base` points
-// at block_begin, row 0; its prefetch lines are shared out among the tiles in order.
-template <template <int, int> class Tile, int kFewestRows, int kMaxRows, int kMaxBlocks>
+// Runs channel blocks [block_begin, block_end) for `rows` (none, or kFewestRows to kMostRows) rows
+// in tiles of up to kMaxRows x kMaxBlocks: a column of row tiles per group of blocks, so each
+// group's weights are read from memory by the first row tile and from cache by the others. `base`
+// points at block_begin, row 0; its prefetch lines are shared out among the tiles in order.
+template <template <int, int> class Tile, int kFewestRows, int kMaxRows, int kMaxBlocks,
+          int kMostRows = std::numeric_limits<int>::max()>
 void RunTiles(const TileArgs& base, int64_t block_begin, int64_t block_end, int64_t rows) {
-  constexpr int kShortest = ShortestRowTile(kFewestRows, kMaxRows);
-  EPMOE_CHECK(rows == 0 || rows >= kFewestRows);
+  constexpr int kShortest = ShortestRowTile(kFewestRows, kMostRows, kMaxRows);
+  EPMOE_CHECK(rows == 0 || (rows >= kFewestRows && rows <= kMostRows));
   // Row tiles of even height, the first rows % row_tiles one row taller (8 rows: 4 + 4, not 6 + 2;
   // 43 rows in tiles of up to 8: 8 + 5 x 7, not 5 x 8 + 3), so that no tile is much shorter than
   // the others (kernels_matmul_bench BM_MatMulCached, int8 at 8 rows: 392 -> 428 GOP/s; the VNNI
@@ -226,31 +228,45 @@ struct Int8Dot {
   }
 };
 
-template <class Dot, bool kStream, int R, int B>
-struct DenseTile {
-  static void Run(const TileArgs& a) {
+// The weight vectors of a tile's B channel blocks: block j's vector of input group g at
+// first[j] + g * stride[j] (the stride is the size of the block's interleaved group: a tile may
+// span two groups, and a matrix's last group may be short).
+template <int B>
+struct BlockVectors {
+  const uint8_t* first[B];
+  int64_t stride[B];
+  // The tile covers exactly one interleaved group (the usual case): block j's vector of group g at
+  // first[0] + (g * B + j) * 64, one contiguous run of bytes per range of input groups.
+  bool whole_group = true;
+
+  // `groups`: the matrix's input groups.
+  BlockVectors(const TileArgs& a, int64_t groups) {
     const PackedMatrix& m = *a.weights;
-    const int64_t groups = m.cols * Dot::kValueBytes / 4;
     const int64_t blocks = m.rows / kLanes;
-    // Block j's first vector and the distance between its vectors: the size of its interleaved
-    // group (a tile may span two groups, and a matrix's last group may be short).
-    const uint8_t* w[B];
-    int64_t stride[B];
     for (int j = 0; j < B; ++j) {
       const InterleavedGroup group = InterleavedGroupOf(a.block + j, blocks);
-      w[j] = m.values.data() + (group.first * groups + (a.block + j - group.first)) * 64;
+      first[j] = m.values.data() + (group.first * groups + (a.block + j - group.first)) * 64;
       stride[j] = group.count * 64;
+      whole_group = whole_group && stride[j] == B * 64 && first[j] == first[0] + j * 64;
     }
-    typename Dot::Acc acc[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < B; ++j) acc[r][j] = Dot::Zero();
-    // Every input group of the tile's blocks into acc, block j's vector of group g at address(j, g).
-    auto run = [&](auto address) {
-      for (int64_t g = 0; g < groups; ++g) {
-        // The tile's share of the lines to prefetch (the next group's weights, DenseKernel::MatMul),
-        // spread over its input groups.
-        for (int64_t line = g; line < a.prefetch_lines; line += groups)
-          _mm_prefetch(reinterpret_cast<const char*>(a.prefetch + line * 64), _MM_HINT_T1);
+  }
+};
+
+template <class Dot, bool kStream, int R, int B>
+struct DenseTile {
+  using Acc = typename Dot::Acc;
+
+  // acc += the products of input groups [g_begin, g_end) of the tile's blocks with R rows from
+  // `acts`; meanwhile prefetches `lines` cache lines from `prefetch` into L2, spread over them.
+  static void Accumulate(const BlockVectors<B>& v, const uint8_t* acts, int64_t act_stride, int64_t g_begin,
+                         int64_t g_end, const uint8_t* prefetch, int64_t lines, Acc (&acc)[R][B]) {
+    // Block j's vector of group g at address(j, g). Always inlined: GCC 12 made this a call of its
+    // own for some tiles, which then kept the sums and weight vectors in memory (fp32, 1 row over
+    // cached weights: 1.5 x the time).
+    auto run = [&](auto address) __attribute__((always_inline)) {
+      for (int64_t g = g_begin; g < g_end; ++g) {
+        for (int64_t line = g - g_begin; line < lines; line += g_end - g_begin)
+          _mm_prefetch(reinterpret_cast<const char*>(prefetch + line * 64), _MM_HINT_T1);
         __m512i wv[B];
         for (int j = 0; j < B; ++j) {
           const uint8_t* at = address(j, g);
@@ -263,25 +279,90 @@ struct DenseTile {
           asm("" : "+v"(wv[j]));
         }
         for (int r = 0; r < R; ++r) {
-          const __m512i x = BroadcastGroup(a.acts + r * a.act_stride + 4 * g);
+          const __m512i x = BroadcastGroup(acts + r * act_stride + 4 * g);
           for (int j = 0; j < B; ++j) acc[r][j] = Dot::MultiplyAdd(acc[r][j], wv[j], x);
         }
       }
     };
-    // A tile over one whole group (the usual case) addresses it from one pointer with fixed offsets,
-    // which the cached tiles run faster (192 rows: 0.95 - 0.96 of the time of per-block strides).
-    bool whole_group = true;
-    for (int j = 0; j < B; ++j) whole_group = whole_group && stride[j] == B * 64 && w[j] == w[0] + j * 64;
-    if (whole_group) {
-      run([&](int j, int64_t g) { return w[0] + (g * B + j) * 64; });
+    // A whole group is addressed from one pointer with fixed offsets, which the cached tiles run
+    // faster (192 rows: 0.95 - 0.96 of the time of per-block strides).
+    if (v.whole_group) {
+      run([&](int j, int64_t g) { return v.first[0] + (g * B + j) * 64; });
     } else {
-      run([&](int j, int64_t g) { return w[j] + g * stride[j]; });
+      run([&](int j, int64_t g) { return v.first[j] + g * v.stride[j]; });
     }
+  }
+
+  // Accumulate as a call of its own on a local copy of the sums, which GCC then keeps in registers
+  // through the loop: inlined into DensePairTile, or summing into `sums` itself, it kept them in
+  // memory (2.5 - 3 x the time).
+  [[gnu::noinline]] static void AccumulateApart(const BlockVectors<B>& v, const uint8_t* acts, int64_t act_stride,
+                                                int64_t g_begin, int64_t g_end, const uint8_t* prefetch, int64_t lines,
+                                                Acc (&sums)[R][B]) {
+    Acc acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < B; ++j) acc[r][j] = sums[r][j];
+    Accumulate(v, acts, act_stride, g_begin, g_end, prefetch, lines, acc);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < B; ++j) sums[r][j] = acc[r][j];
+  }
+
+  static void Zero(Acc (&acc)[R][B]) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < B; ++j) acc[r][j] = Dot::Zero();
+  }
+
+  // The R x B outputs at `out` (row r at out + r * a.out_stride) from the finished sums.
+  static void Store(const TileArgs& a, const uint8_t* acts, float* out, const Acc (&acc)[R][B]) {
     for (int r = 0; r < R; ++r) {
-      const uint8_t* row = a.acts + r * a.act_stride;
+      const uint8_t* row = acts + r * a.act_stride;
       for (int j = 0; j < B; ++j)
-        _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]));
+        _mm512_storeu_ps(out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]));
     }
+  }
+
+  // The tile over all input groups; its prefetch lines (the next group's weights,
+  // DenseKernel::MatMul) spread over them.
+  static void Run(const TileArgs& a) {
+    const int64_t groups = a.weights->cols * Dot::kValueBytes / 4;
+    const BlockVectors<B> v(a, groups);
+    Acc acc[R][B];
+    Zero(acc);
+    Accumulate(v, a.acts, a.act_stride, 0, groups, a.prefetch, a.prefetch_lines, acc);
+    Store(a, a.acts, a.out, acc);
+  }
+};
+
+// Input groups per chunk of DensePairTile: 16 KB of a whole group's weights, which stay in L1
+// between the two row tiles.
+constexpr int64_t kPairChunkGroups = 64;
+
+// Two row tiles over the same blocks, R1 and R2 rows (7 - 12 rows: more than one tile holds), taken
+// chunk by chunk of input groups: each chunk's weights are read from memory by the first and from
+// L1 by the second, while both prefetch the next chunk into L2, so the weights stream on while
+// either computes. Run one after the other over the whole group, as they were, the memory waited
+// while the second computed.
+template <class Dot, int R1, int R2, int B>
+struct DensePairTile {
+  static void Run(const TileArgs& a) {
+    using First = DenseTile<Dot, false, R1, B>;
+    using Second = DenseTile<Dot, false, R2, B>;
+    const int64_t groups = a.weights->cols * Dot::kValueBytes / 4;
+    const BlockVectors<B> v(a, groups);
+    typename Dot::Acc first[R1][B], second[R2][B];
+    First::Zero(first);
+    Second::Zero(second);
+    const uint8_t* second_acts = a.acts + R1 * a.act_stride;
+    for (int64_t g0 = 0; g0 < groups; g0 += kPairChunkGroups) {
+      const int64_t g1 = std::min(groups, g0 + kPairChunkGroups);
+      // The next chunk (after the last, the next group's first), contiguous in a whole group.
+      const uint8_t* next = v.first[0] + g1 * B * 64;
+      const int64_t lines = v.whole_group ? kPairChunkGroups * B : 0;
+      First::AccumulateApart(v, a.acts, a.act_stride, g0, g1, next, lines / 2, first);
+      Second::AccumulateApart(v, second_acts, a.act_stride, g0, g1, next + lines / 2 * 64, lines - lines / 2, second);
+    }
+    First::Store(a, a.acts, a.out, first);
+    Second::Store(a, second_acts, a.out + R1 * a.out_stride, second);
   }
 };
 
@@ -291,6 +372,9 @@ struct DenseTiles {
   using Stream = DenseTile<Dot, true, R, B>;
   template <int R, int B>
   using Cached = DenseTile<Dot, false, R, B>;
+  // R rows as two row tiles, the first one row taller when R is odd.
+  template <int R, int B>
+  using Pair = DensePairTile<Dot, (R + 1) / 2, R / 2, B>;
 };
 
 // Up to this many rows the prefill tiles still prefetch their weights from memory: with few row
@@ -389,9 +473,14 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
       RunTiles<DenseTiles<Dot>::template Stream, 1, kStreamRows, kDenseBlocks>(base, block_begin, block_end, rows);
       return;
     }
+    if (rows <= kDenseTallRows) {
+      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows + 1, kDenseTallRows, kDenseBlocks, kDenseTallRows>(
+          base, block_begin, block_end, rows);
+      return;
+    }
     if (rows <= 2 * kDenseTallRows) {
-      RunTiles<DenseTiles<Dot>::template Stream, kStreamRows + 1, kDenseTallRows, kDenseBlocks>(base, block_begin,
-                                                                                                block_end, rows);
+      RunTiles<DenseTiles<Dot>::template Pair, kDenseTallRows + 1, 2 * kDenseTallRows, kDenseBlocks,
+               2 * kDenseTallRows>(base, block_begin, block_end, rows);
       return;
     }
     // Three or more row tiles per group of blocks: the first reads the group's weights from memory,
