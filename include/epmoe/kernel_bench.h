@@ -126,8 +126,8 @@ struct DecodeSample {
   int rank = 0;
   int64_t picks = 0;
   int64_t bytes = 0;
-  double us = 0;
-  double read_gbps = 0;  // its weights' read rate beside its timed runs (KernelBenchPoint::read_gbps_used)
+  double us = 0;         // median of its runs at the experiment's memory speed
+  double read_gbps = 0;  // its weights' read rate beside those runs (KernelBenchPoint::read_gbps_used)
 };
 
 struct DecodeExperiment {
@@ -137,11 +137,17 @@ struct DecodeExperiment {
   double us_per_gb = 0;
   double correlation_bytes = 0;  // Pearson, time vs bytes read
   double correlation_picks = 0;  // Pearson, time vs picks
-  // Pearson, bytes read vs each sample's time scaled by the memory's speed (the median over its
-  // runs of each run's time x the read rate of its weights just before it): what is left once the
-  // memory's own changes of speed between runs are taken out.
+  // Pearson, bytes read vs each sample's time scaled by the memory's speed (the median over all of
+  // its runs of each run's time x the read rate of its weights just before it): what is left once
+  // the memory's own changes of speed between runs are taken out.
   double correlation_bytes_steady = 0;
-  double median_read_gbps = 0;  // of the samples' read_gbps
+  // The experiment's memory speed: the median of the reads beside all of its runs. A run whose read
+  // lies more than 15% from it ran while the memory was in another state (a shared virtual
+  // machine's memory changes between two speeds, 1.7 x apart here) and is left out of the samples'
+  // times; samples short of runs at this speed are run again, up to twice as many runs.
+  double median_read_gbps = 0;
+  int runs_left_out = 0;
+  int samples_off_speed = 0;  // samples with no run at that speed: all of their runs count
 };
 
 struct KernelBenchReport {

@@ -82,6 +82,8 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                       {"correlation_picks", d.correlation_picks},
                       {"correlation_bytes_steady", d.correlation_bytes_steady},
                       {"median_read_gbps", d.median_read_gbps},
+                      {"runs_left_out", d.runs_left_out},
+                      {"samples_off_speed", d.samples_off_speed},
                       {"samples", samples}});
   }
   return {{"model", model.name},
@@ -141,10 +143,11 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
                 disturbed.c_str());
   for (const auto& d : r.decode) {
     std::printf(
-        "decode experiment %s: %zu points; time = %.1f us + %.1f us per GB read; correlation with bytes %.3f "
-        "(%.3f with each run's time scaled by its weights' read rate, median %.1f GB/s), with picks %.3f\n",
-        WeightFormatName(d.format), d.samples.size(), d.fixed_us, d.us_per_gb, d.correlation_bytes,
-        d.correlation_bytes_steady, d.median_read_gbps, d.correlation_picks);
+        "decode experiment %s: %zu points at %.1f GB/s of memory (%d runs at another speed left out, %d points "
+        "never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each run's time "
+        "scaled by its weights' read rate), with picks %.3f\n",
+        WeightFormatName(d.format), d.samples.size(), d.median_read_gbps, d.runs_left_out, d.samples_off_speed,
+        d.fixed_us, d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady, d.correlation_picks);
   }
 }
 
