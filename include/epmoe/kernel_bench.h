@@ -130,6 +130,9 @@ struct DecodeSample {
   double read_gbps = 0;  // its weights' read rate beside those runs (KernelBenchPoint::read_gbps_used)
 };
 
+// How far (a fraction) a decode run's read may lie from its experiment's memory speed.
+inline constexpr double kDecodeSpeedTolerance = 0.15;
+
 struct DecodeExperiment {
   WeightFormat format;
   std::vector<DecodeSample> samples;
@@ -142,9 +145,9 @@ struct DecodeExperiment {
   // the memory's own changes of speed between runs are taken out.
   double correlation_bytes_steady = 0;
   // The experiment's memory speed: the median of the reads beside all of its runs. A run whose read
-  // lies more than 15% from it ran while the memory was in another state (a shared virtual
-  // machine's memory changes between two speeds, 1.7 x apart here) and is left out of the samples'
-  // times; samples short of runs at this speed are run again, up to twice as many runs.
+  // lies more than kDecodeSpeedTolerance from it ran while the memory was in another state (a shared
+  // virtual machine's memory changes between two speeds, 1.7 x apart here) and is left out of the
+  // samples' times; samples short of runs at this speed are run again, up to twice as many runs.
   double median_read_gbps = 0;
   int runs_left_out = 0;
   int samples_off_speed = 0;  // samples with no run at that speed: all of their runs count
