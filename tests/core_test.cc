@@ -167,6 +167,20 @@ TEST(Statistics, MedianAndNearestRankQuantile) {
   EXPECT_EQ(Quantile(twenty, 1), 20);
 }
 
+// Two levels equally common (a memory at 30 - 35 or 57 - 62 GB/s): the median of all falls between
+// them, the densest band's median in one (the slower, the first of equal bands), and in the
+// commoner one when there is one; one level gives its median.
+TEST(Statistics, DensestBandMedianLiesInOneLevel) {
+  EXPECT_EQ(DensestBandMedian({}, 0.15), 0);
+  std::vector<double> two_levels = {58, 31, 60, 33, 62, 35, 57, 32, 34, 61, 59, 30};
+  EXPECT_EQ(Median(two_levels), 46);
+  EXPECT_EQ(DensestBandMedian(two_levels, 0.15), 32.5);
+  two_levels.insert(two_levels.end(), {56, 63});  // now 8 fast
+  EXPECT_EQ(DensestBandMedian(two_levels, 0.15), 59.5);
+  EXPECT_EQ(DensestBandMedian({40, 41, 39, 42, 38}, 0.15), 40);
+  EXPECT_EQ(DensestBandMedian({5}, 0.15), 5);
+}
+
 // NaN and infinities of either sign found wherever they are: first or last of a 1024-value chunk,
 // after a finite chunk, in a short tail; -1 when every value is finite (the largest float is).
 TEST(MatrixTest, FirstNonFiniteFindsTheFirst) {

@@ -144,10 +144,12 @@ struct DecodeExperiment {
   // its runs of each run's time x the read rate of its weights just before it): what is left once
   // the memory's own changes of speed between runs are taken out.
   double correlation_bytes_steady = 0;
-  // The experiment's memory speed: the median of the reads beside all of its runs. A run whose read
-  // lies more than kDecodeSpeedTolerance from it ran while the memory was in another state (a shared
-  // virtual machine's memory changes between two speeds, 1.7 x apart here) and is left out of the
-  // samples' times; samples short of runs at this speed are run again, up to twice as many runs.
+  // The experiment's memory speed: the median of the largest band of the reads beside its runs, a
+  // band being the reads within kDecodeSpeedTolerance of one of them (DensestBandMedian). A run
+  // whose read lies more than kDecodeSpeedTolerance from it ran while the memory was in another
+  // state (a shared virtual machine's memory changes between two speeds, 1.7 x apart here) and is
+  // left out of the samples' times; samples short of runs at this speed are run again, up to twice
+  // as many runs.
   double median_read_gbps = 0;
   int runs_left_out = 0;
   int samples_off_speed = 0;  // samples with no run at that speed: all of their runs count
