@@ -110,7 +110,8 @@ void BM_Read(benchmark::State& state) {
 // arithmetic rate (compare GOP/s with BM_Peak of the format's path); with 1 row it is the decode
 // tile's instruction cost per weight byte, with no memory in the way (bytes_per_second); with 3, 4
 // and 8 rows, the decode tiles' arithmetic rate without waiting for memory (3 rows: a short tile;
-// 8 rows: two row tiles over the same weights).
+// 8 rows: two row tiles over the same weights); with 48 and 64 rows, the 4-bit kernels' last call
+// that expands its codes as it streams and a call that expands a panel first (as at T = 1024).
 void BM_MatMulCached(benchmark::State& state) {
   const auto format = static_cast<WeightFormat>(state.range(0));
   const int64_t kRows = state.range(1);
@@ -260,7 +261,7 @@ BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMul)->Apply(MatMulArguments)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MatMulCached)
     ->ArgsProduct({benchmark::CreateDenseRange(0, static_cast<int>(AllWeightFormats().size()) - 1, 1),
-                   {1, 3, 4, 8, 192}})
+                   {1, 3, 4, 8, 48, 64, 192}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ExpertStore)
     ->ArgsProduct({benchmark::CreateDenseRange(1, static_cast<int>(AllWeightFormats().size()) - 1, 1),
