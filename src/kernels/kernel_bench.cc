@@ -413,10 +413,11 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       // The experiment is taken at one speed of the memory: that of its runs' commonest state, the
       // median of the largest band of their reads, a band being the reads within
       // kDecodeSpeedTolerance of one of them (the median of all of them falls between two states
-      // visited about equally: one run here had 128 of 256 samples with no run within 15% of it). A run whose read lies
-      // further from it ran while the memory was in another state (on a shared virtual machine 31 - 35 GB/s in one, 55
-      // - 63 in the other, changing within a run of the bench), which would spread the samples by the memory's speed
-      // instead of their bytes. Such runs are left out (and counted); samples left with fewer than half their runs get
+      // visited about equally: one run here had 128 of 256 samples with no run within 15% of it).
+      // A run whose read lies further from it ran while the memory was in another state (on a
+      // shared virtual machine 31 - 35 GB/s in one, 55 - 63 in the other, changing within a run of
+      // the bench), which would spread the samples by the memory's speed instead of their bytes.
+      // Such runs are left out (and counted); samples left with fewer than half their runs get
       // more, in further passes, up to as many again.
       std::vector<double> all_reads;
       for (const Pending& p : pending) all_reads.insert(all_reads.end(), p.read_gbps.begin(), p.read_gbps.end());
