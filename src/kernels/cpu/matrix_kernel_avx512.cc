@@ -16,7 +16,8 @@
 // multiply-adds. Decode (few rows) streams every weight vector from memory once: fp32, bf16 and
 // int8 tiles span one interleaved group of 4 blocks, one sequential stream; the 4-bit tiles read
 // their blocks as parallel streams. Prefill runs taller tiles over weights that stay in L2 (4-bit
-// weights are first expanded to int8 once per panel of channels, then shared by every row tile).
+// weights are expanded to int8 once per panel of channels, by the panel's first row tile as it
+// streams them, then shared by the other row tiles).
 // GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* inside shuffles and extracts) as
 // "used uninitialized" once inlined at -O3; the values are never read. Silence only that check.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -44,8 +45,7 @@ constexpr int64_t kStreamRows = 4;
 // most one core reads (30 - 36 GB/s, which the memory's fast state asks of both: 55 - 63 GB/s
 // together), need more: the layer in the fast state, medians of alternated runs, nvfp4 T = 1 / 8 /
 // 16: 2 KB 0.60 / 0.66 / 0.65 of the bound, 4 KB 0.72 - 0.73 / 0.79 - 0.81 / 0.74 - 0.80, 8 KB 0.74
-// - 0.80 / 0.79 - 0.86 / 0.78 - 0.84, 12 and 16 KB 0.70 - 0.80; in the slow state all level. The
-// 4-bit prefill expansion prefetches its panel as far ahead.
+// - 0.80 / 0.79 - 0.86 / 0.78 - 0.84, 12 and 16 KB 0.70 - 0.80; in the slow state all level.
 constexpr int64_t kPrefetchBytes = 8192;
 
 // The 4-byte input group at `at`, broadcast to all 16 lanes.
@@ -95,11 +95,11 @@ struct TileArgs {
   // 4-bit prefill: the panel's weights expanded to int8 in the kChannelBlocked arrangement, and
   // their block scale factors as fp32 (FourBit::LaneFactors), starting at channel block
   // `panel_block`.
-  const uint8_t* expanded = nullptr;
-  const float* expanded_scales = nullptr;
+  uint8_t* expanded = nullptr;
+  float* expanded_scales = nullptr;
   int64_t panel_block = 0;
   // 4-bit prefill: cache lines for the tile to prefetch into L2, spread over its scale blocks (the
-  // next panel's weights, so that its expansion does not wait for memory).
+  // next panel's weights, so that the row tile that expands it does not wait for memory).
   const uint8_t* prefetch = nullptr;
   int64_t prefetch_lines = 0;
 };
@@ -604,8 +604,10 @@ struct FourBit {
     }
   }
 
-  // Decode: expands the weights in registers as they stream by, once for all R rows.
-  template <int R, int B>
+  // Decode: expands the weights in registers as they stream by, once for all R rows. With
+  // kFillPanel (prefill), also writes what it expanded into the panel (TileArgs::expanded), for the
+  // row tiles that follow.
+  template <int R, int B, bool kFillPanel = false>
   struct StreamTile {
     __attribute__((target("avx512vbmi"))) static void Run(const TileArgs& a) {
       const PackedMatrix& m = *a.weights;
@@ -678,6 +680,10 @@ struct FourBit {
             } else {
               ExpandChunk(w[j] + c * 128, table, v[j]);
             }
+            if constexpr (kFillPanel) {
+              uint8_t* to = a.expanded + ((a.block - a.panel_block + j) * chunks + c) * 4 * 64;
+              for (int i = 0; i < 4; ++i) _mm512_storeu_si512(to + i * 64, v[j][i]);
+            }
           }
           for (int r = 0; r < R; ++r) {
             for (int i = 0; i < 4; ++i) {
@@ -689,34 +695,17 @@ struct FourBit {
         for (int j = 0; j < B; ++j) {
           const __m512 scale = LaneScales(s[j] + sb * kLanes);
           for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][j]), scale, acc[r][j]);
+          if constexpr (kFillPanel) {
+            _mm512_storeu_ps(a.expanded_scales + ((a.block - a.panel_block + j) * scale_blocks + sb) * kLanes,
+                             LaneFactors(s[j] + sb * kLanes));
+          }
         }
       }
       StoreTile<R, B>(a, acc);
     }
   };
-
-  // Prefill: expands channel blocks [block, block + blocks) once into int8 vectors in the
-  // kChannelBlocked arrangement (cols / 4 vectors per block) and fp32 LaneFactors (cols /
-  // kScaleBlock vectors per block), so that every row tile reuses them.
-  __attribute__((target("avx512vbmi"))) static void Expand(const PackedMatrix& m, int64_t block, int64_t blocks,
-                                                           uint8_t* values, float* scales) {
-    const int64_t chunks = m.cols / 16, scale_blocks = m.cols / kScaleBlock;
-    const __m512i table = Table();
-    for (int64_t j = 0; j < blocks; ++j) {
-      const uint8_t* w = m.values.data() + (block + j) * chunks * 128;
-      for (int64_t c = 0; c < chunks; ++c) {
-        // The panel's blocks are contiguous: one stream, read ahead into the next block or panel.
-        _mm_prefetch(reinterpret_cast<const char*>(w + c * 128 + kPrefetchBytes), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(w + c * 128 + kPrefetchBytes + 64), _MM_HINT_T1);
-        __m512i v[4];
-        ExpandChunk(w + c * 128, table, v);
-        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(values + ((j * chunks + c) * 4 + i) * 64, v[i]);
-      }
-      const uint8_t* s = m.scales.data() + (block + j) * scale_blocks * kLanes;
-      for (int64_t sb = 0; sb < scale_blocks; ++sb)
-        _mm512_storeu_ps(scales + (j * scale_blocks + sb) * kLanes, LaneFactors(s + sb * kLanes));
-    }
-  }
+  template <int R, int B>
+  using PanelFillTile = StreamTile<R, B, true>;
 
   // Prefill tile over expanded weights: per scale block, R x B int32 sums, then a ScaleAdd each (a
   // conversion and an FMA; mxfp4: a conversion, a VSCALEFPS and an add).
@@ -773,10 +762,15 @@ constexpr int kFourBitStreamBlocks = 2, kFourBitStreamTallRows = 8, kFourBitPref
 // Channel blocks expanded at once in prefill: 64 channels, 128 KB of int8 at cols = 2048 (L2).
 constexpr int64_t kFourBitPanelBlocks = 4;
 // Up to this many rows, 4-bit weights are expanded in registers as they stream, once per row tile
-// (from memory for the first, from cache for the others): expanding a panel first does not
-// overlap the memory reads with arithmetic, which costs more than expanding again until the rows
-// are many.
-constexpr int64_t kFourBitStreamMaxRows = 48;
+// (from memory for the first, from cache for the others). Above, a panel's first kPanelFillRows
+// rows run a streaming tile that also writes what it expands into the panel, and the other rows
+// run prefill tiles over it. (Until session 17 the panel was expanded in a pass of its own, which
+// did no arithmetic while it read the codes, and so paid only from 49 rows on. With the expansion
+// in the first row tile, 17 - 48 rows are faster over a panel too: the skewed qwen3-30b-a3b layer,
+// two threads, 12 - 16 alternated runs in one process: T = 1024 nvfp4 and mxfp4 4 - 5% less time,
+// T = 256 mxfp4 3%, T = 64 / 256 / 8192 otherwise level; from 13 rows on: level against 17.)
+constexpr int64_t kFourBitStreamMaxRows = 16;
+constexpr int kPanelFillRows = 8;
 
 template <WeightFormat kFormat>
 class FourBitKernel final : public Avx512Kernel<kFormat> {
@@ -837,19 +831,23 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     scales.resize(kFourBitPanelBlocks * kLanes * (w.cols / Ops::kScaleBlock));
     for (int64_t b = block_begin; b < block_end; b += kFourBitPanelBlocks) {
       const int64_t blocks = std::min(kFourBitPanelBlocks, block_end - b);
-      Ops::Expand(w, b, blocks, values.data(), scales.data());
       TileArgs panel = base;
       panel.out = out + (b - block_begin) * kLanes;
       panel.expanded = values.data();
       panel.expanded_scales = scales.data();
       panel.panel_block = b;
+      // The first rows stream the panel's codes, and expand them into it as they go.
+      RunTiles<Ops::template PanelFillTile, kPanelFillRows, kPanelFillRows, 1, kPanelFillRows>(panel, b, b + blocks,
+                                                                                             kPanelFillRows);
+      panel.acts += kPanelFillRows * panel.act_stride;
+      panel.out += kPanelFillRows * panel.out_stride;
       // While this panel's tiles run, the next panel's 4-bit weights come into L2 (past block_end
       // too: the next work item of this expert, which this thread is likely to take as well).
       const int64_t next_blocks = std::clamp<int64_t>(w.rows / kLanes - b - blocks, 0, kFourBitPanelBlocks);
       panel.prefetch = w.values.data() + (b + blocks) * (w.cols / 16 * 128);
       panel.prefetch_lines = next_blocks * (w.cols / 16 * 128) / 64;
-      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows + 1, kFourBitPrefillRows, kFourBitPrefillBlocks>(
-          panel, b, b + blocks, rows);
+      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows + 1 - kPanelFillRows, kFourBitPrefillRows,
+               kFourBitPrefillBlocks>(panel, b, b + blocks, rows - kPanelFillRows);
     }
   }
 };
