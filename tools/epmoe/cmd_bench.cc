@@ -30,6 +30,7 @@ struct BenchKernelsOptions {
   bool no_decode = false;
   int decode_steps = 32;
   int decode_ranks = 8;
+  int decode_repetitions = KernelBenchOptions{}.decode_repetitions;
   double skew = 0.3;
   uint64_t seed = 1;
   double max_memory_gb = 0;
@@ -170,6 +171,7 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.decode = !o.no_decode;
   options.decode_steps = o.decode_steps;
   options.decode_ranks = o.decode_ranks;
+  options.decode_repetitions = o.decode_repetitions;
   options.skew_sigma = o.skew;
   options.seed = o.seed;
   options.max_memory_bytes =
@@ -215,6 +217,9 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
       ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--decode-ranks", o->decode_ranks, "Ranks of whole experts each decode step is replayed for")
+      ->check(kPositive)
+      ->capture_default_str();
+  cmd->add_option("--decode-reps", o->decode_repetitions, "Timed runs per decode sample (median)")
       ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--skew", o->skew, "Routing skew: expert popularity ~ exp(skew * N(0,1))")
