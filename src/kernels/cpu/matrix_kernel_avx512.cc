@@ -765,11 +765,15 @@ constexpr int64_t kFourBitPanelBlocks = 4;
 // (from memory for the first, from cache for the others). Above, a panel's first kPanelFillRows
 // rows run a streaming tile that also writes what it expands into the panel, and the other rows
 // run prefill tiles over it. (Until session 17 the panel was expanded in a pass of its own, which
-// did no arithmetic while it read the codes, and so paid only from 49 rows on. With the expansion
-// in the first row tile, 17 - 48 rows are faster over a panel too: the skewed qwen3-30b-a3b layer,
-// two threads, 12 - 16 alternated runs in one process: T = 1024 nvfp4 and mxfp4 4 - 5% less time,
-// T = 256 mxfp4 3%, T = 64 / 256 / 8192 otherwise level; from 13 rows on: level against 17.)
-constexpr int64_t kFourBitStreamMaxRows = 16;
+// did no arithmetic while it read the codes, and so paid only from 49 rows on for both formats.)
+// With the expansion in the first row tile (`epmoe bench kernels --formats nvfp4,mxfp4 --tokens
+// 256,1024 --no-decode`, 15 alternated runs, medians of the fraction of the bound at 48 / 32 / 16
+// rows): nvfp4 T = 256 0.56 - 0.57 / 0.59 - 0.61 / 0.55, T = 1024 0.59 / 0.60 - 0.61 / 0.59 - 0.60;
+// mxfp4 T = 256 0.58 / 0.58 / 0.61 - 0.64, T = 1024 0.64 - 0.68 / 0.67 - 0.68 / 0.66 - 0.70.
+// (mxfp4's streaming tiles of 5 - 8 rows load no chunk ahead, see StreamTile, which may be why its
+// panels pay from fewer rows.)
+template <WeightFormat kFormat>
+constexpr int64_t kFourBitStreamMaxRows = kFormat == WeightFormat::kNvfp4 ? 32 : 16;
 constexpr int kPanelFillRows = 8;
 
 template <WeightFormat kFormat>
@@ -819,7 +823,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       RunTiles<Ops::template StreamTile, 2, kStreamRows, kFourBitStreamBlocks>(base, block_begin, block_end, rows);
       return;
     }
-    if (rows <= kFourBitStreamMaxRows) {
+    if (rows <= kFourBitStreamMaxRows<kFormat>) {
       RunTiles<Ops::template StreamTile, kStreamRows + 1, kFourBitStreamTallRows, 1>(base, block_begin, block_end,
                                                                                      rows);
       return;
@@ -846,7 +850,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       const int64_t next_blocks = std::clamp<int64_t>(w.rows / kLanes - b - blocks, 0, kFourBitPanelBlocks);
       panel.prefetch = w.values.data() + (b + blocks) * (w.cols / 16 * 128);
       panel.prefetch_lines = next_blocks * (w.cols / 16 * 128) / 64;
-      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows + 1 - kPanelFillRows, kFourBitPrefillRows,
+      RunTiles<Ops::template CachedTile, kFourBitStreamMaxRows<kFormat> + 1 - kPanelFillRows, kFourBitPrefillRows,
                kFourBitPrefillBlocks>(panel, b, b + blocks, rows - kPanelFillRows);
     }
   }
