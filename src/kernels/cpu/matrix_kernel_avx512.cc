@@ -842,7 +842,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       panel.panel_block = b;
       // The first rows stream the panel's codes, and expand them into it as they go.
       RunTiles<Ops::template PanelFillTile, kPanelFillRows, kPanelFillRows, 1, kPanelFillRows>(panel, b, b + blocks,
-                                                                                             kPanelFillRows);
+                                                                                               kPanelFillRows);
       panel.acts += kPanelFillRows * panel.act_stride;
       panel.out += kPanelFillRows * panel.out_stride;
       // While this panel's tiles run, the next panel's 4-bit weights come into L2 (past block_end
