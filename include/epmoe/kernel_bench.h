@@ -38,9 +38,9 @@ struct KernelBenchOptions {
   int decode_min_tokens = 8;
   int decode_max_tokens = 16;
   int decode_ranks = 8;
-  // Timed runs per decode sample (median); 5 until session 17. nvfp4's experiment
-  // here, three of each alternated, r(bytes) 0.933 / 0.986 / 0.991 with 5, 0.984 / 0.993 / 0.994
-  // with 9 (single runs spread by about 7% between quartiles).
+  // Timed runs per decode sample (median); 5 until session 17. nvfp4's experiment here, three of
+  // each alternated: r(bytes) 0.933 / 0.986 / 0.991 with 5, 0.984 / 0.993 / 0.994 with 9 (single
+  // runs spread by about 7% between quartiles).
   int decode_repetitions = 9;
   // The MemoryReadProbe read before each timed run and before each read of the run's weights: it
   // flushes the caches (so that both come from memory) and samples the machine's bandwidth: 128 MB,
