@@ -811,10 +811,11 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       // tile does on the same weights (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4
       // -> 29.1; session 10; alternated within one process in session 13, level on average but less
       // steady), and the repeated row's arithmetic costs little while the tile waits for memory.
-      // Not the 3-row tile (session 12): a core spends per 128 bytes of codes 4 VPERMB (0.58 of a
-      // VPDPBUSD's slot each on Zen 4), R x 4 VPDPBUSD and R FMA (nvfp4) for R rows, so the 3-row
-      // tile cannot expand faster than about 27 GB/s a core (measured over cached nvfp4 weights: 27
-      // - 28; the 2-row tile 35, the 1-row tile 46), which is what one core reads from memory here:
+      // Not the 3-row tile (session 12): a core spends per 128 bytes of codes R x 4 VPDPBUSD and R
+      // FMA (nvfp4) for R rows on the two pipes these share, the 4 VPERMB running beside them (Zen
+      // 4 takes one every two cycles on a third pipe; session 18), so the 3-row tile cannot expand
+      // faster than about 31 GB/s a core (measured over cached nvfp4 weights: 27 - 28; the 2-row
+      // tile 35, the 1-row tile 46), which is about what one core reads from memory here:
       // whenever the host slows the core or the memory speeds up, it stops the tile. One thread
       // from memory, 1 and 2 rows, the tiles alternated within one process, 4 sets of 8 runs
       // (session 13): nvfp4 1 row 0.67 - 0.94 -> 0.84 - 0.93 of the read rate, 2 rows 0.77 - 0.88
