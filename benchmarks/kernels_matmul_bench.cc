@@ -83,7 +83,8 @@ void BM_MatMul(benchmark::State& state) {
   for (auto _ : state) {
     // Blocks of 128 channels, as the decode path's work items.
     for (int64_t n = 0; n < channels; n += 128)
-      f.kernel->MatMul(f.weights, n, std::min(channels, n + 128), acts.data(), rows, out.data() + n, channels);
+      f.kernel->MatMul(f.weights, n, std::min(channels, n + 128), acts.data(), rows, out.data() + n, channels,
+                       OutputWrites::kCached);
     benchmark::DoNotOptimize(out.data());
   }
   state.SetBytesProcessed(state.iterations() * f.weights.bytes());
@@ -122,7 +123,7 @@ void BM_MatMulCached(benchmark::State& state) {
   const std::vector<uint8_t> acts = QuantizedRows(*kernel, kRows, 3);
   std::vector<float> out(kRows * kChannels);
   for (auto _ : state) {
-    kernel->MatMul(weights, 0, kChannels, acts.data(), kRows, out.data(), kChannels);
+    kernel->MatMul(weights, 0, kChannels, acts.data(), kRows, out.data(), kChannels, OutputWrites::kCached);
     benchmark::DoNotOptimize(out.data());
   }
   state.SetBytesProcessed(state.iterations() * weights.bytes());

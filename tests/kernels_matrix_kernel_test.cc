@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <random>
 #include <string>
@@ -51,7 +53,7 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
     for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
     const float sentinel = std::numeric_limits<float>::quiet_NaN();
     std::vector<float> out((rows + 1) * kChannels, sentinel);
-    kernel->MatMul(w, 0, kChannels, acts.data(), rows, out.data(), kChannels);
+    kernel->MatMul(w, 0, kChannels, acts.data(), rows, out.data(), kChannels, OutputWrites::kCached);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t n = 0; n < kChannels; ++n) {
         double exact = 0, scale = 0;
@@ -85,11 +87,42 @@ TEST_P(MatMulContract, InnerChannelRangeMatchesTheWholeRange) {
     std::vector<uint8_t> acts(rows * stride);
     for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
     std::vector<float> whole(rows * kChannels), part(rows * kChannels);
-    kernel->MatMul(w, 0, kChannels, acts.data(), rows, whole.data(), kChannels);
-    kernel->MatMul(w, begin, end, acts.data(), rows, part.data(), kChannels);
+    kernel->MatMul(w, 0, kChannels, acts.data(), rows, whole.data(), kChannels, OutputWrites::kCached);
+    kernel->MatMul(w, begin, end, acts.data(), rows, part.data(), kChannels, OutputWrites::kCached);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t n = begin; n < end; ++n)
         ASSERT_EQ(part[r * kChannels + n - begin], whole[r * kChannels + n]) << "row " << r << " channel " << n;
+  }
+}
+
+// Streamed outputs (OutputWrites::kStreamed) equal cached ones bit for bit, written where the
+// output is aligned to a cache line (non-temporal stores) and where it is not (ordinary ones), and
+// only the rows asked for are written.
+TEST_P(MatMulContract, StreamedOutputsEqualCachedOnes) {
+  const auto [format, isa] = GetParam();
+  const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
+  std::mt19937 rng(3);
+  const PackedMatrix w = PackMatrix(*Quantize(format, RandomMatrix(kChannels, kCols, 0.05f, rng)), kernel->layout());
+  const int64_t stride = kernel->ActivationBytes(kCols);
+  for (int64_t rows : {1, 2, 5, 12, 17, 43}) {
+    const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
+    std::vector<uint8_t> acts(rows * stride);
+    for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
+    std::vector<float> cached(rows * kChannels);
+    kernel->MatMul(w, 0, kChannels, acts.data(), rows, cached.data(), kChannels, OutputWrites::kCached);
+    const float sentinel = std::numeric_limits<float>::quiet_NaN();
+    // Room for the rows, a row past them, and a shift of up to a cache line.
+    std::vector<float> buffer((rows + 1) * kChannels + 16);
+    const int64_t to_line = (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(float);
+    for (const int64_t shift : {to_line, to_line + 1}) {
+      SCOPED_TRACE(std::to_string(rows) + " rows, output " + (shift == to_line ? "aligned" : "unaligned"));
+      std::fill(buffer.begin(), buffer.end(), sentinel);
+      float* out = buffer.data() + shift;
+      kernel->MatMul(w, 0, kChannels, acts.data(), rows, out, kChannels, OutputWrites::kStreamed);
+      for (int64_t i = 0; i < rows * kChannels; ++i) ASSERT_EQ(out[i], cached[i]) << "output " << i;
+      for (int64_t n = 0; n < kChannels; ++n)
+        ASSERT_TRUE(std::isnan(out[rows * kChannels + n])) << "wrote past the rows";
+    }
   }
 }
 

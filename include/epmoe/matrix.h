@@ -2,16 +2,33 @@
 // A plain value (thread-compatible); rows are contiguous, `cols` floats each.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <span>
 #include <vector>
 
 namespace epmoe {
 
+// Allocates on 64-byte boundaries, a cache line: a matrix's rows then start on one wherever their
+// width allows, which the kernels' non-temporal stores need (OutputWrites in kernels/kernel.h;
+// glibc's large blocks start 16 bytes into a page).
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+  CacheLineAllocator() = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlignment); }
+  friend bool operator==(const CacheLineAllocator&, const CacheLineAllocator&) { return true; }
+};
+
 struct Matrix {
   int64_t rows = 0;
   int64_t cols = 0;
-  std::vector<float> data;
+  std::vector<float, CacheLineAllocator<float>> data;
 
   Matrix() = default;
   Matrix(int64_t rows_, int64_t cols_) : rows(rows_), cols(cols_), data(rows_ * cols_, 0.0f) {}

@@ -19,8 +19,8 @@ namespace {
 // Resizes a buffer kept across steps. It grows only when it must and then to exactly `size` (a
 // plain resize may double it), so what stays held is each buffer's largest step, which the rounds
 // keep within the bound.
-template <typename T>
-void Fit(size_t size, std::vector<T>* v) {
+template <typename Vector>
+void Fit(size_t size, Vector* v) {
   v->reserve(size);
   v->resize(size);
 }

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 
+#include "epmoe/caches.h"
 #include "epmoe/thread_pool.h"
 
 namespace epmoe::kernels {
@@ -257,8 +258,8 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
     for (int64_t r0 = 0; r0 < count; r0 += block) {
       const int64_t n_rows = std::min(block, count - r0);
       const uint8_t* acts = inputs + (first + r0) * hidden_stride;
-      kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width);
-      kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width);
+      kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width, OutputWrites::kCached);
+      kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width, OutputWrites::kCached);
       for (int64_t r = 0; r < n_rows; ++r)
         kernel.SwiGlu(gate.data() + r * width, up.data() + r * width, width,
                       mid.data() + (first + r0 + r) * intermediate_ + item.n_begin);
@@ -271,7 +272,18 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   mid_acts.resize(total * mid_stride);
   QuantizeActivationRows(kernel, mid.data(), total, intermediate_, mid_acts.data(), mid_stride, pool);
 
-  // Phase 4: down projection straight into the output rows.
+  // Phase 4: down projection straight into the output rows, past the caches when they are larger
+  // than the last-level caches (OutputWrites::kStreamed): written as they were, each row's part of
+  // an item (1 KB here) to lines not in cache, they were read from memory first and evicted the
+  // panel and activations the tiles read (nvfp4, two threads, the two alternated in one process: T = 1024 /
+  // 8192 5 / 6% less time; with the outputs now on cache lines (Matrix), against the old build,
+  // T = 1024: nvfp4 / int8 / bf16 5.5 / 3.5 / 2.5% less; T = 8 - 256, 4 - 16 MB of outputs here,
+  // streamed or not, level).
+  const int64_t last_level_cache = LastLevelCacheBytes();
+  const OutputWrites down_writes =
+      last_level_cache > 0 && total * hidden_ * static_cast<int64_t>(sizeof(float)) > last_level_cache
+          ? OutputWrites::kStreamed
+          : OutputWrites::kCached;
   const std::vector<WorkItem> down_items =
       MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1, kernel.channel_tile());
   ForEachItemInRuns(pool, down_items, [&](const WorkItem& item) {
@@ -281,7 +293,7 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
     for (int64_t r0 = 0; r0 < count; r0 += block) {
       const int64_t n_rows = std::min(block, count - r0);
       kernel.MatMul(experts_[item.expert].down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride,
-                    n_rows, out + (first + r0) * hidden_ + item.n_begin, hidden_);
+                    n_rows, out + (first + r0) * hidden_ + item.n_begin, hidden_, down_writes);
     }
   });
 }

@@ -118,6 +118,13 @@ PackedMatrix PackMatrix(const QuantizedMatrix& q, PackLayout layout);
 // Row n of a packed matrix as fp32 (cols values); any layout.
 void DequantizePackedRow(const PackedMatrix& w, int64_t n, float* out);
 
+// How MatMul writes its outputs. kCached: ordinary stores, for outputs that are read again soon.
+// kStreamed: for outputs that will not be (larger than the caches): every output vector that is a
+// whole aligned cache line is written with a non-temporal store, which neither reads the line from
+// memory first nor evicts the weights and activations the kernel reads (KernelExpertStore's down
+// projection). A kernel may write ordinarily either way (the reference kernel does).
+enum class OutputWrites { kCached, kStreamed };
+
 // A matrix kernel: stateless and thread-safe.
 class MatrixKernel {
  public:
@@ -138,9 +145,10 @@ class MatrixKernel {
   // out[r * out_stride + (n - n_begin)] = dot(weights row n, activation row r) for r in [0, rows)
   // and n in [n_begin, n_end); activation row r starts at acts + r * ActivationBytes(w.cols).
   // Reads each weight once from memory for all `rows` (rows are tiled in registers, weights are
-  // re-read from cache for further row tiles).
+  // re-read from cache for further row tiles). The outputs are visible to other threads once it
+  // returns, however written.
   virtual void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows,
-                      float* out, int64_t out_stride) const = 0;
+                      float* out, int64_t out_stride, OutputWrites writes) const = 0;
   // out[i] = silu(gate[i]) * up[i] for i in [0, count).
   virtual void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const;
 };

@@ -171,7 +171,7 @@ Result<QuantizedMatrix> Quantize(WeightFormat format, const Matrix& weights) {
   q.cols = weights.cols;
   const int64_t count = weights.rows * weights.cols;
   switch (format) {
-    case WeightFormat::kFp32: q.fp32 = weights.data; break;
+    case WeightFormat::kFp32: q.fp32.assign(weights.data.begin(), weights.data.end()); break;
     case WeightFormat::kBf16:
       q.bf16.resize(count);
       for (int64_t i = 0; i < count; ++i) q.bf16[i] = Bf16FromFloat(weights.data[i]);

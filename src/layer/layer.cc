@@ -51,7 +51,8 @@ void MakeSyntheticRouting(const ModelConfig& model, int layer, uint64_t seed, Th
   w->layer = layer;
   w->router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
   if (model.correction_bias) {
-    w->correction_bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts}).data;
+    const Matrix bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts});
+    w->correction_bias.assign(bias.data.begin(), bias.data.end());
   }
 }
 

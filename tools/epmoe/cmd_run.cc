@@ -183,9 +183,11 @@ class Inputs {
       for (int l = 0; l < o.layers; ++l) {
         routers_.push_back(
             SyntheticMatrix(o.seed, {TensorKind::kRouter, l, 0, model.num_experts, model.hidden}, &pool));
-        biases_.push_back(model.correction_bias
-                              ? SyntheticMatrix(o.seed, {TensorKind::kCorrectionBias, l, 0, 1, model.num_experts}).data
-                              : std::vector<float>());
+        std::vector<float>& bias = biases_.emplace_back();
+        if (model.correction_bias) {
+          const Matrix values = SyntheticMatrix(o.seed, {TensorKind::kCorrectionBias, l, 0, 1, model.num_experts});
+          bias.assign(values.data.begin(), values.data.end());
+        }
       }
     }
     return Status::Ok();

@@ -23,6 +23,7 @@
 #include <iterator>
 
 #include "kernels/cpu/exp_polynomial.h"
+#include "kernels/cpu/streamed_stores.h"
 #include "kernels/kernel.h"
 
 namespace epmoe::kernels {
@@ -83,13 +84,25 @@ int32_t SumInt8(const int8_t* q, int64_t count) {
 // Where a tile reads and writes.
 struct TileArgs {
   const PackedMatrix* weights;
-  int64_t block;        // the tile's channel block
-  const uint8_t* acts;  // first activation row of the tile
-  int64_t act_stride;   // bytes between activation rows
-  float* out;           // 4-bit: output of (first row, first channel of the block)
-  int64_t out_stride;   // floats between output rows
-  bool stream;          // 4-bit: the first row tile over the block, which prefetches it
+  int64_t block;          // the tile's channel block
+  const uint8_t* acts;    // first activation row of the tile
+  int64_t act_stride;     // bytes between activation rows
+  float* out;             // 4-bit: output of (first row, first channel of the block)
+  int64_t out_stride;     // floats between output rows
+  bool stream;            // 4-bit: the first row tile over the block, which prefetches it
+  bool streamed_outputs;  // MatMul's OutputWrites::kStreamed (StoreOutput)
 };
+
+// Writes 8 outputs at `to`: with `streamed`, a non-temporal store where they are an aligned half
+// cache line (a tile writes both halves of a line one after the other; MatrixKernel::MatMul,
+// OutputWrites::kStreamed).
+inline void StoreOutput(float* to, __m256 v, bool streamed) {
+  if (streamed && reinterpret_cast<uintptr_t>(to) % 32 == 0) {
+    _mm256_stream_ps(to, v);
+  } else {
+    _mm256_storeu_ps(to, v);
+  }
+}
 
 // What differs between fp32, bf16 and int8: how a 32-byte half of a weight vector is prepared once
 // for all rows, how a row's input group is broadcast, the multiply-add, and how an accumulator
@@ -270,8 +283,8 @@ struct FourBit {
       const float act_scale = LoadFloat(a.acts + r * a.act_stride + ScaleOffset(m.cols));
       const __m256 factor = _mm256_set1_ps(0.5f * act_scale * tensor);
       for (int h = 0; h < 2; ++h)
-        _mm256_storeu_ps(a.out + r * a.out_stride + 8 * h,
-                         _mm256_mul_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(kScaleFactor)), factor));
+        StoreOutput(a.out + r * a.out_stride + 8 * h,
+                    _mm256_mul_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(kScaleFactor)), factor), a.streamed_outputs);
     }
   }
 };
@@ -333,8 +346,9 @@ void RunDenseTiles(const TileArgs& base, int64_t block_begin, int64_t block_end,
         const uint8_t* row = base.acts + (batch + r) * base.act_stride;
         for (int64_t j = b; j < end; ++j)
           for (int h = 0; h < 2; ++h)
-            _mm256_storeu_ps(base.out + (batch + r) * base.out_stride + (j - block_begin) * kLanes + 8 * h,
-                             Dot::Finish(base, row, j, h, state[(r * kStateBlocks + (j - b)) * 2 + h]));
+            StoreOutput(base.out + (batch + r) * base.out_stride + (j - block_begin) * kLanes + 8 * h,
+                        Dot::Finish(base, row, j, h, state[(r * kStateBlocks + (j - b)) * 2 + h]),
+                        base.streamed_outputs);
       }
     }
     b = end;
@@ -396,8 +410,10 @@ class Avx2Kernel final : public MatrixKernel {
   }
 
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
-    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, false};
+              int64_t out_stride, OutputWrites writes) const override {
+    const TileArgs base{&w,  0,          acts,  ActivationBytes(w.cols),
+                        out, out_stride, false, writes == OutputWrites::kStreamed};
+    const FenceStreamedStores fence{base.streamed_outputs};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     switch (format_) {
       case WeightFormat::kFp32: return RunDenseTiles<Fp32Dot>(base, block_begin, block_end, rows);

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kernels/cpu/exp_polynomial.h"
+#include "kernels/cpu/streamed_stores.h"
 #include "kernels/kernel.h"
 
 namespace epmoe::kernels {
@@ -91,11 +92,12 @@ inline __m512i DotAdd(__m512i acc, __m512i w, __m512i x) {
 // Where a tile reads and writes.
 struct TileArgs {
   const PackedMatrix* weights;
-  int64_t block;        // first channel block of the tile
-  const uint8_t* acts;  // first activation row of the tile
-  int64_t act_stride;   // bytes between activation rows
-  float* out;           // output of (first row, first channel of the tile)
-  int64_t out_stride;   // floats between output rows
+  int64_t block;          // first channel block of the tile
+  const uint8_t* acts;    // first activation row of the tile
+  int64_t act_stride;     // bytes between activation rows
+  float* out;             // output of (first row, first channel of the tile)
+  int64_t out_stride;     // floats between output rows
+  bool streamed_outputs;  // MatMul's OutputWrites::kStreamed (StoreOutput)
   // 4-bit prefill: the panel's weights expanded to int8 in the kChannelBlocked arrangement, and
   // their block scale factors as fp32 (FourBit::LaneFactors), starting at channel block
   // `panel_block`.
@@ -109,6 +111,16 @@ struct TileArgs {
 };
 
 using TileFn = void (*)(const TileArgs&);
+
+// Writes 16 outputs at `to`: with `streamed`, a non-temporal store where they are a whole aligned
+// cache line (MatrixKernel::MatMul, OutputWrites::kStreamed).
+inline void StoreOutput(float* to, __m512 v, bool streamed) {
+  if (streamed && reinterpret_cast<uintptr_t>(to) % 64 == 0) {
+    _mm512_stream_ps(to, v);
+  } else {
+    _mm512_storeu_ps(to, v);
+  }
+}
 
 // The shortest row tile RunTiles makes for `fewest_rows` to `most_rows` rows in tiles of up to
 // `max_rows`. (From max_rows x (max_rows - 1) rows on, every tile has at least max_rows - 1 rows,
@@ -324,7 +336,7 @@ struct DenseTile {
     for (int r = 0; r < R; ++r) {
       const uint8_t* row = acts + r * a.act_stride;
       for (int j = 0; j < B; ++j)
-        _mm512_storeu_ps(out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]));
+        StoreOutput(out + r * a.out_stride + j * kLanes, Dot::Finish(a, row, j, acc[r][j]), a.streamed_outputs);
     }
   }
 
@@ -472,9 +484,10 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
     }
   }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
+              int64_t out_stride, OutputWrites writes) const override {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
-    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
+    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, writes == OutputWrites::kStreamed};
+    const FenceStreamedStores fence{base.streamed_outputs};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows <= kStreamRows) {
       RunTiles<DenseTiles<Dot>::template Stream, 1, kStreamRows, kDenseBlocks>(base, block_begin, block_end, rows);
@@ -606,8 +619,8 @@ struct FourBit {
       const __m512 factor = _mm512_set1_ps(0.5f * act_scale * tensor);
       // acc first, which is small by kScaleFactor (so factor * kScaleFactor cannot overflow).
       for (int j = 0; j < B; ++j)
-        _mm512_storeu_ps(a.out + r * a.out_stride + j * kLanes,
-                         _mm512_mul_ps(_mm512_mul_ps(acc[r][j], _mm512_set1_ps(kScaleFactor)), factor));
+        StoreOutput(a.out + r * a.out_stride + j * kLanes,
+                    _mm512_mul_ps(_mm512_mul_ps(acc[r][j], _mm512_set1_ps(kScaleFactor)), factor), a.streamed_outputs);
     }
   }
 
@@ -804,9 +817,10 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
     std::memcpy(out + Ops::ScaleOffset(cols), &scale, 4);
   }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
+              int64_t out_stride, OutputWrites writes) const override {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
-    TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride};
+    TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, writes == OutputWrites::kStreamed};
+    const FenceStreamedStores fence{base.streamed_outputs};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows == 1) {
       // One row runs the 2-row tile over the row twice (activation and output stride 0: read again,

@@ -18,8 +18,9 @@ class ReferenceKernel final : public MatrixKernel {
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
     std::memcpy(out, x, cols * sizeof(float));
   }
+  // Writes ordinarily whatever `writes` asks.
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
-              int64_t out_stride) const override {
+              int64_t out_stride, OutputWrites /*writes*/) const override {
     std::vector<float> weights(w.cols);
     for (int64_t n = n_begin; n < n_end; ++n) {
       DequantizePackedRow(w, n, weights.data());
