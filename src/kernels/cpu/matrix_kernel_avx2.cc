@@ -411,9 +411,9 @@ class Avx2Kernel final : public MatrixKernel {
 
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride, OutputWrites writes) const override {
-    const TileArgs base{&w,  0,          acts,  ActivationBytes(w.cols),
-                        out, out_stride, false, writes == OutputWrites::kStreamed};
-    const FenceStreamedStores fence{base.streamed_outputs};
+    const bool streamed = writes == OutputWrites::kStreamed;
+    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, false, streamed};
+    const FenceStreamedStores fence{streamed};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     switch (format_) {
       case WeightFormat::kFp32: return RunDenseTiles<Fp32Dot>(base, block_begin, block_end, rows);

@@ -486,8 +486,9 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride, OutputWrites writes) const override {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
-    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, writes == OutputWrites::kStreamed};
-    const FenceStreamedStores fence{base.streamed_outputs};
+    const bool streamed = writes == OutputWrites::kStreamed;
+    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, streamed};
+    const FenceStreamedStores fence{streamed};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows <= kStreamRows) {
       RunTiles<DenseTiles<Dot>::template Stream, 1, kStreamRows, kDenseBlocks>(base, block_begin, block_end, rows);
@@ -819,8 +820,9 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride, OutputWrites writes) const override {
     EPMOE_CHECK(n_begin % kLanes == 0 && n_end % kLanes == 0);
-    TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, writes == OutputWrites::kStreamed};
-    const FenceStreamedStores fence{base.streamed_outputs};
+    const bool streamed = writes == OutputWrites::kStreamed;
+    TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, streamed};
+    const FenceStreamedStores fence{streamed};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     if (rows == 1) {
       // One row runs the 2-row tile over the row twice (activation and output stride 0: read again,
