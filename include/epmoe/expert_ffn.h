@@ -50,7 +50,9 @@ class ExpertStore {
 
   // rows: [offsets[E] x hidden]; rows offsets[e] .. offsets[e+1]-1 belong to expert e (E + 1
   // offsets, non-decreasing, offsets[0] == 0). Writes each row's expert output to the same row of
-  // out ([offsets[E] x hidden]). Experts with no rows are not read.
+  // out ([offsets[E] x hidden]). Experts with no rows are not read. An `out` larger than the
+  // last-level caches is written past them (non-temporal stores, where out's rows start on 64-byte
+  // boundaries, as a Matrix's do), so that its writes do not evict the weights being read.
   virtual void Run(const float* rows, std::span<const int64_t> offsets, float* out, ThreadPool& pool) const = 0;
   // Run in two halves, so rows can travel in the kernel's own input format: QuantizeRows writes
   // `count` rows as the kernel takes them (activation_row_bytes() each: fp32, bf16, or int8 with
