@@ -79,7 +79,9 @@ inline const uint8_t* StreamAhead(const uint8_t* tile, int blocks, int64_t block
   return tile + ahead + (ahead >= block_bytes ? (blocks - 1) * block_bytes : 0);
 }
 
-inline void PrefetchL2(const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1); }
+inline void PrefetchL2(const uint8_t* at) {
+  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+}
 
 // acc + the lane-wise sums of 4 products of unsigned w and signed x bytes (VPDPBUSD). Written in
 // assembly because GCC 12 copies the intrinsic's accumulator before and after every instruction,
