@@ -275,10 +275,10 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   // Phase 4: down projection straight into the output rows, past the caches when they are larger
   // than the last-level caches (OutputWrites::kStreamed): written as they were, each row's part of
   // an item (1 KB here) to lines not in cache, they were read from memory first and evicted the
-  // panel and activations the tiles read (nvfp4, two threads, the two alternated in one process: T = 1024 /
-  // 8192 5 / 6% less time; with the outputs now on cache lines (Matrix), against the old build,
-  // T = 1024: nvfp4 / int8 / bf16 5.5 / 3.5 / 2.5% less; T = 8 - 256, 4 - 16 MB of outputs here,
-  // streamed or not, level).
+  // panel and activations the tiles read (nvfp4, two threads, the two alternated in one process:
+  // T = 1024 / 8192 5 / 6% less time; with the outputs now on cache lines (Matrix), against the
+  // old build, T = 1024: nvfp4 / int8 / bf16 5.5 / 3.5 / 2.5% less; T = 8 - 256, 4 - 16 MB of
+  // outputs here, streamed or not, level).
   const int64_t last_level_cache = LastLevelCacheBytes();
   const OutputWrites down_writes =
       last_level_cache > 0 && total * hidden_ * static_cast<int64_t>(sizeof(float)) > last_level_cache
