@@ -30,6 +30,9 @@ struct MoeLayerWeights {
 
 // Synthetic weights for MoE layer `layer` (see synthetic.h): deterministic from the seed.
 MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);
+// Only its routing weights (router and correction bias; no experts), the same as
+// MakeSyntheticLayer's.
+MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);
 // Expert e of layer `layer`, or the intermediate slice [begin, end) of it (still a valid expert:
 // the full expert's output is the sum of its slices' outputs).
 ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed,

@@ -46,17 +46,18 @@ Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& pick
   return Status::Ok();
 }
 
-// The synthetic layer's router and correction bias (the weights besides the experts).
-void MakeSyntheticRouting(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool, MoeLayerWeights* w) {
-  w->layer = layer;
-  w->router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
+}  // namespace
+
+MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool) {
+  MoeLayerWeights w;
+  w.layer = layer;
+  w.router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
   if (model.correction_bias) {
     const Matrix bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts});
-    w->correction_bias.assign(bias.data.begin(), bias.data.end());
+    w.correction_bias.assign(bias.data.begin(), bias.data.end());
   }
+  return w;
 }
-
-}  // namespace
 
 ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed, int64_t begin,
                                   int64_t end) {
@@ -71,8 +72,7 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
 }
 
 MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool) {
-  MoeLayerWeights w;
-  MakeSyntheticRouting(model, layer, seed, pool, &w);
+  MoeLayerWeights w = MakeSyntheticRouting(model, layer, seed, pool);
   w.experts.resize(model.num_experts);
   auto make = [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) w.experts[e] = MakeSyntheticExpert(model, layer, static_cast<int>(e), seed);
@@ -181,8 +181,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
 
 Result<std::unique_ptr<MoeLayer>> MoeLayer::CreateSynthetic(const ModelConfig& model, int layer_index, uint64_t seed,
                                                             const PackOptions& options) {
-  MoeLayerWeights routing;
-  MakeSyntheticRouting(model, layer_index, seed, options.pool, &routing);
+  MoeLayerWeights routing = MakeSyntheticRouting(model, layer_index, seed, options.pool);
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
   layer->router_ = std::move(routing.router);

@@ -180,15 +180,7 @@ class Inputs {
       }
       if (steps_.empty()) return InvalidArgument(fmt::format("--trace {}: no steps", o.trace));
     } else if (o.routing == "scores") {
-      for (int l = 0; l < o.layers; ++l) {
-        routers_.push_back(
-            SyntheticMatrix(o.seed, {TensorKind::kRouter, l, 0, model.num_experts, model.hidden}, &pool));
-        std::vector<float>& bias = biases_.emplace_back();
-        if (model.correction_bias) {
-          const Matrix values = SyntheticMatrix(o.seed, {TensorKind::kCorrectionBias, l, 0, 1, model.num_experts});
-          bias.assign(values.data.begin(), values.data.end());
-        }
-      }
+      for (int l = 0; l < o.layers; ++l) routing_.push_back(MakeSyntheticRouting(model, l, o.seed, &pool));
     }
     return Status::Ok();
   }
@@ -206,7 +198,10 @@ class Inputs {
                 std::vector<float>(all.weights.begin() + first * k, all.weights.begin() + (first + rows.rows) * k)};
       return Status::Ok();
     }
-    if (o_.routing == "scores") return Router(model_).Route(rows, routers_[layer], biases_[layer], picks);
+    if (o_.routing == "scores") {
+      const MoeLayerWeights& routing = routing_[layer];
+      return Router(model_).Route(rows, routing.router, routing.correction_bias, picks);
+    }
     if (o_.routing == "round_robin") {
       *picks = RoundRobinPicks(model_, rows.rows, first);
     } else {
@@ -220,8 +215,7 @@ class Inputs {
   RunOptions o_;
   std::unique_ptr<TraceReader> reader_;
   std::vector<StepPicks> steps_;
-  std::vector<Matrix> routers_;
-  std::vector<std::vector<float>> biases_;
+  std::vector<MoeLayerWeights> routing_;  // "scores" routing: each layer's router and correction bias
 };
 
 struct OptionResult {
