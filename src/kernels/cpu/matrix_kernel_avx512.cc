@@ -62,11 +62,18 @@ inline __m512i BroadcastGroup(const uint8_t* at) {
 // single prefetch into L1 4 KB ahead was slower than into L2 (nvfp4 1 row 19 against 23 GB/s).
 constexpr int64_t kFourBitL1PrefetchBytes = 512;
 
-// How far ahead the dense streaming tiles (one stream of interleaved blocks) prefetch: one thread,
-// int8 from memory at 1 / 2 / 4 rows, 1 KB: 33.6 - 36.4 / 34.3 - 35.0 / 31.1 - 31.9 GB/s; 2 KB:
-// 35.1 - 38.2 / 35.1 - 36.6 / 28.4 - 30.4; 3 KB: 35.1 - 36.7 / 33.8 - 35.9 / 20.8 - 20.9; 4 KB:
-// 34.5 - 36.7 / 32.1 - 32.2 / 20.1 - 20.6.
-constexpr int64_t kDensePrefetchBytes = 1024;
+// How far ahead the dense streaming tiles (one stream of interleaved blocks) prefetch into L2, and in
+// tiles of up to how many rows: taller tiles read faster with the hardware prefetchers alone. Two
+// threads, every expert with the same rows, the memory's fast state (60 - 66 GB/s; the slow state
+// level within 2%), fraction of the read rate measured just before each run, medians of 5 runs of
+// the variants alternated in one process, int8 at 1 / 2 / 3 / 4 / 5 / 6 rows: 1 KB ahead at every
+// height (until session 19) 0.86 / 0.83 / 0.78 / 0.72 / 0.69 / 0.66; 2 KB 0.90 / 0.83 / 0.79 /
+// 0.71 / 0.60 / 0.46; none 0.86 / 0.83 / 0.82 / 0.77 / 0.73 / 0.69 (4 - 16 KB, in other runs,
+// slower at 1 - 5 rows). fp32 and bf16 at 4 - 6 rows gain as int8 (fp32 6 rows 0.74 -> 0.83). Why a
+// prefetch that is neither just ahead nor far ahead slows a tile with this much arithmetic per line
+// is not known (no hardware counters in this VM). The 4-bit tiles, which read their blocks as
+// separate streams, were 18 - 36% slower at 4 - 8 rows with the hardware prefetchers alone.
+constexpr int64_t kDensePrefetchBytes = 2048, kDensePrefetchMaxRows = 2;
 
 // Where a 4-bit streaming tile prefetches: `ahead` bytes past its current position in the first of
 // the B contiguous blocks (each `block_bytes`) that start at `tile`; block j's stream prefetches
@@ -292,7 +299,8 @@ struct DenseTile {
         for (int j = 0; j < B; ++j) {
           const uint8_t* at = address(j, g);
           // A group is one stream, which runs on into the next group.
-          if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(at + kDensePrefetchBytes), _MM_HINT_T1);
+          if constexpr (kStream && R <= kDensePrefetchMaxRows)
+            _mm_prefetch(reinterpret_cast<const char*>(at + kDensePrefetchBytes), _MM_HINT_T1);
           wv[j] = _mm512_loadu_si512(at);
           // Held in a register: without this GCC 12 loaded the vector again for every row of some
           // tiles (3 rows x 4 blocks: 12 loads for 12 multiply-adds; BM_MatMulCached, int8 at 3
