@@ -62,17 +62,19 @@ inline __m512i BroadcastGroup(const uint8_t* at) {
 // single prefetch into L1 4 KB ahead was slower than into L2 (nvfp4 1 row 19 against 23 GB/s).
 constexpr int64_t kFourBitL1PrefetchBytes = 512;
 
-// How far ahead the dense streaming tiles (one stream of interleaved blocks) prefetch into L2, and in
-// tiles of up to how many rows: taller tiles read faster with the hardware prefetchers alone. Two
-// threads, every expert with the same rows, the memory's fast state (60 - 66 GB/s; the slow state
-// level within 2%), fraction of the read rate measured just before each run, medians of 5 runs of
-// the variants alternated in one process, int8 at 1 / 2 / 3 / 4 / 5 / 6 rows: 1 KB ahead at every
-// height (until session 19) 0.86 / 0.83 / 0.78 / 0.72 / 0.69 / 0.66; 2 KB 0.90 / 0.83 / 0.79 /
-// 0.71 / 0.60 / 0.46; none 0.86 / 0.83 / 0.82 / 0.77 / 0.73 / 0.69 (4 - 16 KB, in other runs,
-// slower at 1 - 5 rows). fp32 and bf16 at 4 - 6 rows gain as int8 (fp32 6 rows 0.74 -> 0.83). Why a
-// prefetch that is neither just ahead nor far ahead slows a tile with this much arithmetic per line
-// is not known (no hardware counters in this VM). The 4-bit tiles, which read their blocks as
-// separate streams, were 18 - 36% slower at 4 - 8 rows with the hardware prefetchers alone.
+// How far ahead the dense streaming tiles (one stream of interleaved blocks) prefetch into L2, and
+// in tiles of up to how many rows: taller tiles read faster with the hardware prefetchers alone.
+// Two threads, every expert with the same rows, the memory's fast state (60 - 66 GB/s; the slow
+// state level within 2%), fraction of the read rate measured just before each run, medians of 5
+// runs of the variants alternated in one process, int8 at 1 / 2 / 3 / 4 / 5 / 6 rows:
+//   1 KB ahead at every height (until session 19)  0.86 / 0.83 / 0.78 / 0.72 / 0.69 / 0.66
+//   2 KB ahead                                      0.90 / 0.83 / 0.79 / 0.71 / 0.60 / 0.46
+//   none                                            0.86 / 0.83 / 0.82 / 0.77 / 0.73 / 0.69
+// (4 - 16 KB, in other runs, slower at 1 - 5 rows). fp32 and bf16 at 4 - 6 rows gain as int8 (fp32
+// 6 rows 0.74 -> 0.83). Why a prefetch that is neither just ahead nor far ahead slows a tile with
+// this much arithmetic per line is not known (no hardware counters in this VM). The 4-bit tiles,
+// which read their blocks as separate streams, were 18 - 36% slower at 4 - 8 rows with the
+// hardware prefetchers alone.
 constexpr int64_t kDensePrefetchBytes = 2048, kDensePrefetchMaxRows = 2;
 
 // Where a 4-bit streaming tile prefetches: `ahead` bytes past its current position in the first of
