@@ -701,12 +701,12 @@ struct FourBit {
             // dropped (one thread, BM_MatMul at 1 - 3 rows, medians of 5 alternated runs: nvfp4 +4 -
             // 5%, mxfp4 +14 - 21%; the layer at T = 1 / 8 / 16, one thread: nvfp4 0.80 / 0.81 /
             // 0.78 -> 0.84 / 0.85 / 0.83 of the bound, mxfp4 0.75 / 0.78 / 0.77 -> 0.80 / 0.83 /
-            // 0.84). The 4-row tile too since session 20 (session 12 had measured it one thread
+            // 0.84). The 4-row tile too since session 20 (session 11 had measured it one thread
             // alone, BM_MatMul: mxfp4 9 - 15% slower): in the layer, two threads, every expert 4
-            // rows, fraction of the read rate, medians of 11 - 21 runs alternated in one process,
+            // rows, fraction of the read rate, medians of 7 - 21 runs alternated in one process,
             // nvfp4 0.86 - 0.87 -> 0.90 - 0.91 (slow memory state) and 0.55 -> 0.65 (fast), mxfp4
-            // 0.67 - 0.89 -> 0.70 - 0.91; the skewed T = 64 layer +1 - 6%, T = 16 level (mxfp4 -1%);
-            // one thread, 4 rows: nvfp4 0.58 -> 0.69, mxfp4 0.68 -> 0.70.
+            // 0.65 - 0.89 -> 0.66 - 0.91; the skewed T = 64 layer +0.5 - 6.5%, T = 16 level (mxfp4
+            // -1 - 2%); one thread, 4 rows: nvfp4 0.58 -> 0.69, mxfp4 0.68 -> 0.70.
             if constexpr (R <= kStreamRows) {
               PrefetchL2(far + j * block_bytes);
               PrefetchL2(far + j * block_bytes + 64);
