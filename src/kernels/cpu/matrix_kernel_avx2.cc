@@ -94,6 +94,7 @@ struct TileArgs {
   int64_t out_stride;     // floats between output rows
   bool stream;            // 4-bit: the first row tile over the block, which prefetches it
   bool streamed_outputs;  // MatMul's OutputWrites::kStreamed (StoreOutput)
+  bool prefetch_twice = false;  // dense: the call has one batch of rows (DenseTile)
 };
 
 // Writes 8 outputs at `to`: with `streamed`, a non-temporal store where they are an aligned half
@@ -213,15 +214,18 @@ void DenseTile(const TileArgs& a, int64_t g_begin, int64_t g_end, typename Dot::
       }
     }
   };
-  // Each line a second time, farther ahead: a tile over part of the group a chunk further, one over
-  // the whole group kFarPrefetchSteps times as far where Dot::kFarPrefetch (0: not at all). Session
-  // 20, AVX2 forced on Zen 4, two threads, fraction of the read rate, medians of 7 alternations in
-  // one process: the second prefetch of the partial tiles, every expert at 2 / 3 rows, fp32 0.65 -
-  // 0.70 -> 0.87 - 0.95 / 0.57 - 0.79 -> 0.77 - 0.88, bf16 0.76 - 0.86 -> 0.84 - 0.94 / 0.68 - 0.87
-  // -> 0.79 - 0.96, int8 0.61 - 0.82 -> 0.83 - 0.95 / 0.59 - 0.90 -> 0.60 - 0.94; the skewed layer
-  // at T = 16 / 64, fp32 0.77 / 0.62 -> 0.92 - 0.93 / 0.76 - 0.81 (fast memory state), bf16 0.88 /
-  // 0.81 -> 0.94 / 0.87 (slow), int8 T = 8 / 16 / 64 +1 - 4% / +0 - 9% / +0 - 2%.
-  const int64_t far = B < group.count ? 2 * ahead : Dot::kFarPrefetch ? kFarPrefetchSteps * ahead : 0;
+  // In a call of one batch of rows, each line a second time, farther ahead: a tile over part of the
+  // group a chunk further, one over the whole group kFarPrefetchSteps times as far where
+  // Dot::kFarPrefetch (0: not at all). Session 20, AVX2 forced on Zen 4, two threads, fraction of
+  // the read rate, medians of 7 alternations in one process: the second prefetch of the partial
+  // tiles, every expert at 2 / 3 rows, fp32 0.65 - 0.70 -> 0.87 - 0.95 / 0.57 - 0.79 -> 0.77 -
+  // 0.88, bf16 0.76 - 0.86 -> 0.84 - 0.94 / 0.68 - 0.87 -> 0.79 - 0.96, int8 0.61 - 0.82 -> 0.83 -
+  // 0.95 / 0.59 - 0.90 -> 0.60 - 0.94; the skewed layer at T = 16 / 64, fp32 0.77 / 0.62 -> 0.92 -
+  // 0.93 / 0.76 - 0.81 (fast memory state), bf16 0.88 / 0.81 -> 0.94 / 0.87 (slow), int8 T = 8 /
+  // 16 / 64 +1 - 4% / +0 - 9% / +0 - 2%. Over more rows (T = 256 and 1024) it cost 1 - 3%: later
+  // batches read the weights again from cache.
+  int64_t far = 0;
+  if (a.prefetch_twice) far = B < group.count ? 2 * ahead : Dot::kFarPrefetch ? kFarPrefetchSteps * ahead : 0;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int j = 0; j < B; ++j) Prefetch(w + g * stride + ahead + 64 * j);
     if (far != 0)
@@ -370,6 +374,7 @@ void RunDenseTiles(const TileArgs& base, int64_t block_begin, int64_t block_end,
             TileArgs a = base;
             a.block = j;
             a.acts = base.acts + (batch + r) * base.act_stride;
+            a.prefetch_twice = rows <= kBatchRows;
             kTiles[tile_rows - 1][std::min(max_blocks, end - j) - 1](a, g, std::min(groups, g + kChunkGroups),
                                                                      &state[(r * kStateBlocks + (j - b)) * 2]);
           }
