@@ -698,9 +698,9 @@ struct FourBit {
             // The short tiles (up to kStreamRows rows), which do the least arithmetic per byte,
             // prefetch each line again twice as far ahead. A single prefetch 16 KB ahead was level
             // (session 10), so it is the repetition that helps, as if the first were sometimes
-            // dropped (one thread, BM_MatMul at 1 - 3 rows, medians of 5 alternated runs: nvfp4 +4 -
-            // 5%, mxfp4 +14 - 21%; the layer at T = 1 / 8 / 16, one thread: nvfp4 0.80 / 0.81 /
-            // 0.78 -> 0.84 / 0.85 / 0.83 of the bound, mxfp4 0.75 / 0.78 / 0.77 -> 0.80 / 0.83 /
+            // dropped (one thread, BM_MatMul at 1 - 3 rows, medians of 5 alternated runs: nvfp4
+            // +4 - 5%, mxfp4 +14 - 21%; the layer at T = 1 / 8 / 16, one thread: nvfp4 0.80 / 0.81
+            // / 0.78 -> 0.84 / 0.85 / 0.83 of the bound, mxfp4 0.75 / 0.78 / 0.77 -> 0.80 / 0.83 /
             // 0.84). The 4-row tile too since session 20 (session 11 had measured it one thread
             // alone, BM_MatMul: mxfp4 9 - 15% slower): in the layer, two threads, every expert 4
             // rows, fraction of the read rate, medians of 7 - 21 runs alternated in one process,
