@@ -153,13 +153,13 @@ struct Bf16Dot {
 // int8 activation row: cols int8 values, padded to 32 bytes, then the fp32 scale.
 struct Int8Dot {
   static constexpr int kValueBytes = 1, kMaxRows = 3;
-  // Whole-group tiles prefetch each line a second time, kFarPrefetchSteps times as far ahead (at
-  // one row the int8 dot spends 6 instructions per 32 bytes, bf16 4, fp32 1). Session 20, AVX2
-  // forced on Zen 4, two threads, the skewed layer, fraction of the read rate, medians of 7 - 11
-  // alternations in one process: int8 T = 1 / 8 0.84 / 0.84 -> 0.90 - 0.92 / 0.90 in the slow
-  // memory state, 0.46 - 0.52 / 0.54 - 0.56 -> 0.57 - 0.60 / 0.64 - 0.66 in the fast; the same
-  // made bf16 6 - 15% and fp32 10 - 23% slower in the fast state (fp32 T = 1 0.92 - 0.97 -> 0.72 -
-  // 0.80).
+  // Whole-group tiles prefetch each line a second time, kFarPrefetchSteps times as far ahead (in
+  // calls of one batch of rows, DenseTile; at one row the int8 dot spends 6 instructions per 32
+  // bytes, bf16 4, fp32 1). Session 20, AVX2 forced on Zen 4, two threads, the skewed layer,
+  // fraction of the read rate, medians of 7 - 11 alternations in one process: int8 T = 1 / 8 0.84
+  // / 0.84 -> 0.90 - 0.92 / 0.90 in the slow memory state, 0.46 - 0.52 / 0.54 - 0.56 -> 0.57 -
+  // 0.60 / 0.64 - 0.66 in the fast; the same made bf16 6 - 15% and fp32 10 - 23% slower in the
+  // fast state (fp32 T = 1 0.92 - 0.97 -> 0.72 - 0.80).
   static constexpr bool kFarPrefetch = true;
   using Acc = __m256i;
   struct Weights {
