@@ -94,7 +94,7 @@ struct TileArgs {
   int64_t out_stride;     // floats between output rows
   bool stream;            // 4-bit: the first row tile over the block, which prefetches it
   bool streamed_outputs;  // MatMul's OutputWrites::kStreamed (StoreOutput)
-  bool prefetch_twice = false;  // dense: the call has one batch of rows (DenseTile)
+  bool prefetch_twice;    // dense: the call has one batch of rows (DenseTile)
 };
 
 // Writes 8 outputs at `to`: with `streamed`, a non-temporal store where they are an aligned half
@@ -374,7 +374,6 @@ void RunDenseTiles(const TileArgs& base, int64_t block_begin, int64_t block_end,
             TileArgs a = base;
             a.block = j;
             a.acts = base.acts + (batch + r) * base.act_stride;
-            a.prefetch_twice = rows <= kBatchRows;
             kTiles[tile_rows - 1][std::min(max_blocks, end - j) - 1](a, g, std::min(groups, g + kChunkGroups),
                                                                      &state[(r * kStateBlocks + (j - b)) * 2]);
           }
@@ -450,7 +449,7 @@ class Avx2Kernel final : public MatrixKernel {
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
               int64_t out_stride, OutputWrites writes) const override {
     const bool streamed = writes == OutputWrites::kStreamed;
-    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, false, streamed};
+    const TileArgs base{&w, 0, acts, ActivationBytes(w.cols), out, out_stride, false, streamed, rows <= kBatchRows};
     const FenceStreamedStores fence{streamed};
     const int64_t block_begin = n_begin / kLanes, block_end = n_end / kLanes;
     switch (format_) {
