@@ -74,7 +74,7 @@ TEST_P(EveryPreset, SyntheticLayerPackedAsMadeIsTheSameLayer) {
   const ModelConfig m = ScaledModel(*loaded, 64, 32);
   ThreadPool pool(2);
   auto whole = MoeLayer::Create(m, MakeSyntheticLayer(m, 2, 7), PackOptions{WeightFormat::kInt8});
-  auto made = MoeLayer::CreateSynthetic(m, 2, 7, PackOptions{WeightFormat::kInt8, "auto", &pool});
+  auto made = MoeLayer::Create(m, *SyntheticWeights(m, 7), 2, PackOptions{WeightFormat::kInt8, "auto", &pool});
   ASSERT_TRUE(whole.ok() && made.ok());
   const Matrix rows = SyntheticRows(7, m, 0, 0, 37);
   Picks a, b;

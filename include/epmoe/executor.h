@@ -34,6 +34,7 @@
 
 #include "epmoe/comm.h"
 #include "epmoe/expert_ffn.h"
+#include "epmoe/layer.h"
 #include "epmoe/matrix.h"
 #include "epmoe/model.h"
 #include "epmoe/placement.h"
@@ -59,10 +60,6 @@ Result<RowOrigin> ParseRowOrigin(std::string_view name);
 // hybrid only) or a full copy on every rank applied to its own rows.
 enum class SharedMode { kDefault, kSliced, kCopied };  // default: sliced for 1-3, copied for 4-5
 
-// The weights of the model (fp32 source), by layer and expert, or a slice [begin, end) of the
-// intermediate dimension. Defaults: the synthetic weights (MakeSyntheticExpert) of options.seed.
-using ExpertSource = std::function<ExpertWeights(int layer, int expert, int64_t begin, int64_t end)>;
-
 struct ExecutorOptions {
   EpOption option = EpOption::kA2a;
   int num_layers = 1;                          // MoE layers 0..num_layers-1 (Forward's layer)
@@ -81,6 +78,9 @@ struct ExecutorOptions {
   // is refused.
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PackOptions pack;
+  // Where each rank's experts (or slices) come from (layer.h): null takes the synthetic weights
+  // of `seed`. A rank reads only the experts and slices it holds.
+  std::shared_ptr<const WeightSource> weights;
   uint64_t seed = 1;
   // Placement of whole experts for a2a and whole (null: Placement::Trivial with no redundant
   // slots, so rank g holds experts [g*E/G, (g+1)*E/G)). Its ranks must equal the communicator's.
@@ -88,8 +88,6 @@ struct ExecutorOptions {
   // in pick order (row, then j) each step.
   PlacementPtr placement;
   uint64_t dispatch_seed = 0;  // DispatchTable::Build's seed
-  ExpertSource routed_source;  // empty: synthetic
-  ExpertSource shared_source;  // empty: synthetic
 };
 
 // One rank's figures for one Forward (or their sum over layers, see Add).

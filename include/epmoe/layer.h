@@ -40,6 +40,29 @@ ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int exper
 ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int index, uint64_t seed,
                                         int64_t slice_begin = 0, int64_t slice_end = -1);
 
+// Where a model's fp32 weights come from, MoE layer by MoE layer (layer 0 is the first MoE layer,
+// after the model's dense layers): the synthetic weights of a seed, or a checkpoint (checkpoint.h).
+// Every method may be called from several threads at once.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  // The router and correction bias of a layer (experts and shared experts left empty).
+  virtual Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const = 0;
+  // Routed expert `expert` of a layer, or the slice [slice_begin, slice_end) of its intermediate
+  // dimension (slice_end -1: to the end), as MakeSyntheticExpert slices.
+  virtual Result<ExpertWeights> Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const = 0;
+  // Shared expert `index` of a layer (0 .. num_shared_experts - 1), or a slice of it.
+  virtual Result<ExpertWeights> SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const = 0;
+};
+
+// The synthetic weights of `seed` (MakeSyntheticRouting, MakeSyntheticExpert, ...).
+std::shared_ptr<const WeightSource> SyntheticWeights(const ModelConfig& model, uint64_t seed);
+
+// Every weight of a layer in fp32 (the reference's input): for the synthetic source, what
+// MakeSyntheticLayer makes.
+Result<MoeLayerWeights> LoadLayerWeights(const ModelConfig& model, const WeightSource& source, int layer,
+                                         ThreadPool* pool = nullptr);
+
 // out[r] = routed_sum(r) + shared(r), row by row, pick by pick.
 Status ReferenceMoeForward(const ModelConfig& model, const MoeLayerWeights& weights, const Matrix& rows,
                            const Picks& picks, Matrix* out);
@@ -80,11 +103,11 @@ class MoeLayer {
   // Packs the layer's experts (and shared experts) once.
   static Result<std::unique_ptr<MoeLayer>> Create(const ModelConfig& model, const MoeLayerWeights& weights,
                                                   const PackOptions& options);
-  // The same layer as Create(model, MakeSyntheticLayer(model, layer, seed), options), packed one
+  // The same layer as Create(model, LoadLayerWeights(model, source, layer), options), packed one
   // expert at a time (on options.pool's threads when given): the layer never exists in fp32, which
   // for DeepSeek-V3 takes 45 GB against 6.3 GB in nvfp4.
-  static Result<std::unique_ptr<MoeLayer>> CreateSynthetic(const ModelConfig& model, int layer, uint64_t seed,
-                                                           const PackOptions& options);
+  static Result<std::unique_ptr<MoeLayer>> Create(const ModelConfig& model, const WeightSource& source, int layer,
+                                                  const PackOptions& options);
 
   // The model's router on these rows (on the pool's threads when one is given).
   Status Route(const Matrix& rows, Picks* picks, ThreadPool* pool = nullptr) const;

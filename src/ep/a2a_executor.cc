@@ -40,14 +40,14 @@ class A2aExecutor : public MoeExecutor {
     const int me = comm_.rank();
     EPMOE_ASSIGN_OR_RETURN(placement_, ResolvePlacement(model_, options_, comm_.size(), comm_.num_nodes()));
     const Placement& p = *placement_;
-    const ExpertSource routed = RoutedSource(model_, options_);
+    const std::shared_ptr<const WeightSource> weights = Weights(model_, options_);
     stores_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers; ++layer) {
       auto slot_expert = [&](int s) {
-        return routed(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, model_.expert_intermediate);
+        return weights->Expert(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, -1);
       };
-      EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
-                                                  slot_expert, options_.pack));
+      EPMOE_ASSIGN_OR_RETURN(stores_[layer], PackExperts(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
+                                                         slot_expert, options_.pack));
     }
     EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(p, me, options_.dispatch_seed));
     dispatch_ = std::make_unique<DispatchTable>(std::move(table));

@@ -70,12 +70,12 @@ class DwdpExecutor : public MoeExecutor {
     own_end_ = OwnerBegin(me + 1);
     const int owned = own_end_ - own_begin_;
     lacking_ = model_.num_experts - owned;
-    const ExpertSource routed = RoutedSource(model_, options_);
+    const std::shared_ptr<const WeightSource> weights = Weights(model_, options_);
     owned_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers && owned > 0; ++layer) {
-      auto owned_expert = [&](int i) { return routed(layer, own_begin_ + i, 0, model_.expert_intermediate); };
-      EPMOE_ASSIGN_OR_RETURN(owned_[layer],
-                             Pack(owned, model_.hidden, model_.expert_intermediate, owned_expert, options_.pack));
+      auto owned_expert = [&](int i) { return weights->Expert(layer, own_begin_ + i, 0, -1); };
+      EPMOE_ASSIGN_OR_RETURN(
+          owned_[layer], PackExperts(owned, model_.hidden, model_.expert_intermediate, owned_expert, options_.pack));
     }
     // Bytes of one packed expert; every expert of every rank must have the same size and layout
     // (same format, shape and kernel), or the bytes read would not fit the importing store.
@@ -117,7 +117,7 @@ class DwdpExecutor : public MoeExecutor {
       pieces_per_layer_ = (lacking_ + piece_experts_ - 1) / piece_experts_;
       // The halves are stores of piece_experts_ experts in the kernel's format, packed once from one
       // expert's weights (the reads overwrite each slot before it is used).
-      const ExpertWeights filler = routed(0, 0, 0, model_.expert_intermediate);
+      EPMOE_ASSIGN_OR_RETURN(const ExpertWeights filler, weights->Expert(0, 0, 0, -1));
       const std::vector<const ExpertWeights*> fillers(piece_experts_, &filler);
       for (Buffer& b : buffers_) {
         EPMOE_ASSIGN_OR_RETURN(b.store, PackExperts(fillers, options_.pack));

@@ -160,39 +160,19 @@ Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const Mo
 
 namespace ep_internal {
 
-ExpertSource RoutedSource(const ModelConfig& model, const ExecutorOptions& options) {
-  if (options.routed_source) return options.routed_source;
-  const uint64_t seed = options.seed;
-  return [model, seed](int layer, int expert, int64_t begin, int64_t end) {
-    return MakeSyntheticExpert(model, layer, expert, seed, begin, end);
-  };
-}
-
-ExpertSource SharedSource(const ModelConfig& model, const ExecutorOptions& options) {
-  if (options.shared_source) return options.shared_source;
-  const uint64_t seed = options.seed;
-  return [model, seed](int layer, int index, int64_t begin, int64_t end) {
-    return MakeSyntheticSharedExpert(model, layer, index, seed, begin, end);
-  };
-}
-
-Result<std::unique_ptr<ExpertStore>> Pack(int count, int64_t hidden, int64_t width,
-                                          const std::function<ExpertWeights(int index)>& make,
-                                          const PackOptions& options) {
-  return PackExperts(
-      count, hidden, width, [&make](int index) -> Result<ExpertWeights> { return make(index); }, options);
+std::shared_ptr<const WeightSource> Weights(const ModelConfig& model, const ExecutorOptions& options) {
+  return options.weights != nullptr ? options.weights : SyntheticWeights(model, options.seed);
 }
 
 Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelConfig& model,
                                                                    const ExecutorOptions& options) {
   std::vector<std::unique_ptr<ExpertStore>> stores(options.num_layers);
   if (model.num_shared_experts == 0) return stores;
-  const ExpertSource source = SharedSource(model, options);
+  const std::shared_ptr<const WeightSource> source = Weights(model, options);
   for (int layer = 0; layer < options.num_layers; ++layer) {
-    EPMOE_ASSIGN_OR_RETURN(stores[layer],
-                           Pack(
-                               model.num_shared_experts, model.hidden, model.shared_intermediate,
-                               [&](int s) { return source(layer, s, 0, model.shared_intermediate); }, options.pack));
+    auto shared = [&](int s) { return source->SharedExpert(layer, s, 0, -1); };
+    EPMOE_ASSIGN_OR_RETURN(stores[layer], PackExperts(model.num_shared_experts, model.hidden, model.shared_intermediate,
+                                                      shared, options.pack));
   }
   return stores;
 }

@@ -36,15 +36,8 @@ class Stopwatch {
   std::chrono::steady_clock::time_point start_;
 };
 
-// The source of routed and shared weights with the synthetic defaults filled in.
-ExpertSource RoutedSource(const ModelConfig& model, const ExecutorOptions& options);
-ExpertSource SharedSource(const ModelConfig& model, const ExecutorOptions& options);
-
-// Packs `count` experts (or slices) of [width x hidden], made one at a time by make(i): one expert's
-// fp32 weights at a time, not a whole layer's.
-Result<std::unique_ptr<ExpertStore>> Pack(int count, int64_t hidden, int64_t width,
-                                          const std::function<ExpertWeights(int index)>& make,
-                                          const PackOptions& options);
+// options.weights, or the synthetic weights of options.seed when it is null.
+std::shared_ptr<const WeightSource> Weights(const ModelConfig& model, const ExecutorOptions& options);
 
 // The shared experts of every layer packed whole (a full copy on this rank); empty stores (null)
 // when the model has none.

@@ -44,7 +44,7 @@ class GatherExecutor : public MoeExecutor {
     slices_ = options_.option == EpOption::kWhole ? 1 : options_.option == EpOption::kSliced ? g : options_.tp_in_ep;
     const int groups = g / slices_, group = me / slices_, slice = me % slices_;
     const int64_t width = model_.expert_intermediate / slices_;
-    const ExpertSource routed = RoutedSource(model_, options_);
+    const std::shared_ptr<const WeightSource> weights = Weights(model_, options_);
     const int e_count = model_.num_experts;
     stores_.resize(options_.num_layers);
     local_of_.resize(options_.num_layers);
@@ -65,20 +65,21 @@ class GatherExecutor : public MoeExecutor {
       if (options_.option == EpOption::kWhole) {
         const Placement& p = *placement_;
         const int first = me * p.slots_per_rank();
-        auto slot_expert = [&](int s) {
-          return routed(layer, p.phy2log(layer)[first + s], 0, model_.expert_intermediate);
-        };
+        auto slot_expert = [&](int s) { return weights->Expert(layer, p.phy2log(layer)[first + s], 0, -1); };
         if (p.slots_per_rank() > 0) {
-          EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
-                                                      slot_expert, options_.pack));
+          EPMOE_ASSIGN_OR_RETURN(stores_[layer], PackExperts(p.slots_per_rank(), model_.hidden,
+                                                             model_.expert_intermediate, slot_expert, options_.pack));
         }
       } else {
         const int begin = static_cast<int>(static_cast<int64_t>(group) * e_count / groups);
         const int end = static_cast<int>(static_cast<int64_t>(group + 1) * e_count / groups);
         for (int e = begin; e < end; ++e) local_of[e] = e - begin;
-        auto expert_slice = [&](int i) { return routed(layer, begin + i, slice * width, (slice + 1) * width); };
+        auto expert_slice = [&](int i) {
+          return weights->Expert(layer, begin + i, slice * width, (slice + 1) * width);
+        };
         if (end > begin) {
-          EPMOE_ASSIGN_OR_RETURN(stores_[layer], Pack(end - begin, model_.hidden, width, expert_slice, options_.pack));
+          EPMOE_ASSIGN_OR_RETURN(stores_[layer],
+                                 PackExperts(end - begin, model_.hidden, width, expert_slice, options_.pack));
         }
       }
     }
@@ -87,13 +88,13 @@ class GatherExecutor : public MoeExecutor {
     if (shared_copied_) {
       EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     } else if (model_.num_shared_experts > 0) {
-      const ExpertSource source = SharedSource(model_, options_);
+      const std::shared_ptr<const WeightSource> source = Weights(model_, options_);
       const int64_t w = model_.shared_intermediate / g;
       shared_.resize(options_.num_layers);
       for (int layer = 0; layer < options_.num_layers; ++layer) {
-        auto shared_slice = [&](int s) { return source(layer, s, me * w, (me + 1) * w); };
+        auto shared_slice = [&](int s) { return source->SharedExpert(layer, s, me * w, (me + 1) * w); };
         EPMOE_ASSIGN_OR_RETURN(shared_[layer],
-                               Pack(model_.num_shared_experts, model_.hidden, w, shared_slice, options_.pack));
+                               PackExperts(model_.num_shared_experts, model_.hidden, w, shared_slice, options_.pack));
       }
     } else {
       shared_.resize(options_.num_layers);

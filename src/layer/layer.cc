@@ -71,20 +71,62 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
                     model.shared_intermediate, layer, index, seed, begin, end);
 }
 
-MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool) {
-  MoeLayerWeights w = MakeSyntheticRouting(model, layer, seed, pool);
+namespace {
+
+class SyntheticSource final : public WeightSource {
+ public:
+  SyntheticSource(const ModelConfig& model, uint64_t seed) : model_(model), seed_(seed) {}
+  Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const override {
+    return MakeSyntheticRouting(model_, layer, seed_, pool);
+  }
+  Result<ExpertWeights> Expert(int layer, int expert, int64_t begin, int64_t end) const override {
+    return MakeSyntheticExpert(model_, layer, expert, seed_, begin, end);
+  }
+  Result<ExpertWeights> SharedExpert(int layer, int index, int64_t begin, int64_t end) const override {
+    return MakeSyntheticSharedExpert(model_, layer, index, seed_, begin, end);
+  }
+
+ private:
+  ModelConfig model_;
+  uint64_t seed_;
+};
+
+}  // namespace
+
+std::shared_ptr<const WeightSource> SyntheticWeights(const ModelConfig& model, uint64_t seed) {
+  return std::make_shared<SyntheticSource>(model, seed);
+}
+
+Result<MoeLayerWeights> LoadLayerWeights(const ModelConfig& model, const WeightSource& source, int layer,
+                                         ThreadPool* pool) {
+  EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights w, source.Routing(layer, pool));
   w.experts.resize(model.num_experts);
-  auto make = [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) w.experts[e] = MakeSyntheticExpert(model, layer, static_cast<int>(e), seed);
+  std::vector<Status> failed(model.num_experts);
+  auto load = [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      Result<ExpertWeights> expert = source.Expert(layer, static_cast<int>(e), 0, -1);
+      if (expert.ok()) {
+        w.experts[e] = std::move(expert).value();
+      } else {
+        failed[e] = expert.status();
+      }
+    }
   };
   if (pool != nullptr) {
-    pool->ParallelFor(model.num_experts, 1, make);
+    pool->ParallelFor(model.num_experts, 1, load);
   } else {
-    make(0, model.num_experts);
+    load(0, model.num_experts);
   }
-  for (int s = 0; s < model.num_shared_experts; ++s)
-    w.shared.push_back(MakeSyntheticSharedExpert(model, layer, s, seed));
+  for (const Status& status : failed) EPMOE_RETURN_IF_ERROR(status);
+  for (int s = 0; s < model.num_shared_experts; ++s) {
+    EPMOE_ASSIGN_OR_RETURN(ExpertWeights shared, source.SharedExpert(layer, s, 0, -1));
+    w.shared.push_back(std::move(shared));
+  }
   return w;
+}
+
+MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool) {
+  return std::move(LoadLayerWeights(model, SyntheticSource(model, seed), layer, pool)).value();
 }
 
 Status ReferenceMoeForward(const ModelConfig& model, const MoeLayerWeights& weights, const Matrix& rows,
@@ -179,20 +221,18 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
   return layer;
 }
 
-Result<std::unique_ptr<MoeLayer>> MoeLayer::CreateSynthetic(const ModelConfig& model, int layer_index, uint64_t seed,
-                                                            const PackOptions& options) {
-  MoeLayerWeights routing = MakeSyntheticRouting(model, layer_index, seed, options.pool);
+Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const WeightSource& source,
+                                                   int layer_index, const PackOptions& options) {
+  EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, source.Routing(layer_index, options.pool));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
   layer->router_ = std::move(routing.router);
   layer->correction_bias_ = std::move(routing.correction_bias);
-  auto routed = [&](int e) -> Result<ExpertWeights> { return MakeSyntheticExpert(model, layer_index, e, seed); };
+  auto routed = [&](int e) { return source.Expert(layer_index, e, 0, -1); };
   EPMOE_ASSIGN_OR_RETURN(layer->routed_,
                          PackExperts(model.num_experts, model.hidden, model.expert_intermediate, routed, options));
   if (model.num_shared_experts > 0) {
-    auto shared = [&](int s) -> Result<ExpertWeights> {
-      return MakeSyntheticSharedExpert(model, layer_index, s, seed);
-    };
+    auto shared = [&](int s) { return source.SharedExpert(layer_index, s, 0, -1); };
     EPMOE_ASSIGN_OR_RETURN(layer->shared_, PackExperts(model.num_shared_experts, model.hidden,
                                                        model.shared_intermediate, shared, options));
   }

@@ -97,13 +97,15 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   PackOptions pack{format, o.isa, &pool};
   std::vector<std::unique_ptr<MoeLayer>> layers;
   std::vector<MoeLayerWeights> reference_weights;
+  const std::shared_ptr<const WeightSource> weights = SyntheticWeights(model, o.seed);
   for (int l = 0; l < o.layers; ++l) {
     if (o.check) {
-      reference_weights.push_back(MakeSyntheticLayer(model, l, o.seed, &pool));
+      EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights fp32, LoadLayerWeights(model, *weights, l, &pool));
+      reference_weights.push_back(std::move(fp32));
       EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, reference_weights.back(), pack));
       layers.push_back(std::move(layer));
     } else {
-      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::CreateSynthetic(model, l, o.seed, pack));
+      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, *weights, l, pack));
       layers.push_back(std::move(layer));
     }
   }

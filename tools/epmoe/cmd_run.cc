@@ -152,7 +152,7 @@ class ProgressBar {
 // The rows and picks of every step and layer: synthetic, routed by the model's router, or replayed.
 class Inputs {
  public:
-  Status Init(const RunOptions& o, const ModelConfig& model, ThreadPool& pool) {
+  Status Init(const RunOptions& o, const ModelConfig& model, const WeightSource& weights, ThreadPool& pool) {
     model_ = model;
     o_ = o;
     if (!o.trace.empty()) {
@@ -180,7 +180,10 @@ class Inputs {
       }
       if (steps_.empty()) return InvalidArgument(fmt::format("--trace {}: no steps", o.trace));
     } else if (o.routing == "scores") {
-      for (int l = 0; l < o.layers; ++l) routing_.push_back(MakeSyntheticRouting(model, l, o.seed, &pool));
+      for (int l = 0; l < o.layers; ++l) {
+        EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, weights.Routing(l, &pool));
+        routing_.push_back(std::move(routing));
+      }
     }
     return Status::Ok();
   }
@@ -423,6 +426,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
                                        : SharedMode::kDefault;
   base.max_buffer_bytes = static_cast<int64_t>(o.max_buffer_mb * 1e6);
   base.seed = o.seed;
+  base.weights = SyntheticWeights(model, o.seed);
 
   std::vector<EpOption> options;
   const bool all = o.options.size() == 1 && o.options[0] == "all";
@@ -453,12 +457,13 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
 
   ThreadPool pool(o.threads);
   Inputs inputs;
-  EPMOE_RETURN_IF_ERROR(inputs.Init(o, model, pool));
+  EPMOE_RETURN_IF_ERROR(inputs.Init(o, model, *base.weights, pool));
   std::vector<std::unique_ptr<MoeLayer>> references;
   if (o.check) {
     for (int l = 0; l < o.layers; ++l) {
-      MoeLayerWeights w = MakeSyntheticLayer(model, l, o.seed, &pool);
-      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, w, base.pack));
+      PackOptions pack = base.pack;
+      pack.pool = &pool;
+      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, *base.weights, l, pack));
       references.push_back(std::move(layer));
     }
   }
