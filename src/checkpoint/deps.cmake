@@ -1,1 +1,1 @@
-set(EPMOE_DEPS core)
+set(EPMOE_DEPS core kernels layer)

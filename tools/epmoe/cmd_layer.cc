@@ -15,6 +15,7 @@
 #include "epmoe/thread_pool.h"
 #include "output.h"
 #include "system_memory.h"
+#include "weights_option.h"
 
 namespace epmoe::cli {
 namespace {
@@ -30,6 +31,7 @@ struct LayerOptions {
   std::string trace_format = "auto";
   std::string weight_format = "fp32";
   std::string isa = "auto";
+  std::string weights;
   int threads = 0;
   int hidden = 0;
   int intermediate = 0;
@@ -97,7 +99,9 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   PackOptions pack{format, o.isa, &pool};
   std::vector<std::unique_ptr<MoeLayer>> layers;
   std::vector<MoeLayerWeights> reference_weights;
-  const std::shared_ptr<const WeightSource> weights = SyntheticWeights(model, o.seed);
+  EPMOE_ASSIGN_OR_RETURN(const OpenedWeights opened, OpenWeights(o.weights, model, o.layers, o.seed));
+  const WeightSource* weights = opened.source.get();
+  const auto load_start = std::chrono::steady_clock::now();
   for (int l = 0; l < o.layers; ++l) {
     if (o.check) {
       EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights fp32, LoadLayerWeights(model, *weights, l, &pool));
@@ -109,6 +113,7 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
       layers.push_back(std::move(layer));
     }
   }
+  const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
   std::vector<LayerReport> per_layer(o.layers);
   int64_t tokens = o.tokens;
@@ -184,6 +189,8 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
              {"kernel", layers.empty() ? "" : layers[0]->routed().kernel_name()},
              {"threads", pool.size()},
              {"checked", o.check},
+             {"weights", opened.report},
+             {"load_seconds", load_seconds},
              {"layers", layers_json}};
   return Status::Ok();
 }
@@ -194,6 +201,9 @@ void PrintText(const nlohmann::json& r) {
               r["steps"].get<int>(), r["routing"].get<std::string>().c_str(),
               r["weight_format"].get<std::string>().c_str(), r["kernel"].get<std::string>().c_str(),
               r["threads"].get<int>());
+  const std::string weights = DescribeWeights(r["weights"]);
+  if (!weights.empty())
+    std::printf("%s, read and packed in %.2f s\n", weights.c_str(), r["load_seconds"].get<double>());
   std::printf("%5s %8s %9s %9s %12s | %9s %9s %9s %9s %9s | %14s\n", "layer", "touched", "max/exp", "mean/exp",
               "bytes read", "route us", "perm us", "expert us", "comb us", "shared us", "checksum");
   for (const auto& l : r["layers"]) {
@@ -235,6 +245,7 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
       ->check(kNonNegative)
       ->capture_default_str();
+  AddWeightsOption(cmd, &o->weights);
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);

@@ -22,6 +22,7 @@
 #include "epmoe/trace.h"
 #include "output.h"
 #include "run_eplb.h"
+#include "weights_option.h"
 
 namespace epmoe::cli {
 namespace {
@@ -41,6 +42,7 @@ struct RunOptions {
   bool partial_sums = false;
   std::string weight_format = "fp32";
   std::string isa = "auto";
+  std::string weights;
   std::string shared = "default";
   double max_buffer_mb = 1024;
   int ranks_per_node = 0;
@@ -426,7 +428,8 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
                                        : SharedMode::kDefault;
   base.max_buffer_bytes = static_cast<int64_t>(o.max_buffer_mb * 1e6);
   base.seed = o.seed;
-  base.weights = SyntheticWeights(model, o.seed);
+  EPMOE_ASSIGN_OR_RETURN(const OpenedWeights opened, OpenWeights(o.weights, model, o.layers, o.seed));
+  base.weights = opened.source;
 
   std::vector<EpOption> options;
   const bool all = o.options.size() == 1 && o.options[0] == "all";
@@ -548,6 +551,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"dispatch_format", o.dispatch_format},
              {"combine_format", o.combine_format},
              {"weight_format", o.weight_format},
+             {"weights", opened.report},
              {"threads_per_rank", pool.size()},
              {"expected_a2a_copies_per_row_uniform", ExpectedCopiesPerRow(model.num_experts, model.top_k, g)},
              {"checked", o.check},
@@ -567,6 +571,8 @@ void PrintText(const nlohmann::json& r) {
       r["routing"].get<std::string>().c_str(), r["row_origin"].get<std::string>().c_str(),
       r["weight_format"].get<std::string>().c_str(), r["dispatch_format"].get<std::string>().c_str(),
       r["combine_format"].get<std::string>().c_str(), r["threads_per_rank"].get<int>());
+  const std::string weights = DescribeWeights(r["weights"]);
+  if (!weights.empty()) std::printf("%s\n", weights.c_str());
   std::printf("%-7s %9s %9s | %8s %8s %8s %8s %8s %8s %8s | %10s %7s %6s %6s %10s %6s", "option", "step ms", "p90 ms",
               "route", "pack", "dispatch", "experts", "combine", "unpack", "shared", "sent/rank", "copies", "bal.p",
               "bal.b", "peak buf", "rounds");
@@ -643,6 +649,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
   cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels")->capture_default_str();
+  AddWeightsOption(cmd, &o->weights);
   cmd->add_option("--shared", o->shared, "Shared expert under sliced/whole/hybrid (a2a and dwdp always copy it)")
       ->check(CLI::IsMember({"default", "sliced", "copied"}))
       ->capture_default_str();

@@ -15,5 +15,6 @@ void AddBalanceCommand(CLI::App& app, int* exit_code);
 void AddTraceCommand(CLI::App& app, int* exit_code);
 void AddPlanCommand(CLI::App& app, int* exit_code);  // also `epmoe hardware`
 void AddPlotBalanceCommand(CLI::App& app, int* exit_code);  // `epmoe plot-balance`
+void AddCheckpointCommand(CLI::App& app, int* exit_code);   // `epmoe checkpoint show|write`
 
 }  // namespace epmoe::cli

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   epmoe::cli::AddTraceCommand(app, &exit_code);
   epmoe::cli::AddPlanCommand(app, &exit_code);
   epmoe::cli::AddPlotBalanceCommand(app, &exit_code);
+  epmoe::cli::AddCheckpointCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

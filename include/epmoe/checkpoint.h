@@ -1,0 +1,88 @@
+// A model's MoE weights read from a Hugging Face checkpoint (safetensors files), and written as one.
+//
+// Checkpoint is a WeightSource (layer.h): MoeLayer::Create and the expert-parallel executors read
+// each expert (or slice) they hold straight from the mapped files, convert it to fp32 and pack it
+// into their weight format, one expert at a time; nothing else of the checkpoint is read.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epmoe/layer.h"
+#include "epmoe/model.h"
+#include "epmoe/safetensors.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+class ThreadPool;
+
+// How a checkpoint names the MoE tensors of transformer layer N (MoE layer l is N = l + the model's
+// dense layers) and expert E:
+//   kMlpExperts      DeepSeek-V3, GLM, Qwen3-MoE, OLMoE: model.layers.N.mlp.gate.weight,
+//                    mlp.gate.e_score_correction_bias, mlp.experts.E.{gate,up,down}_proj.weight,
+//                    mlp.shared_experts.{gate,up,down}_proj.weight
+//   kBlockSparseMoe  Mixtral: model.layers.N.block_sparse_moe.gate.weight,
+//                    block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
+// The shared experts of a model are one MLP of num_shared_experts x shared_intermediate rows in a
+// checkpoint; shared expert s is its slice [s x shared_intermediate, (s + 1) x shared_intermediate).
+enum class CheckpointNaming { kMlpExperts, kBlockSparseMoe };
+const char* CheckpointNamingName(CheckpointNaming naming);  // "mlp.experts", "block_sparse_moe"
+Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name);
+
+class Checkpoint final : public WeightSource {
+ public:
+  // Opens `path`: a .safetensors file, or a folder of them (the files its
+  // model.safetensors.index.json names, else every *.safetensors file in it). Finds the naming and
+  // checks that every tensor MoE layers 0 .. num_layers - 1 of `model` need is there, once, with the
+  // model's shape and a dtype it reads: F32, BF16, F16, or F8_E4M3 / F8_E5M2 with its scales beside
+  // it (`<name>_scale_inv`, DeepSeek-V3's 128 x 128 blocks, or `<name minus .weight>.weight_scale`,
+  // one per tensor or per row), every scale multiplying its block. Errors name the file and tensor.
+  static Result<std::unique_ptr<Checkpoint>> Open(const std::string& path, const ModelConfig& model, int num_layers);
+  ~Checkpoint() override;
+
+  CheckpointNaming naming() const;
+  int num_files() const;
+  int64_t file_bytes() const;  // all files' sizes
+
+  Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const override;
+  Result<ExpertWeights> Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const override;
+  Result<ExpertWeights> SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const override;
+
+ private:
+  struct State;  // the mapped files and the tensors the layers need, checked
+  explicit Checkpoint(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// What a checkpoint holds, found from its tensor names and shapes alone (no model needed): which
+// model preset it fits, or what a model .json for it must say.
+struct CheckpointSummary {
+  int files = 0;
+  int64_t file_bytes = 0;
+  int64_t tensors = 0;
+  std::vector<std::pair<std::string, int64_t>> bytes_by_dtype;  // dtype name, bytes; largest first
+  bool has_experts = false;  // false: no expert tensors in a naming this reader knows
+  CheckpointNaming naming = CheckpointNaming::kMlpExperts;
+  std::vector<int> moe_layers;  // transformer layers that have expert 0, ascending
+  int num_experts = 0;          // experts of the first MoE layer
+  int64_t hidden = 0;           // from expert 0's gate of the first MoE layer
+  int64_t expert_intermediate = 0;
+  std::string expert_dtype;         // of that tensor
+  int64_t shared_intermediate = 0;  // all shared experts of the first MoE layer together (0: none)
+  bool correction_bias = false;
+};
+Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path);
+
+// Writes MoE layers 0 .. num_layers - 1 of `source` (router, correction bias, experts, shared
+// experts) into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32,
+// BF16 or F16): safetensors files of whole experts, up to about 1 GB each, and the
+// model.safetensors.index.json that names each tensor's file. Files are written whole or not at
+// all (each through a temporary name). `pool` converts experts in parallel (may be null).
+Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
+                       TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool = nullptr);
+
+}  // namespace epmoe

@@ -1,0 +1,559 @@
+#include "epmoe/checkpoint.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <unordered_map>
+
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+
+namespace fs = std::filesystem;
+
+const char* CheckpointNamingName(CheckpointNaming naming) {
+  switch (naming) {
+    case CheckpointNaming::kMlpExperts: return "mlp.experts";
+    case CheckpointNaming::kBlockSparseMoe: return "block_sparse_moe";
+  }
+  return "?";
+}
+
+Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name) {
+  for (CheckpointNaming naming : {CheckpointNaming::kMlpExperts, CheckpointNaming::kBlockSparseMoe}) {
+    if (name == CheckpointNamingName(naming)) return naming;
+  }
+  return InvalidArgument(fmt::format("unknown checkpoint naming \"{}\" (mlp.experts, block_sparse_moe)", name));
+}
+
+namespace {
+
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+// An expert's three matrices, in ExpertWeights' order.
+enum Projection { kGate = 0, kUp = 1, kDown = 2 };
+
+// Names of the tensors of MoE layer `layer` (transformer layer layer + dense layers).
+struct LayerNames {
+  CheckpointNaming naming;
+  std::string prefix;  // "model.layers.N."
+
+  LayerNames(CheckpointNaming naming_in, const ModelConfig& model, int layer)
+      : LayerNames(naming_in, layer + model.num_dense_layers) {}
+  LayerNames(CheckpointNaming naming_in, int transformer_layer)
+      : naming(naming_in), prefix(fmt::format("model.layers.{}.", transformer_layer)) {}
+
+  std::string Router() const {
+    return prefix + (naming == CheckpointNaming::kMlpExperts ? "mlp.gate.weight" : "block_sparse_moe.gate.weight");
+  }
+  std::string CorrectionBias() const { return prefix + "mlp.gate.e_score_correction_bias"; }
+  std::string Expert(int expert, Projection projection) const {
+    static const char* const kMlp[] = {"gate_proj", "up_proj", "down_proj"};
+    static const char* const kMixtral[] = {"w1", "w3", "w2"};
+    if (naming == CheckpointNaming::kMlpExperts)
+      return fmt::format("{}mlp.experts.{}.{}.weight", prefix, expert, kMlp[projection]);
+    return fmt::format("{}block_sparse_moe.experts.{}.{}.weight", prefix, expert, kMixtral[projection]);
+  }
+  // The shared experts, as one MLP (kMlpExperts only).
+  std::string Shared(Projection projection) const {
+    static const char* const kMlp[] = {"gate_proj", "up_proj", "down_proj"};
+    return fmt::format("{}mlp.shared_experts.{}.weight", prefix, kMlp[projection]);
+  }
+};
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+}  // namespace
+
+// A tensor found in one of the files; an 8-bit float weight also has its scales, one per block of
+// block_rows x block_cols weights (a grid of grid_rows x grid_cols).
+struct Located {
+  const SafetensorsFile* file = nullptr;
+  const TensorInfo* info = nullptr;
+  const SafetensorsFile* scale_file = nullptr;
+  const TensorInfo* scale = nullptr;
+  int64_t grid_rows = 0, grid_cols = 0, block_rows = 0, block_cols = 0;
+};
+
+namespace checkpoint_internal {
+
+// The mapped files of a checkpoint and its tensors by name; Open then checks the ones a model needs.
+struct Index {
+  ModelConfig model;
+  int num_layers = 0;
+  CheckpointNaming naming = CheckpointNaming::kMlpExperts;
+  std::string path;
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  int64_t file_bytes = 0;
+  std::unordered_map<std::string, Located> tensors;
+
+  // Maps the files of `path` and indexes their tensors by name.
+  Status Load();
+
+  const Located* Find(const std::string& name) const {
+    auto it = tensors.find(name);
+    return it == tensors.end() ? nullptr : &it->second;
+  }
+
+  // Finds `name`, checks its shape is `shape` and its dtype readable, and finds an 8-bit weight's scales.
+  Status Check(const std::string& name, const std::vector<int64_t>& shape) {
+    auto it = tensors.find(name);
+    if (it == tensors.end())
+      return NotFound(fmt::format("{}: no tensor \"{}\" (needed by MoE layer weights of {})", path, name, model.name));
+    Located& t = it->second;
+    const std::string where = fmt::format("{}: tensor \"{}\"", t.file->source(), name);
+    if (t.info->shape != shape)
+      return InvalidArgument(
+          fmt::format("{} has shape {}, {} needs {}", where, ShapeText(t.info->shape), model.name, ShapeText(shape)));
+    switch (t.info->dtype) {
+      case TensorDtype::kF32:
+      case TensorDtype::kBf16:
+      case TensorDtype::kF16: return Status::Ok();
+      case TensorDtype::kF8E4M3:
+      case TensorDtype::kF8E5M2: return FindScales(name, where, &t);
+      default:
+        return InvalidArgument(fmt::format(
+            "{} is {}: weights are read in F32, BF16, F16 or 8-bit floats with scales, not packed or integer "
+            "formats (e.g. U8 blocks of 4-bit values)",
+            where, t.info->dtype_name));
+    }
+  }
+
+  Status FindScales(const std::string& name, const std::string& where, Located* t) {
+    const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    const Located* scale = Find(name + "_scale_inv");
+    if (scale == nullptr) scale = Find(stem + ".weight_scale");
+    if (scale == nullptr)
+      return InvalidArgument(fmt::format("{} is {} but has no scales (\"{}_scale_inv\" or \"{}.weight_scale\")", where,
+                                         t->info->dtype_name, name, stem));
+    const std::vector<int64_t>& s = scale->info->shape;
+    const int64_t rows = t->info->shape[0], cols = t->info->shape.size() > 1 ? t->info->shape[1] : 1;
+    // One scale for the tensor ([] or [1]), one per row ([rows]) or one per block of a 2-D grid.
+    int64_t grid_rows = 1, grid_cols = 1;
+    if (s.size() == 1 && s[0] != 1) {
+      grid_rows = s[0] == rows ? rows : 0;
+    } else if (s.size() == 2) {
+      grid_rows = s[0];
+      grid_cols = s[1];
+    } else if (s.size() > 2) {
+      grid_rows = 0;
+    }
+    const bool readable = scale->info->dtype == TensorDtype::kF32 || scale->info->dtype == TensorDtype::kBf16 ||
+                          scale->info->dtype == TensorDtype::kF16;
+    const int64_t block_rows = grid_rows > 0 ? (rows + grid_rows - 1) / grid_rows : 0;
+    const int64_t block_cols = grid_cols > 0 ? (cols + grid_cols - 1) / grid_cols : 0;
+    if (!readable || block_rows <= 0 || block_cols <= 0 || (rows + block_rows - 1) / block_rows != grid_rows ||
+        (cols + block_cols - 1) / block_cols != grid_cols)
+      return InvalidArgument(fmt::format("{}: its scales \"{}\" ({} {}) do not tile its shape {} into blocks", where,
+                                         scale->info->name, scale->info->dtype_name, ShapeText(s),
+                                         ShapeText(t->info->shape)));
+    t->scale_file = scale->file;
+    t->scale = scale->info;
+    t->grid_rows = grid_rows;
+    t->grid_cols = grid_cols;
+    t->block_rows = block_rows;
+    t->block_cols = block_cols;
+    return Status::Ok();
+  }
+
+  // The block [row_begin, + row_count) x [col_begin, + col_count) of a checked tensor in fp32,
+  // scaled when it is stored in 8-bit floats.
+  Status Read(const std::string& name, int64_t row_begin, int64_t row_count, int64_t col_begin, int64_t col_count,
+              float* out) const {
+    const Located* t = Find(name);
+    EPMOE_CHECK_MSG(t != nullptr, name);  // Open checked every tensor a layer reads
+    EPMOE_RETURN_IF_ERROR(t->file->ReadFloat(*t->info, row_begin, row_count, col_begin, col_count, out));
+    if (t->scale == nullptr) return Status::Ok();
+    // The scales in grid order: the scale tensor read as ReadFloat views it (rows of its last dimension).
+    const std::vector<int64_t>& shape = t->scale->shape;
+    const int64_t view_cols = shape.empty() ? 1 : shape.back(), view_rows = t->scale->elements() / view_cols;
+    std::vector<float> grid(t->grid_rows * t->grid_cols);
+    EPMOE_RETURN_IF_ERROR(t->scale_file->ReadFloat(*t->scale, 0, view_rows, 0, view_cols, grid.data()));
+    for (int64_t r = 0; r < row_count; ++r) {
+      const float* scales = grid.data() + (row_begin + r) / t->block_rows * t->grid_cols;
+      float* row = out + r * col_count;
+      for (int64_t c = 0; c < col_count; ++c) row[c] *= scales[(col_begin + c) / t->block_cols];
+    }
+    return Status::Ok();
+  }
+
+  // An expert of `width` rows whose gate and up rows start at row `first` of tensors named by
+  // `name` and whose down columns start at column `first`: the slice [begin, end) of it.
+  Result<ExpertWeights> ReadExpert(const std::function<std::string(Projection)>& name, int64_t first, int64_t begin,
+                                   int64_t end) const {
+    const int64_t hidden = model.hidden, width = end - begin;
+    ExpertWeights w;
+    w.gate = Matrix(width, hidden);
+    w.up = Matrix(width, hidden);
+    w.down = Matrix(hidden, width);
+    EPMOE_RETURN_IF_ERROR(Read(name(kGate), first + begin, width, 0, hidden, w.gate.data.data()));
+    EPMOE_RETURN_IF_ERROR(Read(name(kUp), first + begin, width, 0, hidden, w.up.data.data()));
+    EPMOE_RETURN_IF_ERROR(Read(name(kDown), 0, hidden, first + begin, width, w.down.data.data()));
+    return w;
+  }
+};
+
+}  // namespace checkpoint_internal
+
+struct Checkpoint::State : checkpoint_internal::Index {};
+
+namespace {
+
+Result<std::vector<std::string>> CheckpointFiles(const std::string& path) {
+  std::error_code error;
+  const fs::file_status status = fs::status(path, error);
+  if (!fs::exists(status)) return NotFound(fmt::format("{}: no such file or folder", path));
+  if (!fs::is_directory(status)) return std::vector<std::string>{path};
+  const fs::path index = fs::path(path) / kIndexFile;
+  std::vector<std::string> files;
+  if (fs::exists(index)) {
+    std::ifstream in(index);
+    const nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (json.is_discarded() || !json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object())
+      return IoError(fmt::format("{}: not JSON with a \"weight_map\" object", index.string()));
+    std::set<std::string> names;
+    for (const auto& [tensor, file] : json["weight_map"].items()) {
+      if (!file.is_string())
+        return IoError(fmt::format("{}: weight_map[\"{}\"] is not a file name", index.string(), tensor));
+      const std::string name = file.get<std::string>();
+      if (name.empty() || name.find('/') != std::string::npos)
+        return IoError(
+            fmt::format("{}: weight_map[\"{}\"] = \"{}\" is not a file in its folder", index.string(), tensor, name));
+      names.insert(name);
+    }
+    for (const std::string& name : names) files.push_back((fs::path(path) / name).string());
+  } else {
+    for (const auto& entry : fs::directory_iterator(path, error)) {
+      if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+    }
+    std::sort(files.begin(), files.end());
+  }
+  if (files.empty()) return NotFound(fmt::format("{}: no .safetensors files", path));
+  return files;
+}
+
+}  // namespace
+
+Status checkpoint_internal::Index::Load() {
+  EPMOE_ASSIGN_OR_RETURN(const std::vector<std::string> paths, CheckpointFiles(path));
+  for (const std::string& file : paths) {
+    EPMOE_ASSIGN_OR_RETURN(auto opened, SafetensorsFile::Open(file));
+    std::error_code error;
+    file_bytes += static_cast<int64_t>(fs::file_size(file, error));
+    for (const TensorInfo& info : opened->tensors()) {
+      auto [it, added] = tensors.try_emplace(info.name, Located{opened.get(), &info});
+      if (!added)
+        return InvalidArgument(
+            fmt::format("{}: tensor \"{}\" is in both {} and {}", path, info.name, it->second.file->source(), file));
+    }
+    files.push_back(std::move(opened));
+  }
+  return Status::Ok();
+}
+
+Checkpoint::Checkpoint(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Checkpoint::~Checkpoint() = default;
+
+CheckpointNaming Checkpoint::naming() const {
+  return state_->naming;
+}
+int Checkpoint::num_files() const {
+  return static_cast<int>(state_->files.size());
+}
+int64_t Checkpoint::file_bytes() const {
+  return state_->file_bytes;
+}
+
+Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path, const ModelConfig& model,
+                                                     int num_layers) {
+  if (num_layers < 1 || num_layers > model.num_moe_layers())
+    return InvalidArgument(fmt::format("checkpoint: {} layers asked, {} has {} MoE layers", num_layers, model.name,
+                                       model.num_moe_layers()));
+  auto state = std::make_unique<State>();
+  state->model = model;
+  state->num_layers = num_layers;
+  state->path = path;
+  EPMOE_RETURN_IF_ERROR(state->Load());
+
+  const LayerNames mlp(CheckpointNaming::kMlpExperts, model, 0), mixtral(CheckpointNaming::kBlockSparseMoe, model, 0);
+  if (state->Find(mlp.Expert(0, kGate)) != nullptr) {
+    state->naming = CheckpointNaming::kMlpExperts;
+  } else if (state->Find(mixtral.Expert(0, kGate)) != nullptr) {
+    state->naming = CheckpointNaming::kBlockSparseMoe;
+  } else {
+    return NotFound(fmt::format(
+        "{}: neither \"{}\" nor \"{}\": not a checkpoint of the first MoE layer of {} in a naming this reader "
+        "knows (mlp.experts: DeepSeek-V3, GLM, Qwen3-MoE, OLMoE; block_sparse_moe: Mixtral); fused expert "
+        "tensors, such as gpt-oss's mlp.experts.gate_up_proj_blocks, are not read",
+        path, mlp.Expert(0, kGate), mixtral.Expert(0, kGate), model.name));
+  }
+  if (state->naming == CheckpointNaming::kBlockSparseMoe && (model.num_shared_experts > 0 || model.correction_bias))
+    return InvalidArgument(
+        fmt::format("{}: the block_sparse_moe naming has no shared experts or correction bias, "
+                    "which {} has",
+                    path, model.name));
+
+  const int64_t e = model.num_experts, h = model.hidden, inter = model.expert_intermediate;
+  const int64_t shared = static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate;
+  for (int layer = 0; layer < num_layers; ++layer) {
+    const LayerNames names(state->naming, model, layer);
+    EPMOE_RETURN_IF_ERROR(state->Check(names.Router(), {e, h}));
+    if (model.correction_bias) EPMOE_RETURN_IF_ERROR(state->Check(names.CorrectionBias(), {e}));
+    for (int expert = 0; expert < model.num_experts; ++expert) {
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Expert(expert, kGate), {inter, h}));
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Expert(expert, kUp), {inter, h}));
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Expert(expert, kDown), {h, inter}));
+    }
+    if (shared > 0) {
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Shared(kGate), {shared, h}));
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Shared(kUp), {shared, h}));
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Shared(kDown), {h, shared}));
+    }
+  }
+  return std::unique_ptr<Checkpoint>(new Checkpoint(std::move(state)));
+}
+
+namespace {
+
+Status CheckLayer(int layer, int num_layers) {
+  if (layer < 0 || layer >= num_layers)
+    return InvalidArgument(fmt::format("checkpoint: MoE layer {} is not among the {} opened", layer, num_layers));
+  return Status::Ok();
+}
+
+// Resolves slice_end -1 (to the end) and checks [begin, end) lies in [0, width).
+Result<int64_t> SliceEnd(int64_t begin, int64_t end, int64_t width) {
+  if (end < 0) end = width;
+  if (begin < 0 || begin >= end || end > width)
+    return InvalidArgument(fmt::format("checkpoint: slice [{}, {}) of an intermediate size of {}", begin, end, width));
+  return end;
+}
+
+}  // namespace
+
+Result<MoeLayerWeights> Checkpoint::Routing(int layer, ThreadPool* /*pool*/) const {
+  EPMOE_RETURN_IF_ERROR(CheckLayer(layer, state_->num_layers));
+  const ModelConfig& model = state_->model;
+  const LayerNames names(state_->naming, model, layer);
+  MoeLayerWeights w;
+  w.layer = layer;
+  w.router = Matrix(model.num_experts, model.hidden);
+  EPMOE_RETURN_IF_ERROR(state_->Read(names.Router(), 0, model.num_experts, 0, model.hidden, w.router.data.data()));
+  if (model.correction_bias) {
+    w.correction_bias.resize(model.num_experts);
+    EPMOE_RETURN_IF_ERROR(state_->Read(names.CorrectionBias(), 0, 1, 0, model.num_experts, w.correction_bias.data()));
+  }
+  return w;
+}
+
+Result<ExpertWeights> Checkpoint::Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const {
+  EPMOE_RETURN_IF_ERROR(CheckLayer(layer, state_->num_layers));
+  const ModelConfig& model = state_->model;
+  if (expert < 0 || expert >= model.num_experts)
+    return InvalidArgument(fmt::format("checkpoint: expert {} of {} experts", expert, model.num_experts));
+  EPMOE_ASSIGN_OR_RETURN(const int64_t end, SliceEnd(slice_begin, slice_end, model.expert_intermediate));
+  const LayerNames names(state_->naming, model, layer);
+  return state_->ReadExpert([&](Projection p) { return names.Expert(expert, p); }, 0, slice_begin, end);
+}
+
+Result<ExpertWeights> Checkpoint::SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const {
+  EPMOE_RETURN_IF_ERROR(CheckLayer(layer, state_->num_layers));
+  const ModelConfig& model = state_->model;
+  if (index < 0 || index >= model.num_shared_experts)
+    return InvalidArgument(
+        fmt::format("checkpoint: shared expert {} of {} shared experts", index, model.num_shared_experts));
+  EPMOE_ASSIGN_OR_RETURN(const int64_t end, SliceEnd(slice_begin, slice_end, model.shared_intermediate));
+  const LayerNames names(state_->naming, model, layer);
+  return state_->ReadExpert([&](Projection p) { return names.Shared(p); },
+                            static_cast<int64_t>(index) * model.shared_intermediate, slice_begin, end);
+}
+
+Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
+  checkpoint_internal::Index state;
+  state.path = path;
+  EPMOE_RETURN_IF_ERROR(state.Load());
+  CheckpointSummary summary;
+  summary.files = static_cast<int>(state.files.size());
+  summary.file_bytes = state.file_bytes;
+  summary.tensors = static_cast<int64_t>(state.tensors.size());
+  std::map<std::string, int64_t> by_dtype;
+  // Transformer layers holding expert 0, in each naming.
+  std::set<int> layers[2];
+  const std::string kLayers = "model.layers.";
+  for (const auto& [name, located] : state.tensors) {
+    by_dtype[located.info->dtype_name] += located.info->bytes;
+    if (!name.starts_with(kLayers)) continue;
+    const size_t dot = name.find('.', kLayers.size());
+    const std::string number = name.substr(kLayers.size(), dot - kLayers.size());
+    if (dot == std::string::npos || number.empty() || number.size() > 6 ||
+        !std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    const int layer = std::stoi(number);
+    for (CheckpointNaming naming : {CheckpointNaming::kMlpExperts, CheckpointNaming::kBlockSparseMoe}) {
+      if (name == LayerNames(naming, layer).Expert(0, kGate)) layers[static_cast<int>(naming)].insert(layer);
+    }
+  }
+  for (const auto& [dtype, bytes] : by_dtype) summary.bytes_by_dtype.emplace_back(dtype, bytes);
+  std::stable_sort(summary.bytes_by_dtype.begin(), summary.bytes_by_dtype.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  const int found = layers[0].size() >= layers[1].size() ? 0 : 1;
+  if (layers[found].empty()) return summary;
+  summary.has_experts = true;
+  summary.naming = static_cast<CheckpointNaming>(found);
+  summary.moe_layers.assign(layers[found].begin(), layers[found].end());
+  const LayerNames first(summary.naming, summary.moe_layers[0]);
+  while (state.Find(first.Expert(summary.num_experts, kGate)) != nullptr) ++summary.num_experts;
+  const TensorInfo& gate = *state.Find(first.Expert(0, kGate))->info;
+  summary.expert_dtype = gate.dtype_name;
+  if (gate.shape.size() == 2) {
+    summary.expert_intermediate = gate.shape[0];
+    summary.hidden = gate.shape[1];
+  }
+  if (summary.naming == CheckpointNaming::kMlpExperts) {
+    const Located* shared = state.Find(first.Shared(kGate));
+    if (shared != nullptr && !shared->info->shape.empty()) summary.shared_intermediate = shared->info->shape[0];
+    summary.correction_bias = state.Find(first.CorrectionBias()) != nullptr;
+  }
+  return summary;
+}
+
+namespace {
+
+constexpr int64_t kShardBytes = int64_t{1} << 30;
+
+// Tensors of one file being written: their encoded values, kept until the file is written.
+struct Shard {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::vector<std::byte>> bytes;
+  int64_t size = 0;
+
+  Status Add(std::string name, std::vector<int64_t> shape, std::span<const float> values, TensorDtype dtype) {
+    std::vector<std::byte> encoded;
+    EPMOE_RETURN_IF_ERROR(EncodeFloats(values, dtype, &encoded));
+    size += static_cast<int64_t>(encoded.size());
+    names.push_back(std::move(name));
+    shapes.push_back(std::move(shape));
+    bytes.push_back(std::move(encoded));
+    return Status::Ok();
+  }
+  void Append(Shard&& other) {
+    for (size_t i = 0; i < other.names.size(); ++i) {
+      names.push_back(std::move(other.names[i]));
+      shapes.push_back(std::move(other.shapes[i]));
+      bytes.push_back(std::move(other.bytes[i]));
+    }
+    size += other.size;
+  }
+};
+
+}  // namespace
+
+Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
+                       TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool) {
+  if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16)
+    return InvalidArgument(fmt::format("checkpoint: writes F32, BF16 or F16, not {}", TensorDtypeName(dtype)));
+  if (num_layers < 1 || num_layers > model.num_moe_layers())
+    return InvalidArgument(fmt::format("checkpoint: {} layers asked, {} has {} MoE layers", num_layers, model.name,
+                                       model.num_moe_layers()));
+  if (naming == CheckpointNaming::kBlockSparseMoe && (model.num_shared_experts > 0 || model.correction_bias))
+    return InvalidArgument(fmt::format(
+        "checkpoint: the block_sparse_moe naming has no shared experts or correction bias, which {} has", model.name));
+  std::error_code error;
+  fs::create_directories(dir, error);
+  if (error) return IoError(fmt::format("{}: cannot create the folder: {}", dir, error.message()));
+
+  nlohmann::json weight_map = nlohmann::json::object();
+  int64_t total_bytes = 0;
+  int file_number = 0;
+  auto write = [&](Shard& shard) -> Status {
+    const std::string name = fmt::format("model-{:05d}.safetensors", ++file_number);
+    std::vector<TensorToWrite> tensors;
+    for (size_t i = 0; i < shard.names.size(); ++i) {
+      tensors.push_back({shard.names[i], dtype, shard.shapes[i], shard.bytes[i]});
+      weight_map[shard.names[i]] = name;
+    }
+    EPMOE_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / name).string(), tensors, {{"format", "pt"}}));
+    total_bytes += shard.size;
+    shard = Shard();
+    return Status::Ok();
+  };
+
+  const int64_t h = model.hidden, inter = model.expert_intermediate;
+  for (int layer = 0; layer < num_layers; ++layer) {
+    const LayerNames names(naming, model, layer);
+    Shard shard;
+    EPMOE_ASSIGN_OR_RETURN(const MoeLayerWeights routing, source.Routing(layer, pool));
+    EPMOE_RETURN_IF_ERROR(shard.Add(names.Router(), {model.num_experts, h}, routing.router.data, dtype));
+    if (model.correction_bias)
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.CorrectionBias(), {model.num_experts}, routing.correction_bias, dtype));
+    if (model.num_shared_experts > 0) {
+      // One MLP of all shared experts: their gate and up rows one after another, their down
+      // columns side by side.
+      const int64_t width = model.shared_intermediate, all = model.num_shared_experts * width;
+      Matrix gate(all, h), up(all, h), down(h, all);
+      for (int s = 0; s < model.num_shared_experts; ++s) {
+        EPMOE_ASSIGN_OR_RETURN(const ExpertWeights w, source.SharedExpert(layer, s, 0, -1));
+        std::copy(w.gate.data.begin(), w.gate.data.end(), gate.row(s * width));
+        std::copy(w.up.data.begin(), w.up.data.end(), up.row(s * width));
+        for (int64_t r = 0; r < h; ++r) std::copy(w.down.row(r), w.down.row(r) + width, down.row(r) + s * width);
+      }
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.Shared(kGate), {all, h}, gate.data, dtype));
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.Shared(kUp), {all, h}, up.data, dtype));
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.Shared(kDown), {h, all}, down.data, dtype));
+    }
+    // Experts are made and encoded in parallel, a file's worth at a time.
+    const int64_t expert_bytes = 3 * h * inter * TensorDtypeBytes(dtype);
+    const int per_file = static_cast<int>(std::max<int64_t>(1, kShardBytes / expert_bytes));
+    for (int first = 0; first < model.num_experts; first += per_file) {
+      const int count = std::min(per_file, model.num_experts - first);
+      std::vector<Shard> experts(count);
+      std::vector<Status> failed(count);
+      auto encode = [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int expert = first + static_cast<int>(i);
+          Result<ExpertWeights> w = source.Expert(layer, expert, 0, -1);
+          Status status = w.status();
+          if (w.ok()) status = experts[i].Add(names.Expert(expert, kGate), {inter, h}, w->gate.data, dtype);
+          if (status.ok()) status = experts[i].Add(names.Expert(expert, kUp), {inter, h}, w->up.data, dtype);
+          if (status.ok()) status = experts[i].Add(names.Expert(expert, kDown), {h, inter}, w->down.data, dtype);
+          failed[i] = status;
+        }
+      };
+      if (pool != nullptr) {
+        pool->ParallelFor(count, 1, encode);
+      } else {
+        encode(0, count);
+      }
+      for (int i = 0; i < count; ++i) {
+        EPMOE_RETURN_IF_ERROR(failed[i]);
+        if (shard.size > 0 && shard.size + experts[i].size > kShardBytes) EPMOE_RETURN_IF_ERROR(write(shard));
+        shard.Append(std::move(experts[i]));
+      }
+    }
+    if (!shard.names.empty()) EPMOE_RETURN_IF_ERROR(write(shard));
+  }
+
+  const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+  const fs::path index_path = fs::path(dir) / kIndexFile, temporary = index_path.string() + ".tmp";
+  {
+    std::ofstream out(temporary);
+    out << index.dump(2) << "\n";
+    if (!out) return IoError(fmt::format("{}: cannot write", temporary.string()));
+  }
+  fs::rename(temporary, index_path, error);
+  if (error)
+    return IoError(
+        fmt::format("{}: cannot rename to {}: {}", temporary.string(), index_path.string(), error.message()));
+  return Status::Ok();
+}
+
+}  // namespace epmoe

@@ -1,0 +1,305 @@
+// Checkpoint (reading a model's MoE weights from safetensors files) against the synthetic weights
+// it was written from, in both namings, with 8-bit float weights and their scales, and every refusal.
+#include "epmoe/checkpoint.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "epmoe/layer.h"
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+
+namespace epmoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("epmoe_checkpoint_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Dir(const std::string& sub = "") const { return (dir_ / sub).string(); }
+
+  fs::path dir_;
+};
+
+ModelConfig Scaled(const std::string& name, int hidden = 64, int intermediate = 32) {
+  auto model = LoadModel(name);
+  EPMOE_CHECK(model.ok());
+  return ScaledModel(*model, hidden, intermediate);
+}
+
+void ExpectSameExpert(const ExpertWeights& a, const ExpertWeights& b) {
+  EXPECT_EQ(a.gate.rows, b.gate.rows);
+  EXPECT_EQ(a.down.cols, b.down.cols);
+  EXPECT_EQ(a.gate.data, b.gate.data);
+  EXPECT_EQ(a.up.data, b.up.data);
+  EXPECT_EQ(a.down.data, b.down.data);
+}
+
+// F32 tensors hold the synthetic values exactly: every read must give them back bit for bit.
+TEST_F(CheckpointTest, F32RoundTripIsExactInBothNamings) {
+  for (const std::string name : {"deepseek-v3", "mixtral-8x7b"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig model = Scaled(name);
+    const auto synthetic = SyntheticWeights(model, 5);
+    const CheckpointNaming naming =
+        name == "deepseek-v3" ? CheckpointNaming::kMlpExperts : CheckpointNaming::kBlockSparseMoe;
+    ThreadPool pool(2);
+    ASSERT_TRUE(WriteCheckpoint(Dir(name), model, *synthetic, 2, TensorDtype::kF32, naming, &pool).ok());
+    auto opened = Checkpoint::Open(Dir(name), model, 2);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    const Checkpoint& checkpoint = **opened;
+    EXPECT_EQ(checkpoint.naming(), naming);
+    for (int layer = 0; layer < 2; ++layer) {
+      auto routing = checkpoint.Routing(layer, nullptr);
+      auto expected = synthetic->Routing(layer, nullptr);
+      ASSERT_TRUE(routing.ok() && expected.ok());
+      EXPECT_EQ(routing->router.data, expected->router.data);
+      EXPECT_EQ(routing->correction_bias, expected->correction_bias);
+      for (int e : {0, 3, model.num_experts - 1}) {
+        auto read = checkpoint.Expert(layer, e, 0, -1);
+        ASSERT_TRUE(read.ok()) << read.status().ToString();
+        ExpectSameExpert(*read, *synthetic->Expert(layer, e, 0, -1));
+        auto slice = checkpoint.Expert(layer, e, 8, 24);  // a sliced option's share
+        ASSERT_TRUE(slice.ok());
+        ExpectSameExpert(*slice, *synthetic->Expert(layer, e, 8, 24));
+      }
+      for (int s = 0; s < model.num_shared_experts; ++s) {
+        auto read = checkpoint.SharedExpert(layer, s, 4, 20);
+        ASSERT_TRUE(read.ok()) << read.status().ToString();
+        ExpectSameExpert(*read, *synthetic->SharedExpert(layer, s, 4, 20));
+      }
+    }
+  }
+}
+
+// Several shared experts are one MLP in a checkpoint; each is its slice of it.
+TEST_F(CheckpointTest, SharedExpertsAreSlicesOfOneMlp) {
+  ModelConfig model = Scaled("deepseek-v3");
+  model.num_shared_experts = 2;
+  model.shared_intermediate = 16;
+  const auto synthetic = SyntheticWeights(model, 9);
+  ASSERT_TRUE(WriteCheckpoint(Dir(), model, *synthetic, 1, TensorDtype::kF32, CheckpointNaming::kMlpExperts).ok());
+  auto checkpoint = Checkpoint::Open(Dir(), model, 1);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  for (int s = 0; s < 2; ++s)
+    ExpectSameExpert(*(*checkpoint)->SharedExpert(0, s, 0, -1), *synthetic->SharedExpert(0, s, 0, -1));
+}
+
+// BF16 and F16 files hold the values rounded to nearest: within half a unit in the last place.
+TEST_F(CheckpointTest, SixteenBitValuesAreTheRoundedOnes) {
+  const ModelConfig model = Scaled("qwen3-30b-a3b");
+  const auto synthetic = SyntheticWeights(model, 3);
+  for (TensorDtype dtype : {TensorDtype::kBf16, TensorDtype::kF16}) {
+    const std::string sub = TensorDtypeName(dtype);
+    ASSERT_TRUE(WriteCheckpoint(Dir(sub), model, *synthetic, 1, dtype, CheckpointNaming::kMlpExperts).ok());
+    auto checkpoint = Checkpoint::Open(Dir(sub), model, 1);
+    ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+    const double half_ulp = dtype == TensorDtype::kBf16 ? 0x1p-8 : 0x1p-11;  // relative: 7 and 10 bits
+    const ExpertWeights read = *(*checkpoint)->Expert(0, 7, 0, -1), made = *synthetic->Expert(0, 7, 0, -1);
+    for (size_t i = 0; i < made.gate.data.size(); ++i) {
+      const double x = made.gate.data[i];
+      ASSERT_LE(std::abs(read.gate.data[i] - x), half_ulp * std::abs(x) + 1e-7) << sub << " at " << i;
+    }
+  }
+}
+
+// A layer packed from the checkpoint is the layer packed from the weights it was written from.
+TEST_F(CheckpointTest, LayerFromCheckpointEqualsSyntheticLayer) {
+  const ModelConfig model = Scaled("deepseek-v3");
+  const auto synthetic = SyntheticWeights(model, 4);
+  ThreadPool pool(2);
+  ASSERT_TRUE(WriteCheckpoint(Dir(), model, *synthetic, 1, TensorDtype::kF32, CheckpointNaming::kMlpExperts).ok());
+  auto checkpoint = Checkpoint::Open(Dir(), model, 1);
+  ASSERT_TRUE(checkpoint.ok());
+  const PackOptions pack{WeightFormat::kInt8, "auto", &pool};
+  auto from_file = MoeLayer::Create(model, **checkpoint, 0, pack);
+  auto made = MoeLayer::Create(model, *synthetic, 0, pack);
+  ASSERT_TRUE(from_file.ok() && made.ok());
+  const Matrix rows = SyntheticRows(4, model, 0, 0, 21);
+  Picks picks;
+  ASSERT_TRUE((*from_file)->Route(rows, &picks).ok());
+  Matrix x, y;
+  ASSERT_TRUE((*from_file)->Forward(rows, picks, &x, pool, nullptr).ok());
+  ASSERT_TRUE((*made)->Forward(rows, picks, &y, pool, nullptr).ok());
+  EXPECT_EQ(x.data, y.data);
+}
+
+std::vector<float> Values(const Matrix& m) {
+  return std::vector<float>(m.data.begin(), m.data.end());
+}
+
+// E4M3 decoded independently of the reader: sign, 4 exponent bits (bias 7), 3 mantissa bits.
+float E4m3(uint8_t code) {
+  const int exponent = (code >> 3) & 15, mantissa = code & 7;
+  const float magnitude =
+      exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  return code & 0x80 ? -magnitude : magnitude;
+}
+
+// A one-expert model whose expert is stored in F8_E4M3 with scales in one of the three layouts a
+// checkpoint uses; the read weights must be code x its block's scale.
+TEST_F(CheckpointTest, Float8WeightsAreScaledByTheirBlocks) {
+  ModelConfig model = Scaled("qwen3-30b-a3b", 32, 16);
+  model.num_experts = 1;
+  model.top_k = 1;
+  struct Layout {
+    const char* name;
+    std::vector<int64_t> gate_scale_shape;  // of the [16 x 32] gate; down's is its transpose's
+    std::string suffix;                     // "_scale_inv" after the weight's name, or ".weight_scale"
+  };
+  const Layout layouts[] = {{"blocks", {2, 4}, "_scale_inv"},  // 8 x 8 blocks, as DeepSeek-V3's 128 x 128
+                            {"rows", {16}, ".weight_scale"},   // one scale per output row
+                            {"tensor", {}, ".weight_scale"}};  // one scale for the tensor
+  for (const Layout& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    std::vector<std::vector<std::byte>> storage;
+    std::vector<TensorToWrite> tensors;
+    auto add = [&](std::string name, TensorDtype dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes) {
+      storage.push_back(std::move(bytes));
+      tensors.push_back({std::move(name), dtype, std::move(shape), storage.back()});
+    };
+    storage.reserve(16);
+    std::vector<std::byte> router;
+    ASSERT_TRUE(EncodeFloats(std::vector<float>(32, 0.5f), TensorDtype::kF32, &router).ok());
+    add("model.layers.0.mlp.gate.weight", TensorDtype::kF32, {1, 32}, router);
+    std::vector<std::vector<float>> expected;
+    for (const char* projection : {"gate_proj", "up_proj", "down_proj"}) {
+      const bool down = std::string(projection) == "down_proj";
+      const int64_t rows = down ? 32 : 16, cols = down ? 16 : 32;
+      std::vector<std::byte> codes(rows * cols);
+      std::vector<float> values(rows * cols);
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        uint8_t code = static_cast<uint8_t>((i * 37 + 11) & 0xff);
+        if ((code & 0x7f) == 0x7f) code ^= 1;  // not NaN
+        codes[i] = std::byte{code};
+        values[i] = E4m3(code);
+      }
+      // The scale grid: per block, per row or one.
+      std::vector<int64_t> scale_shape = layout.gate_scale_shape;
+      if (down && scale_shape.size() == 2) std::swap(scale_shape[0], scale_shape[1]);
+      if (down && scale_shape.size() == 1) scale_shape[0] = rows;
+      int64_t grid_rows = 1, grid_cols = 1;
+      if (scale_shape.size() >= 1) grid_rows = scale_shape[0];
+      if (scale_shape.size() == 2) grid_cols = scale_shape[1];
+      std::vector<float> scales(grid_rows * grid_cols);
+      for (size_t i = 0; i < scales.size(); ++i) scales[i] = 0.25f * static_cast<float>(i + 1);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c)
+          values[r * cols + c] *=
+              scales[(r / ((rows + grid_rows - 1) / grid_rows)) * grid_cols + c / ((cols + grid_cols - 1) / grid_cols)];
+      }
+      expected.push_back(values);
+      const std::string weight = std::string("model.layers.0.mlp.experts.0.") + projection + ".weight";
+      add(weight, TensorDtype::kF8E4M3, {rows, cols}, codes);
+      std::vector<std::byte> scale_bytes;
+      ASSERT_TRUE(EncodeFloats(scales, TensorDtype::kF32, &scale_bytes).ok());
+      const std::string scale_name = layout.suffix == "_scale_inv"
+                                         ? weight + "_scale_inv"
+                                         : std::string("model.layers.0.mlp.experts.0.") + projection + ".weight_scale";
+      add(scale_name, TensorDtype::kF32, scale_shape, scale_bytes);
+    }
+    const std::string file = Dir(std::string(layout.name) + ".safetensors");
+    fs::create_directories(dir_);
+    ASSERT_TRUE(WriteSafetensors(file, tensors).ok());
+    auto checkpoint = Checkpoint::Open(file, model, 1);
+    ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+    auto expert = (*checkpoint)->Expert(0, 0, 0, -1);
+    ASSERT_TRUE(expert.ok()) << expert.status().ToString();
+    EXPECT_EQ(Values(expert->gate), expected[0]);
+    EXPECT_EQ(Values(expert->up), expected[1]);
+    EXPECT_EQ(Values(expert->down), expected[2]);
+    auto slice = (*checkpoint)->Expert(0, 0, 5, 13);  // rows 5..12 of gate, columns 5..12 of down
+    ASSERT_TRUE(slice.ok());
+    EXPECT_EQ(Values(slice->gate), std::vector<float>(expected[0].begin() + 5 * 32, expected[0].begin() + 13 * 32));
+    EXPECT_EQ(slice->down.at(3, 0), expected[2][3 * 16 + 5]);
+  }
+}
+
+void ExpectError(const Result<std::unique_ptr<Checkpoint>>& result, const std::string& part) {
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find(part), std::string::npos) << result.status().message();
+}
+
+TEST_F(CheckpointTest, RefusesWhatDoesNotFitTheModel) {
+  const ModelConfig model = Scaled("qwen3-30b-a3b");
+  ASSERT_TRUE(
+      WriteCheckpoint(Dir(), model, *SyntheticWeights(model, 1), 1, TensorDtype::kBf16, CheckpointNaming::kMlpExperts)
+          .ok());
+  // Another hidden size: the first tensor checked names both shapes.
+  ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b", 128, 32), 1),
+              "\"model.layers.0.mlp.gate.weight\" has shape [128, 64], qwen3-30b-a3b needs [128, 128]");
+  // More layers than written: the missing tensor is named.
+  ExpectError(Checkpoint::Open(Dir(), model, 2), "no tensor \"model.layers.1.mlp.gate.weight\"");
+  // A model with a correction bias the checkpoint lacks.
+  ModelConfig biased = model;
+  biased.scoring = Scoring::kSigmoid;
+  biased.correction_bias = true;
+  ExpectError(Checkpoint::Open(Dir(), biased, 1), "no tensor \"model.layers.0.mlp.gate.e_score_correction_bias\"");
+  // Another model's dense layers shift the transformer layer numbers: its first MoE layer is absent.
+  ModelConfig shifted = model;
+  shifted.num_dense_layers = 1;
+  ExpectError(Checkpoint::Open(Dir(), shifted, 1), "model.layers.1.mlp.experts.0.gate_proj.weight");
+  ExpectError(Checkpoint::Open(Dir(), model, model.num_moe_layers() + 1), "MoE layers");
+  auto opened = Checkpoint::Open(Dir(), model, 1);
+  ASSERT_TRUE(opened.ok());
+  EXPECT_FALSE((*opened)->Expert(1, 0, 0, -1).ok());                             // layer not opened
+  EXPECT_FALSE((*opened)->Expert(0, model.num_experts, 0, -1).ok());             // no such expert
+  EXPECT_FALSE((*opened)->Expert(0, 0, 8, model.expert_intermediate + 1).ok());  // slice past the end
+  EXPECT_FALSE((*opened)->SharedExpert(0, 0, 0, -1).ok());                       // the model has none
+}
+
+TEST_F(CheckpointTest, RefusesBrokenFolders) {
+  ExpectError(Checkpoint::Open(Dir("absent"), Scaled("qwen3-30b-a3b"), 1), "no such file or folder");
+  fs::create_directories(dir_);
+  ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "no .safetensors files");
+  { std::ofstream(Dir("model.safetensors.index.json")) << "{\"weight_map\": [1, 2]}"; }
+  ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "\"weight_map\" object");
+  { std::ofstream(Dir("model.safetensors.index.json")) << "{\"weight_map\": {\"a\": \"../x.safetensors\"}}"; }
+  ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "is not a file in its folder");
+  fs::remove(Dir("model.safetensors.index.json"));
+  // A file of another model's tensors: the names looked for are given.
+  std::vector<std::byte> bytes;
+  ASSERT_TRUE(EncodeFloats(std::vector<float>(4, 1.0f), TensorDtype::kF32, &bytes).ok());
+  const std::vector<TensorToWrite> other = {
+      {"model.layers.0.mlp.experts.gate_up_proj_blocks", TensorDtype::kF32, {4}, bytes}};
+  ASSERT_TRUE(WriteSafetensors(Dir("a.safetensors"), other).ok());
+  ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "block_sparse_moe.experts.0.w1.weight");
+  // The same tensor in two files.
+  ASSERT_TRUE(WriteSafetensors(Dir("b.safetensors"), other).ok());
+  ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "is in both");
+}
+
+// Integer or packed 4-bit weights, and 8-bit floats without scales, are refused by name.
+TEST_F(CheckpointTest, RefusesWeightsItCannotRead) {
+  ModelConfig model = Scaled("qwen3-30b-a3b", 32, 16);
+  model.num_experts = 1;
+  model.top_k = 1;
+  for (TensorDtype dtype : {TensorDtype::kU8, TensorDtype::kF8E4M3}) {
+    SCOPED_TRACE(TensorDtypeName(dtype));
+    std::vector<std::byte> router, codes(16 * 32);
+    ASSERT_TRUE(EncodeFloats(std::vector<float>(32, 0.5f), TensorDtype::kF32, &router).ok());
+    const std::vector<TensorToWrite> tensors = {
+        {"model.layers.0.mlp.gate.weight", TensorDtype::kF32, {1, 32}, router},
+        {"model.layers.0.mlp.experts.0.gate_proj.weight", dtype, {16, 32}, codes}};
+    const std::string file = Dir(std::string(TensorDtypeName(dtype)) + ".safetensors");
+    fs::create_directories(dir_);
+    ASSERT_TRUE(WriteSafetensors(file, tensors).ok());
+    ExpectError(Checkpoint::Open(file, model, 1),
+                dtype == TensorDtype::kU8 ? "is U8: weights are read in F32, BF16, F16" : "has no scales");
+  }
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,187 @@
+// `epmoe checkpoint show PATH`: what a Hugging Face checkpoint (safetensors) holds and which model
+// preset fits it. `epmoe checkpoint write`: a model's synthetic weights as such a checkpoint, to try
+// `--weights` without a downloaded model and to compare its runs with synthetic ones.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "commands.h"
+#include "epmoe/checkpoint.h"
+#include "epmoe/layer.h"
+#include "epmoe/thread_pool.h"
+#include "output.h"
+
+namespace epmoe::cli {
+namespace {
+
+struct WriteOptions {
+  std::string model = "qwen3-30b-a3b";
+  int hidden = 0;
+  int intermediate = 0;
+  int layers = 1;
+  uint64_t seed = 1;
+  std::string dtype = "bf16";
+  std::string naming = "auto";
+  std::string out;
+  int threads = 0;
+  std::string format = "text";
+};
+
+Status Write(const WriteOptions& o, nlohmann::json* report) {
+  EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
+  model = ScaledModel(model, o.hidden, o.intermediate);
+  EPMOE_RETURN_IF_ERROR(ValidateModel(model, "--hidden/--intermediate"));
+  if (o.layers > model.num_moe_layers())
+    return InvalidArgument(
+        fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
+  // Mixtral's checkpoints name experts block_sparse_moe.experts.E.w1; the other presets' mlp.experts.E.gate_proj.
+  const std::string naming_name = o.naming != "auto"                  ? o.naming
+                                  : model.name.starts_with("mixtral") ? "block_sparse_moe"
+                                                                      : "mlp.experts";
+  EPMOE_ASSIGN_OR_RETURN(const CheckpointNaming naming, ParseCheckpointNaming(naming_name));
+  const TensorDtype dtype = o.dtype == "f32"   ? TensorDtype::kF32
+                            : o.dtype == "f16" ? TensorDtype::kF16
+                                               : TensorDtype::kBf16;
+  ThreadPool pool(o.threads);
+  const auto start = std::chrono::steady_clock::now();
+  EPMOE_RETURN_IF_ERROR(
+      WriteCheckpoint(o.out, model, *SyntheticWeights(model, o.seed), o.layers, dtype, naming, &pool));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EPMOE_ASSIGN_OR_RETURN(auto written, Checkpoint::Open(o.out, model, o.layers));
+  *report = {{"path", o.out},
+             {"model", model.name},
+             {"hidden", model.hidden},
+             {"expert_intermediate", model.expert_intermediate},
+             {"layers", o.layers},
+             {"seed", o.seed},
+             {"dtype", TensorDtypeName(dtype)},
+             {"naming", CheckpointNamingName(naming)},
+             {"files", written->num_files()},
+             {"file_bytes", written->file_bytes()},
+             {"seconds", seconds}};
+  return Status::Ok();
+}
+
+void PrintWritten(const nlohmann::json& r) {
+  std::printf(
+      "%s: %d MoE layer(s) of %s (hidden %d, intermediate %d), seed %llu, %s, %s naming: %d file(s), %s, "
+      "in %.1f s\n",
+      r["path"].get<std::string>().c_str(), r["layers"].get<int>(), r["model"].get<std::string>().c_str(),
+      r["hidden"].get<int>(), r["expert_intermediate"].get<int>(),
+      static_cast<unsigned long long>(r["seed"].get<uint64_t>()), r["dtype"].get<std::string>().c_str(),
+      r["naming"].get<std::string>().c_str(), r["files"].get<int>(), HumanBytes(r["file_bytes"].get<int64_t>()).c_str(),
+      r["seconds"].get<double>());
+}
+
+struct ShowOptions {
+  std::string path;
+  std::string format = "text";
+};
+
+// Whether a preset has the checkpoint's MoE shapes and layers.
+bool Fits(const ModelConfig& model, const CheckpointSummary& s) {
+  return model.hidden == s.hidden && model.num_experts == s.num_experts &&
+         model.expert_intermediate == s.expert_intermediate &&
+         static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate == s.shared_intermediate &&
+         model.correction_bias == s.correction_bias && model.num_dense_layers == s.moe_layers.front() &&
+         model.num_moe_layers() == static_cast<int>(s.moe_layers.size());
+}
+
+Status Show(const ShowOptions& o, nlohmann::json* report) {
+  EPMOE_ASSIGN_OR_RETURN(const CheckpointSummary s, SummarizeCheckpoint(o.path));
+  nlohmann::json dtypes = nlohmann::json::array();
+  for (const auto& [dtype, bytes] : s.bytes_by_dtype) dtypes.push_back({{"dtype", dtype}, {"bytes", bytes}});
+  *report = {{"path", o.path},       {"files", s.files},         {"file_bytes", s.file_bytes},
+             {"tensors", s.tensors}, {"bytes_by_dtype", dtypes}, {"has_experts", s.has_experts}};
+  if (!s.has_experts) return Status::Ok();
+  nlohmann::json fitting = nlohmann::json::array();
+  for (const std::string& name : ListModelPresets()) {
+    auto preset = LoadModel(name);
+    if (preset.ok() && Fits(*preset, s)) fitting.push_back(name);
+  }
+  (*report)["naming"] = CheckpointNamingName(s.naming);
+  (*report)["moe_layers"] = s.moe_layers.size();
+  (*report)["first_moe_layer"] = s.moe_layers.front();
+  (*report)["num_experts"] = s.num_experts;
+  (*report)["hidden"] = s.hidden;
+  (*report)["expert_intermediate"] = s.expert_intermediate;
+  (*report)["expert_dtype"] = s.expert_dtype;
+  (*report)["shared_intermediate"] = s.shared_intermediate;
+  (*report)["correction_bias"] = s.correction_bias;
+  (*report)["presets"] = fitting;
+  return Status::Ok();
+}
+
+void PrintShow(const nlohmann::json& r) {
+  std::printf("%s: %d file(s), %s, %lld tensors\n", r["path"].get<std::string>().c_str(), r["files"].get<int>(),
+              HumanBytes(r["file_bytes"].get<int64_t>()).c_str(), static_cast<long long>(r["tensors"].get<int64_t>()));
+  for (const auto& d : r["bytes_by_dtype"])
+    std::printf("  %-8s %s\n", d["dtype"].get<std::string>().c_str(), HumanBytes(d["bytes"].get<int64_t>()).c_str());
+  if (!r["has_experts"].get<bool>()) {
+    std::printf("no expert tensors in a naming epmoe reads (mlp.experts.E.gate_proj, block_sparse_moe.experts.E.w1)\n");
+    return;
+  }
+  std::printf(
+      "MoE: %s naming, %d layers from transformer layer %d, %d experts of hidden %lld x intermediate %lld "
+      "(%s), shared experts' intermediate %lld, correction bias %s\n",
+      r["naming"].get<std::string>().c_str(), r["moe_layers"].get<int>(), r["first_moe_layer"].get<int>(),
+      r["num_experts"].get<int>(), static_cast<long long>(r["hidden"].get<int64_t>()),
+      static_cast<long long>(r["expert_intermediate"].get<int64_t>()), r["expert_dtype"].get<std::string>().c_str(),
+      static_cast<long long>(r["shared_intermediate"].get<int64_t>()), r["correction_bias"].get<bool>() ? "yes" : "no");
+  if (r["presets"].empty()) {
+    std::printf("no preset has these shapes: give --model a .json with them (see `epmoe model show`)\n");
+  } else {
+    for (const auto& name : r["presets"]) std::printf("fits --model %s\n", name.get<std::string>().c_str());
+  }
+}
+
+}  // namespace
+
+void AddCheckpointCommand(CLI::App& app, int* exit_code) {
+  auto* checkpoint = app.add_subcommand("checkpoint", "Hugging Face checkpoints (safetensors) of MoE layers");
+  checkpoint->require_subcommand(1);
+  auto o = std::make_shared<WriteOptions>();
+  auto* cmd = checkpoint->add_subcommand(
+      "write",
+      "Write a model's synthetic MoE layers (routers, experts, shared experts) as a checkpoint folder that "
+      "`epmoe layer|run --weights` read");
+  cmd->add_option("--model", o->model, "Model preset name or .json path")->capture_default_str();
+  cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
+  cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
+      ->check(kNonNegative);
+  cmd->add_option("--layers", o->layers, "MoE layers to write (the first ones)")
+      ->check(kPositive)
+      ->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights")->capture_default_str();
+  cmd->add_option("--dtype", o->dtype, "Value type of the tensors")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
+  cmd->add_option("--naming", o->naming,
+                  "Tensor names: mlp.experts (DeepSeek-V3, GLM, Qwen3, OLMoE), block_sparse_moe "
+                  "(Mixtral), or auto (by the model)")
+      ->check(CLI::IsMember({"auto", "mlp.experts", "block_sparse_moe"}))
+      ->capture_default_str();
+  cmd->add_option("--out", o->out, "Folder to write (created; files in it are replaced)")->required();
+  cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  AddFormatOption(cmd, &o->format, {"text", "json"});
+  SetReportCallback(
+      cmd, exit_code, &o->format, [o](nlohmann::json* report) { return Write(*o, report); }, PrintWritten);
+
+  auto show = std::make_shared<ShowOptions>();
+  auto* show_cmd = checkpoint->add_subcommand(
+      "show",
+      "What a checkpoint holds (files, value types, MoE layers, experts and their shapes) and which "
+      "model presets fit it");
+  show_cmd->add_option("path", show->path, "A .safetensors file or a folder of them")->required();
+  AddFormatOption(show_cmd, &show->format, {"text", "json"});
+  SetReportCallback(
+      show_cmd, exit_code, &show->format, [show](nlohmann::json* report) { return Show(*show, report); }, PrintShow);
+}
+
+}  // namespace epmoe::cli

@@ -1,0 +1,34 @@
+#include "weights_option.h"
+
+#include <fmt/format.h>
+
+#include "epmoe/checkpoint.h"
+#include "output.h"
+
+namespace epmoe::cli {
+
+void AddWeightsOption(CLI::App* command, std::string* path) {
+  command->add_option("--weights", *path,
+                      "Read the routers and experts from a Hugging Face checkpoint: a .safetensors file or a folder "
+                      "of them (see `epmoe checkpoint`); --model must have its shapes. Default: synthetic weights");
+}
+
+Result<OpenedWeights> OpenWeights(const std::string& path, const ModelConfig& model, int layers, uint64_t seed) {
+  if (path.empty()) return OpenedWeights{SyntheticWeights(model, seed), {{"source", "synthetic"}, {"seed", seed}}};
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(path, model, layers));
+  nlohmann::json report = {{"source", "checkpoint"},
+                           {"path", path},
+                           {"naming", CheckpointNamingName(checkpoint->naming())},
+                           {"files", checkpoint->num_files()},
+                           {"file_bytes", checkpoint->file_bytes()}};
+  return OpenedWeights{std::move(checkpoint), std::move(report)};
+}
+
+std::string DescribeWeights(const nlohmann::json& report) {
+  if (report["source"] != "checkpoint") return "";
+  return fmt::format("weights: {} ({} naming, {} files, {})", report["path"].get<std::string>(),
+                     report["naming"].get<std::string>(), report["files"].get<int>(),
+                     HumanBytes(report["file_bytes"].get<int64_t>()));
+}
+
+}  // namespace epmoe::cli

@@ -1,0 +1,33 @@
+// `--weights PATH` of `epmoe layer` and `epmoe run`: the experts and routers of a checkpoint, or
+// the synthetic ones of a seed.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "epmoe/layer.h"
+#include "epmoe/model.h"
+#include "epmoe/status.h"
+
+namespace epmoe::cli {
+
+// Adds `--weights PATH` to a command.
+void AddWeightsOption(CLI::App* command, std::string* path);
+
+struct OpenedWeights {
+  std::shared_ptr<const WeightSource> source;
+  nlohmann::json
+      report;  // what was opened: {"source": "synthetic", "seed"} or the checkpoint's path, naming, files, bytes
+};
+
+// The checkpoint at `path` (MoE layers 0 .. layers - 1 of `model`, checked), or the synthetic
+// weights of `seed` when the path is empty.
+Result<OpenedWeights> OpenWeights(const std::string& path, const ModelConfig& model, int layers, uint64_t seed);
+
+// "weights: PATH (NAMING naming, N files, SIZE)" for a checkpoint's report, "" for synthetic ones.
+std::string DescribeWeights(const nlohmann::json& report);
+
+}  // namespace epmoe::cli
