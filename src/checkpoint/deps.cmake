@@ -1,1 +1,1 @@
-set(EPMOE_DEPS core kernels layer)
+set(EPMOE_DEPS core kernels layer safetensors)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the trace and checkpoint readers' libFuzzer targets (clang, ASan + UBSan) in build-fuzz/ and
+# Builds the trace and safetensors readers' libFuzzer targets (clang, ASan + UBSan) in build-fuzz/ and
 # runs each for a bounded time from a seed corpus (real trace excerpts, small safetensors files).
 # Fails on any crash, sanitizer report or failed consistency check.
 # Usage: tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET] (default 8).
@@ -15,12 +15,12 @@ fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="-O1 -gline-tables-only" -DCMAKE_CXX_COMPILER=clang++ \
   -DEPMOE_FUZZ=ON -DEPMOE_BUILD_TESTS=OFF -DEPMOE_BUILD_BENCHMARKS=OFF >/dev/null
 targets=(trace_binary_fuzz trace_flame_csv_fuzz trace_topk_csv_fuzz trace_jsonl_fuzz trace_expert_counts_csv_fuzz
-         trace_sglang_json_fuzz trace_counts_csv_fuzz checkpoint_safetensors_fuzz)
-cmake --build "$build" -j "${EPMOE_FUZZ_JOBS:-2}" --target trace_fuzz_seeds checkpoint_fuzz_seeds "${targets[@]}"
+         trace_sglang_json_fuzz trace_counts_csv_fuzz safetensors_file_fuzz)
+cmake --build "$build" -j "${EPMOE_FUZZ_JOBS:-2}" --target trace_fuzz_seeds safetensors_fuzz_seeds "${targets[@]}"
 corpus="$build/fuzz-corpus"
 rm -rf "$corpus"
 "$build/tests/fuzz/trace_fuzz_seeds" "$corpus" "$traces"
-"$build/tests/fuzz/checkpoint_fuzz_seeds" "$corpus"
+"$build/tests/fuzz/safetensors_fuzz_seeds" "$corpus"
 for target in "${targets[@]}"; do
   mkdir -p "$corpus/$target"
   echo "run_fuzzers: $target for ${seconds}s"

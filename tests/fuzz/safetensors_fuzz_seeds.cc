@@ -1,6 +1,6 @@
-// Writes a small seed corpus for the checkpoint fuzz targets into <dir>/<target>/: safetensors
+// Writes a small seed corpus for the safetensors fuzz target into <dir>/<target>/: safetensors
 // files made with WriteSafetensors (every dtype, 0-D to 3-D and empty tensors, metadata).
-// Usage: checkpoint_fuzz_seeds OUT_DIR
+// Usage: safetensors_fuzz_seeds OUT_DIR
 #include <cstdio>
 #include <filesystem>
 #include <vector>
@@ -13,15 +13,15 @@ using epmoe::TensorToWrite;
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: checkpoint_fuzz_seeds OUT_DIR\n");
+    std::fprintf(stderr, "usage: safetensors_fuzz_seeds OUT_DIR\n");
     return 2;
   }
-  const fs::path out = fs::path(argv[1]) / "checkpoint_safetensors_fuzz";
+  const fs::path out = fs::path(argv[1]) / "safetensors_file_fuzz";
   fs::create_directories(out);
   const auto write = [&](const char* name, const std::vector<TensorToWrite>& tensors,
                          const std::map<std::string, std::string>& metadata) {
     const epmoe::Status status = epmoe::WriteSafetensors((out / name).string(), tensors, metadata);
-    if (!status.ok()) std::fprintf(stderr, "checkpoint_fuzz_seeds: %s\n", status.ToString().c_str());
+    if (!status.ok()) std::fprintf(stderr, "safetensors_fuzz_seeds: %s\n", status.ToString().c_str());
     return status.ok();
   };
 
