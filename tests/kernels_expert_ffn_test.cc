@@ -313,9 +313,10 @@ TEST(PackFromMaker, PacksWhatTheSpanPacks) {
       std::atomic<int> calls{0};
       auto made = PackExperts(
           5, 64, 32,
-          [&](int e) -> Result<ExpertWeights> {
+          [&](int e, ExpertWeights* out) {
             ++calls;
-            return experts[e];
+            *out = experts[e];
+            return Status::Ok();
           },
           PackOptions{format, "auto", on});
       ASSERT_TRUE(made.ok()) << made.status().message();
@@ -336,9 +337,10 @@ TEST(PackFromMaker, NamesTheExpertThatFailed) {
   const auto experts = RandomExperts(3, 64, 32, 8);
   auto failing = PackExperts(
       3, 64, 32,
-      [&](int e) -> Result<ExpertWeights> {
+      [&](int e, ExpertWeights* out) {
         if (e == 2) return IoError("weights file truncated");
-        return experts[e];
+        *out = experts[e];
+        return Status::Ok();
       },
       PackOptions{WeightFormat::kInt8, "auto"});
   ASSERT_FALSE(failing.ok());
@@ -347,14 +349,23 @@ TEST(PackFromMaker, NamesTheExpertThatFailed) {
 
   const auto wider = RandomExperts(1, 128, 32, 9);
   auto misshapen = PackExperts(
-      3, 64, 32, [&](int e) -> Result<ExpertWeights> { return e == 1 ? wider[0] : experts[e]; },
+      3, 64, 32,
+      [&](int e, ExpertWeights* out) {
+        *out = e == 1 ? wider[0] : experts[e];
+        return Status::Ok();
+      },
       PackOptions{WeightFormat::kInt8, "auto"});
   ASSERT_FALSE(misshapen.ok());
   EXPECT_NE(misshapen.status().message().find("expert 1 has shapes"), std::string::npos)
       << misshapen.status().message();
 
   auto none = PackExperts(
-      0, 64, 32, [&](int e) -> Result<ExpertWeights> { return experts[e]; }, PackOptions{WeightFormat::kInt8, "auto"});
+      0, 64, 32,
+      [&](int e, ExpertWeights* out) {
+        *out = experts[e];
+        return Status::Ok();
+      },
+      PackOptions{WeightFormat::kInt8, "auto"});
   EXPECT_FALSE(none.ok());
 }
 

@@ -49,8 +49,9 @@ class Checkpoint final : public WeightSource {
   int64_t file_bytes() const;  // all files' sizes
 
   Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const override;
-  Result<ExpertWeights> Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const override;
-  Result<ExpertWeights> SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const override;
+  Status ReadExpert(int layer, int expert, int64_t slice_begin, int64_t slice_end, ExpertWeights* out) const override;
+  Status ReadSharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end,
+                          ExpertWeights* out) const override;
 
  private:
   struct State;  // the mapped files and the tensors the layers need, checked

@@ -49,10 +49,17 @@ class WeightSource {
   // The router and correction bias of a layer (experts and shared experts left empty).
   virtual Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const = 0;
   // Routed expert `expert` of a layer, or the slice [slice_begin, slice_end) of its intermediate
-  // dimension (slice_end -1: to the end), as MakeSyntheticExpert slices.
-  virtual Result<ExpertWeights> Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const = 0;
+  // dimension (slice_end -1: to the end), as MakeSyntheticExpert slices, written into *out as an
+  // ExpertMaker writes (expert_ffn.h: its matrices reshaped, their memory reused).
+  virtual Status ReadExpert(int layer, int expert, int64_t slice_begin, int64_t slice_end,
+                            ExpertWeights* out) const = 0;
   // Shared expert `index` of a layer (0 .. num_shared_experts - 1), or a slice of it.
-  virtual Result<ExpertWeights> SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const = 0;
+  virtual Status ReadSharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end,
+                                  ExpertWeights* out) const = 0;
+
+  // The same into fresh matrices.
+  Result<ExpertWeights> Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const;
+  Result<ExpertWeights> SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const;
 };
 
 // The synthetic weights of `seed` (MakeSyntheticRouting, MakeSyntheticExpert, ...).

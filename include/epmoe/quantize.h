@@ -70,6 +70,8 @@ struct QuantizedMatrix {
 
 // Fails on shapes the format refuses (CheckShape) and on NaN or Inf weights (naming the element).
 Result<QuantizedMatrix> Quantize(WeightFormat format, const Matrix& weights);
+// The same into *out, reusing its vectors' memory (packing quantizes expert after expert).
+Status Quantize(WeightFormat format, const Matrix& weights, QuantizedMatrix* out);
 
 // Row `row` of the matrix as fp32 (cols values).
 void DequantizeRow(const QuantizedMatrix& q, int64_t row, float* out);

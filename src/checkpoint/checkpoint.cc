@@ -185,19 +185,17 @@ struct Index {
     return Status::Ok();
   }
 
-  // An expert of `width` rows whose gate and up rows start at row `first` of tensors named by
-  // `name` and whose down columns start at column `first`: the slice [begin, end) of it.
-  Result<ExpertWeights> ReadExpert(const std::function<std::string(Projection)>& name, int64_t first, int64_t begin,
-                                   int64_t end) const {
+  // The slice [begin, end) of an expert whose gate and up rows start at row `first` of the
+  // tensors `name` gives and whose down columns start at column `first`, into *w (reshaped).
+  Status ReadExpert(const std::function<std::string(Projection)>& name, int64_t first, int64_t begin, int64_t end,
+                    ExpertWeights* w) const {
     const int64_t hidden = model.hidden, width = end - begin;
-    ExpertWeights w;
-    w.gate = Matrix(width, hidden);
-    w.up = Matrix(width, hidden);
-    w.down = Matrix(hidden, width);
-    EPMOE_RETURN_IF_ERROR(Read(name(kGate), first + begin, width, 0, hidden, w.gate.data.data()));
-    EPMOE_RETURN_IF_ERROR(Read(name(kUp), first + begin, width, 0, hidden, w.up.data.data()));
-    EPMOE_RETURN_IF_ERROR(Read(name(kDown), 0, hidden, first + begin, width, w.down.data.data()));
-    return w;
+    w->gate.Reshape(width, hidden);
+    w->up.Reshape(width, hidden);
+    w->down.Reshape(hidden, width);
+    EPMOE_RETURN_IF_ERROR(Read(name(kGate), first + begin, width, 0, hidden, w->gate.data.data()));
+    EPMOE_RETURN_IF_ERROR(Read(name(kUp), first + begin, width, 0, hidden, w->up.data.data()));
+    return Read(name(kDown), 0, hidden, first + begin, width, w->down.data.data());
   }
 };
 
@@ -354,17 +352,18 @@ Result<MoeLayerWeights> Checkpoint::Routing(int layer, ThreadPool* /*pool*/) con
   return w;
 }
 
-Result<ExpertWeights> Checkpoint::Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const {
+Status Checkpoint::ReadExpert(int layer, int expert, int64_t slice_begin, int64_t slice_end, ExpertWeights* out) const {
   EPMOE_RETURN_IF_ERROR(CheckLayer(layer, state_->num_layers));
   const ModelConfig& model = state_->model;
   if (expert < 0 || expert >= model.num_experts)
     return InvalidArgument(fmt::format("checkpoint: expert {} of {} experts", expert, model.num_experts));
   EPMOE_ASSIGN_OR_RETURN(const int64_t end, SliceEnd(slice_begin, slice_end, model.expert_intermediate));
   const LayerNames names(state_->naming, model, layer);
-  return state_->ReadExpert([&](Projection p) { return names.Expert(expert, p); }, 0, slice_begin, end);
+  return state_->ReadExpert([&](Projection p) { return names.Expert(expert, p); }, 0, slice_begin, end, out);
 }
 
-Result<ExpertWeights> Checkpoint::SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const {
+Status Checkpoint::ReadSharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end,
+                                    ExpertWeights* out) const {
   EPMOE_RETURN_IF_ERROR(CheckLayer(layer, state_->num_layers));
   const ModelConfig& model = state_->model;
   if (index < 0 || index >= model.num_shared_experts)
@@ -373,7 +372,7 @@ Result<ExpertWeights> Checkpoint::SharedExpert(int layer, int index, int64_t sli
   EPMOE_ASSIGN_OR_RETURN(const int64_t end, SliceEnd(slice_begin, slice_end, model.shared_intermediate));
   const LayerNames names(state_->naming, model, layer);
   return state_->ReadExpert([&](Projection p) { return names.Shared(p); },
-                            static_cast<int64_t>(index) * model.shared_intermediate, slice_begin, end);
+                            static_cast<int64_t>(index) * model.shared_intermediate, slice_begin, end, out);
 }
 
 Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
@@ -518,13 +517,13 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
       std::vector<Shard> experts(count);
       std::vector<Status> failed(count);
       auto encode = [&](int64_t begin, int64_t end) {
+        ExpertWeights w;  // this thread's buffers, reused
         for (int64_t i = begin; i < end; ++i) {
           const int expert = first + static_cast<int>(i);
-          Result<ExpertWeights> w = source.Expert(layer, expert, 0, -1);
-          Status status = w.status();
-          if (w.ok()) status = experts[i].Add(names.Expert(expert, kGate), {inter, h}, w->gate.data, dtype);
-          if (status.ok()) status = experts[i].Add(names.Expert(expert, kUp), {inter, h}, w->up.data, dtype);
-          if (status.ok()) status = experts[i].Add(names.Expert(expert, kDown), {h, inter}, w->down.data, dtype);
+          Status status = source.ReadExpert(layer, expert, 0, -1, &w);
+          if (status.ok()) status = experts[i].Add(names.Expert(expert, kGate), {inter, h}, w.gate.data, dtype);
+          if (status.ok()) status = experts[i].Add(names.Expert(expert, kUp), {inter, h}, w.up.data, dtype);
+          if (status.ok()) status = experts[i].Add(names.Expert(expert, kDown), {h, inter}, w.down.data, dtype);
           failed[i] = status;
         }
       };

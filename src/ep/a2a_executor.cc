@@ -43,8 +43,8 @@ class A2aExecutor : public MoeExecutor {
     const std::shared_ptr<const WeightSource> weights = Weights(model_, options_);
     stores_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers; ++layer) {
-      auto slot_expert = [&](int s) {
-        return weights->Expert(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, -1);
+      auto slot_expert = [&](int s, ExpertWeights* out) {
+        return weights->ReadExpert(layer, p.phy2log(layer)[me * p.slots_per_rank() + s], 0, -1, out);
       };
       EPMOE_ASSIGN_OR_RETURN(stores_[layer], PackExperts(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
                                                          slot_expert, options_.pack));

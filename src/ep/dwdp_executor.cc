@@ -73,7 +73,9 @@ class DwdpExecutor : public MoeExecutor {
     const std::shared_ptr<const WeightSource> weights = Weights(model_, options_);
     owned_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers && owned > 0; ++layer) {
-      auto owned_expert = [&](int i) { return weights->Expert(layer, own_begin_ + i, 0, -1); };
+      auto owned_expert = [&](int i, ExpertWeights* out) {
+        return weights->ReadExpert(layer, own_begin_ + i, 0, -1, out);
+      };
       EPMOE_ASSIGN_OR_RETURN(
           owned_[layer], PackExperts(owned, model_.hidden, model_.expert_intermediate, owned_expert, options_.pack));
     }

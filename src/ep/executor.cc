@@ -170,7 +170,7 @@ Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelCo
   if (model.num_shared_experts == 0) return stores;
   const std::shared_ptr<const WeightSource> source = Weights(model, options);
   for (int layer = 0; layer < options.num_layers; ++layer) {
-    auto shared = [&](int s) { return source->SharedExpert(layer, s, 0, -1); };
+    auto shared = [&](int s, ExpertWeights* out) { return source->ReadSharedExpert(layer, s, 0, -1, out); };
     EPMOE_ASSIGN_OR_RETURN(stores[layer], PackExperts(model.num_shared_experts, model.hidden, model.shared_intermediate,
                                                       shared, options.pack));
   }

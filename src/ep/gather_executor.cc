@@ -65,7 +65,9 @@ class GatherExecutor : public MoeExecutor {
       if (options_.option == EpOption::kWhole) {
         const Placement& p = *placement_;
         const int first = me * p.slots_per_rank();
-        auto slot_expert = [&](int s) { return weights->Expert(layer, p.phy2log(layer)[first + s], 0, -1); };
+        auto slot_expert = [&](int s, ExpertWeights* out) {
+          return weights->ReadExpert(layer, p.phy2log(layer)[first + s], 0, -1, out);
+        };
         if (p.slots_per_rank() > 0) {
           EPMOE_ASSIGN_OR_RETURN(stores_[layer], PackExperts(p.slots_per_rank(), model_.hidden,
                                                              model_.expert_intermediate, slot_expert, options_.pack));
@@ -74,8 +76,8 @@ class GatherExecutor : public MoeExecutor {
         const int begin = static_cast<int>(static_cast<int64_t>(group) * e_count / groups);
         const int end = static_cast<int>(static_cast<int64_t>(group + 1) * e_count / groups);
         for (int e = begin; e < end; ++e) local_of[e] = e - begin;
-        auto expert_slice = [&](int i) {
-          return weights->Expert(layer, begin + i, slice * width, (slice + 1) * width);
+        auto expert_slice = [&](int i, ExpertWeights* out) {
+          return weights->ReadExpert(layer, begin + i, slice * width, (slice + 1) * width, out);
         };
         if (end > begin) {
           EPMOE_ASSIGN_OR_RETURN(stores_[layer],
@@ -92,7 +94,9 @@ class GatherExecutor : public MoeExecutor {
       const int64_t w = model_.shared_intermediate / g;
       shared_.resize(options_.num_layers);
       for (int layer = 0; layer < options_.num_layers; ++layer) {
-        auto shared_slice = [&](int s) { return source->SharedExpert(layer, s, me * w, (me + 1) * w); };
+        auto shared_slice = [&](int s, ExpertWeights* out) {
+          return source->ReadSharedExpert(layer, s, me * w, (me + 1) * w, out);
+        };
         EPMOE_ASSIGN_OR_RETURN(shared_[layer],
                                PackExperts(model_.num_shared_experts, model_.hidden, w, shared_slice, options_.pack));
       }

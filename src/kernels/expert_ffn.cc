@@ -73,10 +73,9 @@ Result<std::unique_ptr<ExpertStore>> PackExperts(int count, int64_t hidden, int6
   if (hidden <= 0 || intermediate <= 0)
     return InvalidArgument(fmt::format("pack experts: shape hidden {} x intermediate {}", hidden, intermediate));
   auto made = [&](int e, ExpertWeights* scratch) -> Result<const ExpertWeights*> {
-    Result<ExpertWeights> weights = make(e);
-    if (!weights.ok()) return weights.status().WithContext(fmt::format("pack experts: expert {}", e));
-    EPMOE_RETURN_IF_ERROR(CheckExpertShape(*weights, e, hidden, intermediate));
-    *scratch = std::move(*weights);
+    const Status status = make(e, scratch);
+    if (!status.ok()) return status.WithContext(fmt::format("pack experts: expert {}", e));
+    EPMOE_RETURN_IF_ERROR(CheckExpertShape(*scratch, e, hidden, intermediate));
     return scratch;
   };
   return Pack(count, hidden, intermediate, made, options);

@@ -145,7 +145,8 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, 
   std::vector<Status> errors(count);
   const PackLayout layout = store->kernel_->layout();
   auto pack_one = [&](int64_t begin, int64_t end) {
-    ExpertWeights scratch;
+    ExpertWeights scratch;  // this thread's buffers, reused from expert to expert
+    QuantizedMatrix quantized;
     for (int64_t e = begin; e < end; ++e) {
       const Result<const ExpertWeights*> weights = source(static_cast<int>(e), &scratch);
       if (!weights.ok()) {
@@ -157,13 +158,13 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, 
       PackedMatrix* targets[3] = {&packed.gate, &packed.up, &packed.down};
       uint8_t* memory = store->weights_memory_.get() + e * expert_storage;
       for (int m = 0; m < 3; ++m) {
-        Result<QuantizedMatrix> q = Quantize(format, *matrices[m]);
+        const Status q = Quantize(format, *matrices[m], &quantized);
         if (!q.ok()) {
           static constexpr const char* kNames[3] = {"gate", "up", "down"};
-          errors[e] = q.status().WithContext(fmt::format("expert {} {}", e, kNames[m]));
+          errors[e] = q.WithContext(fmt::format("expert {} {}", e, kNames[m]));
           break;
         }
-        *targets[m] = PackMatrixAt(*q, layout, memory + offsets[m]);
+        *targets[m] = PackMatrixAt(quantized, layout, memory + offsets[m]);
       }
     }
   };

@@ -224,12 +224,17 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
 
   // Each format packs the synthetic experts as they are made, one per thread at a time, so that the
   // whole layer never exists in fp32 (DeepSeek-V3's 256 experts: 45 GB).
-  const ExpertMaker make_expert = [&o](int e) -> Result<ExpertWeights> {
-    ExpertWeights w;
-    w.gate = SyntheticMatrix(o.seed, {TensorKind::kExpertGate, 0, e, o.intermediate, o.hidden});
-    w.up = SyntheticMatrix(o.seed, {TensorKind::kExpertUp, 0, e, o.intermediate, o.hidden});
-    w.down = SyntheticMatrix(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate});
-    return w;
+  const ExpertMaker make_expert = [&o](int e, ExpertWeights* w) {
+    w->gate.Reshape(o.intermediate, o.hidden);
+    w->up.Reshape(o.intermediate, o.hidden);
+    w->down.Reshape(o.hidden, o.intermediate);
+    FillSynthetic(o.seed, {TensorKind::kExpertGate, 0, e, o.intermediate, o.hidden}, 0, o.intermediate, 0, o.hidden,
+                  w->gate.data.data());
+    FillSynthetic(o.seed, {TensorKind::kExpertUp, 0, e, o.intermediate, o.hidden}, 0, o.intermediate, 0, o.hidden,
+                  w->up.data.data());
+    FillSynthetic(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate}, 0, o.hidden, 0, o.intermediate,
+                  w->down.data.data());
+    return Status::Ok();
   };
 
   const SkewedRouter router(o.experts, o.top_k, o.skew_sigma, o.seed);

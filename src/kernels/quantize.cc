@@ -161,11 +161,17 @@ int64_t QuantizedMatrix::bytes() const {
 }
 
 Result<QuantizedMatrix> Quantize(WeightFormat format, const Matrix& weights) {
+  QuantizedMatrix q;
+  EPMOE_RETURN_IF_ERROR(Quantize(format, weights, &q));
+  return q;
+}
+
+Status Quantize(WeightFormat format, const Matrix& weights, QuantizedMatrix* out) {
   EPMOE_RETURN_IF_ERROR(CheckShape(format, weights.rows, weights.cols));
   if (const int64_t bad = FirstNonFinite(weights.data); bad >= 0)
     return InvalidArgument(fmt::format("quantize to {}: weight at row {}, column {} is {}", WeightFormatName(format),
                                        bad / weights.cols, bad % weights.cols, weights.data[bad]));
-  QuantizedMatrix q;
+  QuantizedMatrix& q = *out;
   q.format = format;
   q.rows = weights.rows;
   q.cols = weights.cols;
@@ -202,7 +208,7 @@ Result<QuantizedMatrix> Quantize(WeightFormat format, const Matrix& weights) {
       for (int64_t b = 0; b < count / 32; ++b) q.mxfp4[b] = QuantizeMxfp4Block(weights.data.data() + b * 32);
       break;
   }
-  return q;
+  return Status::Ok();
 }
 
 void DequantizeRow(const QuantizedMatrix& q, int64_t row, float* out) {

@@ -16,18 +16,17 @@ double MicrosSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
-ExpertWeights MakeExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer,
-                         int index, uint64_t seed, int64_t begin, int64_t end) {
+// Fills *out with the synthetic expert (or slice [begin, end)) of the given tensor kinds.
+void FillExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer, int index,
+                uint64_t seed, int64_t begin, int64_t end, ExpertWeights* out) {
   if (end < 0) end = inter;
   const int64_t width = end - begin;
-  ExpertWeights w;
-  w.gate = Matrix(width, hidden);
-  w.up = Matrix(width, hidden);
-  w.down = Matrix(hidden, width);
-  FillSynthetic(seed, {gate, layer, index, inter, hidden}, begin, width, 0, hidden, w.gate.data.data());
-  FillSynthetic(seed, {up, layer, index, inter, hidden}, begin, width, 0, hidden, w.up.data.data());
-  FillSynthetic(seed, {down, layer, index, hidden, inter}, 0, hidden, begin, width, w.down.data.data());
-  return w;
+  out->gate.Reshape(width, hidden);
+  out->up.Reshape(width, hidden);
+  out->down.Reshape(hidden, width);
+  FillSynthetic(seed, {gate, layer, index, inter, hidden}, begin, width, 0, hidden, out->gate.data.data());
+  FillSynthetic(seed, {up, layer, index, inter, hidden}, begin, width, 0, hidden, out->up.data.data());
+  FillSynthetic(seed, {down, layer, index, hidden, inter}, 0, hidden, begin, width, out->down.data.data());
 }
 
 Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& picks) {
@@ -61,14 +60,30 @@ MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64
 
 ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed, int64_t begin,
                                   int64_t end) {
-  return MakeExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
-                    model.expert_intermediate, layer, expert, seed, begin, end);
+  ExpertWeights w;
+  FillExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
+             model.expert_intermediate, layer, expert, seed, begin, end, &w);
+  return w;
 }
 
 ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int index, uint64_t seed, int64_t begin,
                                         int64_t end) {
-  return MakeExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
-                    model.shared_intermediate, layer, index, seed, begin, end);
+  ExpertWeights w;
+  FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
+             model.shared_intermediate, layer, index, seed, begin, end, &w);
+  return w;
+}
+
+Result<ExpertWeights> WeightSource::Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const {
+  ExpertWeights w;
+  EPMOE_RETURN_IF_ERROR(ReadExpert(layer, expert, slice_begin, slice_end, &w));
+  return w;
+}
+
+Result<ExpertWeights> WeightSource::SharedExpert(int layer, int index, int64_t slice_begin, int64_t slice_end) const {
+  ExpertWeights w;
+  EPMOE_RETURN_IF_ERROR(ReadSharedExpert(layer, index, slice_begin, slice_end, &w));
+  return w;
 }
 
 namespace {
@@ -79,11 +94,15 @@ class SyntheticSource final : public WeightSource {
   Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const override {
     return MakeSyntheticRouting(model_, layer, seed_, pool);
   }
-  Result<ExpertWeights> Expert(int layer, int expert, int64_t begin, int64_t end) const override {
-    return MakeSyntheticExpert(model_, layer, expert, seed_, begin, end);
+  Status ReadExpert(int layer, int expert, int64_t begin, int64_t end, ExpertWeights* out) const override {
+    FillExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model_.hidden,
+               model_.expert_intermediate, layer, expert, seed_, begin, end, out);
+    return Status::Ok();
   }
-  Result<ExpertWeights> SharedExpert(int layer, int index, int64_t begin, int64_t end) const override {
-    return MakeSyntheticSharedExpert(model_, layer, index, seed_, begin, end);
+  Status ReadSharedExpert(int layer, int index, int64_t begin, int64_t end, ExpertWeights* out) const override {
+    FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model_.hidden,
+               model_.shared_intermediate, layer, index, seed_, begin, end, out);
+    return Status::Ok();
   }
 
  private:
@@ -228,11 +247,11 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
   layer->model_ = model;
   layer->router_ = std::move(routing.router);
   layer->correction_bias_ = std::move(routing.correction_bias);
-  auto routed = [&](int e) { return source.Expert(layer_index, e, 0, -1); };
+  auto routed = [&](int e, ExpertWeights* out) { return source.ReadExpert(layer_index, e, 0, -1, out); };
   EPMOE_ASSIGN_OR_RETURN(layer->routed_,
                          PackExperts(model.num_experts, model.hidden, model.expert_intermediate, routed, options));
   if (model.num_shared_experts > 0) {
-    auto shared = [&](int s) { return source.SharedExpert(layer_index, s, 0, -1); };
+    auto shared = [&](int s, ExpertWeights* out) { return source.ReadSharedExpert(layer_index, s, 0, -1, out); };
     EPMOE_ASSIGN_OR_RETURN(layer->shared_, PackExperts(model.num_shared_experts, model.hidden,
                                                        model.shared_intermediate, shared, options));
   }
