@@ -227,6 +227,55 @@ TEST_F(CheckpointTest, Float8WeightsAreScaledByTheirBlocks) {
   }
 }
 
+// The summary of a written checkpoint, and which models it fits.
+TEST_F(CheckpointTest, SummaryFindsTheLayersAndFitsTheModel) {
+  const ModelConfig model = Scaled("deepseek-v3");
+  ASSERT_TRUE(
+      WriteCheckpoint(Dir(), model, *SyntheticWeights(model, 1), 2, TensorDtype::kBf16, CheckpointNaming::kMlpExperts)
+          .ok());
+  auto summary = SummarizeCheckpoint(Dir());
+  ASSERT_TRUE(summary.ok()) << summary.status().ToString();
+  const CheckpointSummary& s = *summary;
+  EXPECT_TRUE(s.has_experts);
+  EXPECT_EQ(s.naming, CheckpointNaming::kMlpExperts);
+  EXPECT_EQ(s.moe_layers, (std::vector<int>{3, 4}));  // after deepseek-v3's three dense layers
+  EXPECT_EQ(s.num_experts, model.num_experts);
+  EXPECT_EQ(s.hidden, 64);
+  EXPECT_EQ(s.expert_intermediate, 32);
+  EXPECT_EQ(s.shared_intermediate, 32);
+  EXPECT_TRUE(s.correction_bias);
+  EXPECT_EQ(s.expert_dtype, "BF16");
+  ASSERT_EQ(s.bytes_by_dtype.size(), 1u);
+  EXPECT_EQ(s.bytes_by_dtype[0].first, "BF16");
+  // Two MoE layers: a model of two fits, the preset's 58 do not; nor do other shapes.
+  ModelConfig two = model;
+  two.num_layers = two.num_dense_layers + 2;
+  EXPECT_TRUE(CheckpointFits(two, s));
+  EXPECT_FALSE(CheckpointFits(model, s));
+  two.num_layers = two.num_dense_layers + 1;  // fewer layers than the checkpoint has: fits
+  EXPECT_TRUE(CheckpointFits(two, s));
+  ModelConfig wider = two;
+  wider.hidden = 128;
+  EXPECT_FALSE(CheckpointFits(wider, s));
+  ModelConfig unbiased = two;
+  unbiased.correction_bias = false;
+  EXPECT_FALSE(CheckpointFits(unbiased, s));
+  ModelConfig no_dense = two;
+  no_dense.num_dense_layers = 0;
+  EXPECT_FALSE(CheckpointFits(no_dense, s));
+
+  // A file with no expert tensors: summarized, without experts.
+  std::vector<std::byte> bytes;
+  ASSERT_TRUE(EncodeFloats(std::vector<float>(4, 1.0f), TensorDtype::kF32, &bytes).ok());
+  const std::vector<TensorToWrite> other = {{"lm_head.weight", TensorDtype::kF32, {2, 2}, bytes}};
+  ASSERT_TRUE(WriteSafetensors(Dir("other.safetensors"), other).ok());
+  auto none = SummarizeCheckpoint(Dir("other.safetensors"));
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_experts);
+  EXPECT_EQ(none->tensors, 1);
+  EXPECT_FALSE(CheckpointFits(two, *none));
+}
+
 void ExpectError(const Result<std::unique_ptr<Checkpoint>>& result, const std::string& part) {
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.status().message().find(part), std::string::npos) << result.status().message();

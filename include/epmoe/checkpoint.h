@@ -77,6 +77,10 @@ struct CheckpointSummary {
   bool correction_bias = false;
 };
 Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path);
+// Whether `model` has the summarized checkpoint's MoE shapes and its MoE layers are all there. A
+// checkpoint may have more: DeepSeek-V3's multi-token-prediction module is a MoE layer after the
+// model's last.
+bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& summary);
 
 // Writes MoE layers 0 .. num_layers - 1 of `source` (router, correction bias, experts, shared
 // experts) into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32,

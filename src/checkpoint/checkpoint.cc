@@ -424,6 +424,17 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
   return summary;
 }
 
+bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& s) {
+  if (!s.has_experts) return false;
+  const int first = s.moe_layers.front();
+  const bool contiguous = s.moe_layers.back() - first + 1 == static_cast<int>(s.moe_layers.size());
+  return model.hidden == s.hidden && model.num_experts == s.num_experts &&
+         model.expert_intermediate == s.expert_intermediate &&
+         static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate == s.shared_intermediate &&
+         model.correction_bias == s.correction_bias && model.num_dense_layers == first && contiguous &&
+         model.num_moe_layers() <= static_cast<int>(s.moe_layers.size());
+}
+
 namespace {
 
 constexpr int64_t kShardBytes = int64_t{1} << 30;

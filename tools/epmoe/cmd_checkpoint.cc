@@ -82,15 +82,6 @@ struct ShowOptions {
   std::string format = "text";
 };
 
-// Whether a preset has the checkpoint's MoE shapes and layers.
-bool Fits(const ModelConfig& model, const CheckpointSummary& s) {
-  return model.hidden == s.hidden && model.num_experts == s.num_experts &&
-         model.expert_intermediate == s.expert_intermediate &&
-         static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate == s.shared_intermediate &&
-         model.correction_bias == s.correction_bias && model.num_dense_layers == s.moe_layers.front() &&
-         model.num_moe_layers() == static_cast<int>(s.moe_layers.size());
-}
-
 Status Show(const ShowOptions& o, nlohmann::json* report) {
   EPMOE_ASSIGN_OR_RETURN(const CheckpointSummary s, SummarizeCheckpoint(o.path));
   nlohmann::json dtypes = nlohmann::json::array();
@@ -101,7 +92,7 @@ Status Show(const ShowOptions& o, nlohmann::json* report) {
   nlohmann::json fitting = nlohmann::json::array();
   for (const std::string& name : ListModelPresets()) {
     auto preset = LoadModel(name);
-    if (preset.ok() && Fits(*preset, s)) fitting.push_back(name);
+    if (preset.ok() && CheckpointFits(*preset, s)) fitting.push_back(name);
   }
   (*report)["naming"] = CheckpointNamingName(s.naming);
   (*report)["moe_layers"] = s.moe_layers.size();
