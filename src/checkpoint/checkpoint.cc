@@ -73,6 +73,8 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
+namespace checkpoint_internal {
+
 // A tensor found in one of the files; an 8-bit float weight also has its scales, one per block of
 // block_rows x block_cols weights (a grid of grid_rows x grid_cols).
 struct Located {
@@ -82,8 +84,6 @@ struct Located {
   const TensorInfo* scale = nullptr;
   int64_t grid_rows = 0, grid_cols = 0, block_rows = 0, block_cols = 0;
 };
-
-namespace checkpoint_internal {
 
 // The mapped files of a checkpoint and its tensors by name; Open then checks the ones a model needs.
 struct Index {
@@ -118,7 +118,11 @@ struct Index {
       case TensorDtype::kBf16:
       case TensorDtype::kF16: return Status::Ok();
       case TensorDtype::kF8E4M3:
-      case TensorDtype::kF8E5M2: return FindScales(name, where, &t);
+      case TensorDtype::kF8E5M2:
+        if (shape.size() != 2)
+          return InvalidArgument(
+              fmt::format("{} is {}: 8-bit floats are read only in matrices", where, t.info->dtype_name));
+        return FindScales(name, where, &t);
       default:
         return InvalidArgument(fmt::format(
             "{} is {}: weights are read in F32, BF16, F16 or 8-bit floats with scales, not packed or integer "
@@ -135,7 +139,7 @@ struct Index {
       return InvalidArgument(fmt::format("{} is {} but has no scales (\"{}_scale_inv\" or \"{}.weight_scale\")", where,
                                          t->info->dtype_name, name, stem));
     const std::vector<int64_t>& s = scale->info->shape;
-    const int64_t rows = t->info->shape[0], cols = t->info->shape.size() > 1 ? t->info->shape[1] : 1;
+    const int64_t rows = t->info->shape[0], cols = t->info->shape[1];
     // One scale for the tensor ([] or [1]), one per row ([rows]) or one per block of a 2-D grid.
     int64_t grid_rows = 1, grid_cols = 1;
     if (s.size() == 1 && s[0] != 1) {
@@ -417,7 +421,7 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
     summary.hidden = gate.shape[1];
   }
   if (summary.naming == CheckpointNaming::kMlpExperts) {
-    const Located* shared = state.Find(first.Shared(kGate));
+    const auto* shared = state.Find(first.Shared(kGate));
     if (shared != nullptr && !shared->info->shape.empty()) summary.shared_intermediate = shared->info->shape[0];
     summary.correction_bias = state.Find(first.CorrectionBias()) != nullptr;
   }
