@@ -2,6 +2,7 @@
 // it was written from, in both namings, with 8-bit float weights and their scales, and every refusal.
 #include "epmoe/checkpoint.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "epmoe/layer.h"
+#include "epmoe/quantize.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
 
@@ -279,6 +281,81 @@ TEST_F(CheckpointTest, SummaryFindsTheLayersAndFitsTheModel) {
 void ExpectError(const Result<std::unique_ptr<Checkpoint>>& result, const std::string& part) {
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.status().message().find(part), std::string::npos) << result.status().message();
+}
+
+// NVFP4 as ModelOpt writes it, made from epmoe's own nvfp4 quantization of synthetic weights (the
+// same recipe: a tensor scale of amax / (6 x 448), an E4M3 scale per 16): the reader gives the
+// dequantized values exactly, and packing them into nvfp4 again gives back the same codes.
+TEST_F(CheckpointTest, Nvfp4InModelOptsLayoutIsReadAsItsValues) {
+  ModelConfig model = Scaled("qwen3-30b-a3b", 64, 32);
+  model.num_experts = 2;
+  model.top_k = 1;
+  const auto synthetic = SyntheticWeights(model, 11);
+  std::vector<std::vector<std::byte>> storage;
+  storage.reserve(32);
+  std::vector<TensorToWrite> tensors;
+  auto add = [&](std::string name, TensorDtype dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes) {
+    storage.push_back(std::move(bytes));
+    tensors.push_back({std::move(name), dtype, std::move(shape), storage.back()});
+  };
+  std::vector<std::byte> router;
+  ASSERT_TRUE(EncodeFloats((*synthetic->Routing(0, nullptr)).router.data, TensorDtype::kF32, &router).ok());
+  add("model.layers.0.mlp.gate.weight", TensorDtype::kF32, {2, 64}, router);
+  std::vector<QuantizedMatrix> quantized;  // expert e's gate, up, down at 3e .. 3e + 2
+  for (int e = 0; e < 2; ++e) {
+    const ExpertWeights w = *synthetic->Expert(0, e, 0, -1);
+    const char* projections[] = {"gate_proj", "up_proj", "down_proj"};
+    const Matrix* matrices[] = {&w.gate, &w.up, &w.down};
+    for (int m = 0; m < 3; ++m) {
+      auto q = Quantize(WeightFormat::kNvfp4, *matrices[m]);
+      ASSERT_TRUE(q.ok());
+      std::vector<std::byte> codes, scales;
+      for (const BlockNvfp4& block : q->nvfp4) {
+        for (uint8_t byte : block.packed) codes.push_back(std::byte{byte});
+        scales.push_back(std::byte{block.scale_e4m3});
+      }
+      std::vector<std::byte> global;
+      ASSERT_TRUE(EncodeFloats(std::vector<float>{q->tensor_scale}, TensorDtype::kF32, &global).ok());
+      const std::string stem = fmt::format("model.layers.0.mlp.experts.{}.{}", e, projections[m]);
+      add(stem + ".weight", TensorDtype::kU8, {q->rows, q->cols / 2}, codes);
+      add(stem + ".weight_scale", TensorDtype::kF8E4M3, {q->rows, q->cols / 16}, scales);
+      add(stem + ".weight_scale_2", TensorDtype::kF32, {}, global);
+      quantized.push_back(*q);
+    }
+  }
+  fs::create_directories(dir_);
+  ASSERT_TRUE(WriteSafetensors(Dir("model.safetensors"), tensors).ok());
+  auto checkpoint = Checkpoint::Open(Dir(), model, 1);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  for (int e = 0; e < 2; ++e) {
+    const ExpertWeights read = *(*checkpoint)->Expert(0, e, 0, -1);
+    EXPECT_EQ(Values(read.gate), Values(Dequantize(quantized[3 * e])));
+    EXPECT_EQ(Values(read.up), Values(Dequantize(quantized[3 * e + 1])));
+    EXPECT_EQ(Values(read.down), Values(Dequantize(quantized[3 * e + 2])));
+    const ExpertWeights slice = *(*checkpoint)->Expert(0, e, 8, 24);
+    EXPECT_EQ(slice.down.at(5, 0), Dequantize(quantized[3 * e + 2]).at(5, 8));
+  }
+  // Packed again into nvfp4: the codes and scales of the synthetic weights packed directly, which
+  // are the checkpoint's, byte for byte.
+  const PackOptions pack{WeightFormat::kNvfp4, "reference"};
+  auto from_file = MoeLayer::Create(model, **checkpoint, 0, pack);
+  auto direct = MoeLayer::Create(model, *synthetic, 0, pack);
+  ASSERT_TRUE(from_file.ok() && direct.ok()) << from_file.status().ToString();
+  for (int e = 0; e < 2; ++e) {
+    std::vector<std::byte> a((*from_file)->routed().expert_bytes(e)), b((*direct)->routed().expert_bytes(e));
+    ASSERT_TRUE((*from_file)->routed().ExportExpert(e, a).ok());
+    ASSERT_TRUE((*direct)->routed().ExportExpert(e, b).ok());
+    EXPECT_TRUE(a == b) << "expert " << e;
+  }
+  auto summary = SummarizeCheckpoint(Dir());
+  ASSERT_TRUE(summary.ok());
+  EXPECT_EQ(summary->expert_dtype, "NVFP4");
+  EXPECT_EQ(summary->hidden, 64);
+  // Codes of another shape are refused with both shapes.
+  ModelConfig narrower = model;
+  narrower.expert_intermediate = 16;
+  ExpectError(Checkpoint::Open(Dir(), narrower, 1),
+              "gate_proj.weight\" has shape [32, 32] (NVFP4: two values a byte), qwen3-30b-a3b needs [16, 64]");
 }
 
 TEST_F(CheckpointTest, RefusesWhatDoesNotFitTheModel) {

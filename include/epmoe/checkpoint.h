@@ -38,9 +38,11 @@ class Checkpoint final : public WeightSource {
   // Opens `path`: a .safetensors file, or a folder of them (the files its
   // model.safetensors.index.json names, else every *.safetensors file in it). Finds the naming and
   // checks that every tensor MoE layers 0 .. num_layers - 1 of `model` need is there, once, with the
-  // model's shape and a dtype it reads: F32, BF16, F16, or F8_E4M3 / F8_E5M2 with its scales beside
+  // model's shape and a dtype it reads: F32, BF16, F16; F8_E4M3 / F8_E5M2 with its scales beside
   // it (`<name>_scale_inv`, DeepSeek-V3's 128 x 128 blocks, or `<name minus .weight>.weight_scale`,
-  // one per tensor or per row), every scale multiplying its block. Errors name the file and tensor.
+  // one per tensor or per row), every scale multiplying its block; or NVFP4 as NVIDIA's ModelOpt
+  // writes it (U8 codes, two a byte, an F8_E4M3 `.weight_scale` per 16 and a `.weight_scale_2` for
+  // the tensor). Each weight is read as its dequantized value. Errors name the file and tensor.
   static Result<std::unique_ptr<Checkpoint>> Open(const std::string& path, const ModelConfig& model, int num_layers);
   ~Checkpoint() override;
 

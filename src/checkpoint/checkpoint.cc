@@ -11,6 +11,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "epmoe/quantize.h"
 #include "epmoe/thread_pool.h"
 
 namespace epmoe {
@@ -83,6 +84,10 @@ struct Located {
   const SafetensorsFile* scale_file = nullptr;
   const TensorInfo* scale = nullptr;
   int64_t grid_rows = 0, grid_cols = 0, block_rows = 0, block_cols = 0;
+  // NVFP4 as NVIDIA's ModelOpt stores it: U8 [rows x cols / 2], two E2M1 values a byte (low nibble
+  // first); `scale` is F8_E4M3 [rows x cols / 16] and global_scale the tensor's weight_scale_2.
+  bool nvfp4 = false;
+  float global_scale = 1.0f;
 };
 
 // The mapped files of a checkpoint and its tensors by name; Open then checks the ones a model needs.
@@ -110,6 +115,9 @@ struct Index {
       return NotFound(fmt::format("{}: no tensor \"{}\" (needed by MoE layer weights of {})", path, name, model.name));
     Located& t = it->second;
     const std::string where = fmt::format("{}: tensor \"{}\"", t.file->source(), name);
+    const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    if (t.info->dtype == TensorDtype::kU8 && Find(stem + ".weight_scale_2") != nullptr)
+      return CheckNvfp4(stem, where, shape, &t);
     if (t.info->shape != shape)
       return InvalidArgument(
           fmt::format("{} has shape {}, {} needs {}", where, ShapeText(t.info->shape), model.name, ShapeText(shape)));
@@ -122,17 +130,61 @@ struct Index {
         if (shape.size() != 2)
           return InvalidArgument(
               fmt::format("{} is {}: 8-bit floats are read only in matrices", where, t.info->dtype_name));
-        return FindScales(name, where, &t);
+        return FindScales(name, stem, where, &t);
       default:
-        return InvalidArgument(fmt::format(
-            "{} is {}: weights are read in F32, BF16, F16 or 8-bit floats with scales, not packed or integer "
-            "formats (e.g. U8 blocks of 4-bit values)",
-            where, t.info->dtype_name));
+        return InvalidArgument(
+            fmt::format("{} is {}: weights are read in F32, BF16, F16, 8-bit floats with scales or NVFP4 (U8 with "
+                        "weight_scale and weight_scale_2), not other packed or integer formats",
+                        where, t.info->dtype_name));
     }
   }
 
-  Status FindScales(const std::string& name, const std::string& where, Located* t) {
-    const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+  // A ModelOpt NVFP4 weight of logical shape `shape`: its codes, block scales and tensor scale.
+  Status CheckNvfp4(const std::string& stem, const std::string& where, const std::vector<int64_t>& shape, Located* t) {
+    const Located* block = Find(stem + ".weight_scale");
+    const Located* global = Find(stem + ".weight_scale_2");
+    const bool matrix = shape.size() == 2 && shape[1] % 16 == 0;
+    if (!matrix || t->info->shape != std::vector<int64_t>{shape[0], shape[1] / 2})
+      return InvalidArgument(fmt::format("{} has shape {} (NVFP4: two values a byte), {} needs {}", where,
+                                         ShapeText(t->info->shape), model.name, ShapeText(shape)));
+    if (block == nullptr || block->info->dtype != TensorDtype::kF8E4M3 ||
+        block->info->shape != std::vector<int64_t>{shape[0], shape[1] / 16})
+      return InvalidArgument(fmt::format("{} is NVFP4 but its \"{}.weight_scale\" is not F8_E4M3 {}", where, stem,
+                                         ShapeText({shape[0], shape[1] / 16})));
+    const TensorDtype global_dtype = global->info->dtype;
+    if (global->info->elements() != 1 ||
+        (global_dtype != TensorDtype::kF32 && global_dtype != TensorDtype::kBf16 && global_dtype != TensorDtype::kF16))
+      return InvalidArgument(fmt::format("{} is NVFP4 but its \"{}.weight_scale_2\" is not one float", where, stem));
+    EPMOE_RETURN_IF_ERROR(global->file->ReadFloat(*global->info, 0, 1, 0, 1, &t->global_scale));
+    t->nvfp4 = true;
+    t->scale_file = block->file;
+    t->scale = block->info;
+    return Status::Ok();
+  }
+
+  // Rows [row_begin, + row_count) x columns [col_begin, + col_count) of a ModelOpt NVFP4 weight:
+  // each value its E2M1 code times (its block's E4M3 scale times the tensor scale), in the order
+  // epmoe's nvfp4 dequantizes, so that packing into nvfp4 again finds the same codes.
+  Status ReadNvfp4(const Located& t, int64_t row_begin, int64_t row_count, int64_t col_begin, int64_t col_count,
+                   float* out) const {
+    const int64_t blocks = t.scale->shape[1];
+    std::vector<float> scales(row_count * blocks);
+    EPMOE_RETURN_IF_ERROR(t.scale_file->ReadFloat(*t.scale, row_begin, row_count, 0, blocks, scales.data()));
+    const std::span<const std::byte> codes = t.file->Data(*t.info);
+    const int64_t row_bytes = t.info->shape[1];
+    for (int64_t r = 0; r < row_count; ++r) {
+      const std::byte* row = codes.data() + (row_begin + r) * row_bytes;
+      const float* row_scales = scales.data() + r * blocks;
+      for (int64_t c = col_begin; c < col_begin + col_count; ++c) {
+        const uint8_t byte = std::to_integer<uint8_t>(row[c / 2]);
+        const float value = DecodeE2m1(c % 2 == 0 ? byte & 0xF : byte >> 4);
+        out[r * col_count + (c - col_begin)] = value * (row_scales[c / 16] * t.global_scale);
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status FindScales(const std::string& name, const std::string& stem, const std::string& where, Located* t) {
     const Located* scale = Find(name + "_scale_inv");
     if (scale == nullptr) scale = Find(stem + ".weight_scale");
     if (scale == nullptr)
@@ -174,6 +226,7 @@ struct Index {
               float* out) const {
     const Located* t = Find(name);
     EPMOE_CHECK_MSG(t != nullptr, name);  // Open checked every tensor a layer reads
+    if (t->nvfp4) return ReadNvfp4(*t, row_begin, row_count, col_begin, col_count, out);
     EPMOE_RETURN_IF_ERROR(t->file->ReadFloat(*t->info, row_begin, row_count, col_begin, col_count, out));
     if (t->scale == nullptr) return Status::Ok();
     // The scales in grid order: the scale tensor read as ReadFloat views it (rows of its last dimension).
@@ -414,11 +467,15 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
   summary.moe_layers.assign(layers[found].begin(), layers[found].end());
   const LayerNames first(summary.naming, summary.moe_layers[0]);
   while (state.Find(first.Expert(summary.num_experts, kGate)) != nullptr) ++summary.num_experts;
-  const TensorInfo& gate = *state.Find(first.Expert(0, kGate))->info;
-  summary.expert_dtype = gate.dtype_name;
+  const std::string gate_name = first.Expert(0, kGate);
+  const TensorInfo& gate = *state.Find(gate_name)->info;
+  // ModelOpt's NVFP4 holds two values a byte.
+  const bool nvfp4 = gate.dtype == TensorDtype::kU8 &&
+                     state.Find(gate_name.substr(0, gate_name.size() - 7) + ".weight_scale_2") != nullptr;
+  summary.expert_dtype = nvfp4 ? "NVFP4" : gate.dtype_name;
   if (gate.shape.size() == 2) {
     summary.expert_intermediate = gate.shape[0];
-    summary.hidden = gate.shape[1];
+    summary.hidden = nvfp4 ? 2 * gate.shape[1] : gate.shape[1];
   }
   if (summary.naming == CheckpointNaming::kMlpExperts) {
     const auto* shared = state.Find(first.Shared(kGate));
