@@ -46,6 +46,15 @@ TEST_F(CheckpointCli, LayerReadsTheSameWeights) {
   EXPECT_EQ(b["weights"]["source"], "synthetic");
   ASSERT_EQ(a["layers"].size(), 2u);
   for (int l = 0; l < 2; ++l) EXPECT_EQ(a["layers"][l]["checksum"], b["layers"][l]["checksum"]) << "layer " << l;
+  // The folder's config.json is the model: --model FOLDER runs the same layers.
+  const CommandResult by_folder = RunCommand(EpmoeBinary() +
+                                                 " layer --tokens 11 --steps 2 --weight-format int8 "
+                                                 "--seed 3 --layers 2 --format json --model " +
+                                                 dir_ + " --weights " + dir_,
+                                             false);
+  ASSERT_EQ(by_folder.exit_code, 0) << by_folder.out;
+  const auto c = nlohmann::json::parse(by_folder.out);
+  for (int l = 0; l < 2; ++l) EXPECT_EQ(c["layers"][l]["checksum"], b["layers"][l]["checksum"]) << "layer " << l;
   // With another seed the rows and the synthetic weights change, the checkpoint's weights do not.
   const std::string seed5 = " layer --tokens 11 --steps 1 --seed 5 --format json" + kShape;
   const CommandResult file5 = RunCommand(EpmoeBinary() + seed5 + " --weights " + dir_, false);

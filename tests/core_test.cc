@@ -131,6 +131,94 @@ TEST(ModelPresets, NotJsonAndMissingFileAreRefused) {
   EXPECT_EQ(LoadModel("/nonexistent/model.json").status().code(), StatusCode::kNotFound);
 }
 
+// Hugging Face config.json files (their MoE fields as the models publish them) read as the presets
+// of the same models, apart from the name.
+TEST(HfConfig, ReadsAsThePresetOfTheSameModel) {
+  const std::pair<const char*, const char*> configs[] = {
+      {"qwen3-30b-a3b",
+       R"({"_name_or_path": "Qwen/Qwen3-30B-A3B", "model_type": "qwen3_moe", "hidden_size": 2048,
+           "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+           "num_experts_per_tok": 8, "norm_topk_prob": true, "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32})"},
+      {"olmoe-1b-7b",
+       R"({"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_experts": 64,
+           "num_experts_per_tok": 8, "norm_topk_prob": false, "num_hidden_layers": 16})"},
+      {"mixtral-8x7b",
+       R"({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32})"},
+      {"gpt-oss-120b",
+       R"({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+           "num_local_experts": 128, "experts_per_token": 4, "num_hidden_layers": 36})"},
+      {"deepseek-v3",
+       R"({"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+           "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+           "num_experts_per_tok": 8, "num_hidden_layers": 61, "first_k_dense_replace": 3,
+           "moe_layer_freq": 1, "n_group": 8, "topk_group": 4, "norm_topk_prob": true,
+           "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc"})"},
+  };
+  for (const auto& [preset_name, text] : configs) {
+    SCOPED_TRACE(preset_name);
+    auto parsed = ParseModel(text, "config.json");
+    ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+    ModelConfig preset = *LoadModel(preset_name);
+    preset.name = parsed->name;
+    EXPECT_EQ(ModelToJson(*parsed), ModelToJson(preset));
+  }
+  EXPECT_EQ(ParseModel(configs[0].second, "config.json")->name, "Qwen/Qwen3-30B-A3B");
+  EXPECT_EQ(ParseModel(configs[1].second, "config.json")->name, "olmoe");
+}
+
+// Every preset written as a config.json reads back to itself.
+TEST(HfConfig, EveryPresetRoundTrips) {
+  for (const std::string& name : ListModelPresets()) {
+    SCOPED_TRACE(name);
+    const ModelConfig preset = *LoadModel(name);
+    auto text = ModelToHfConfig(preset);
+    ASSERT_TRUE(text.ok()) << text.status().ToString();
+    auto parsed = ParseModel(*text, "config.json");
+    ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+    EXPECT_EQ(ModelToJson(*parsed), ModelToJson(preset));
+  }
+  ModelConfig grouped_softmax = *LoadModel("qwen3-30b-a3b");
+  grouped_softmax.num_expert_groups = 4;  // no model type has group-limited softmax routing
+  EXPECT_FALSE(ModelToHfConfig(grouped_softmax).ok());
+}
+
+TEST(HfConfig, AFolderIsReadThroughItsConfigJson) {
+  const auto dir = std::filesystem::temp_directory_path() / "epmoe_hf_config";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+      "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32})";
+  auto m = LoadModel(dir.string());
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->num_experts, 8);
+  EXPECT_EQ(m->scoring, Scoring::kSoftmaxTopk);
+}
+
+TEST(HfConfig, RefusesWhatIsNotModelled) {
+  const std::pair<const char*, const char*> refused[] = {
+      {R"({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32})", "model_type 'llama' is not read"},
+      {R"({"model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+           "num_experts_per_tok": 2, "num_hidden_layers": 4, "mlp_only_layers": [1]})",
+       "interleaved with dense ones"},
+      {R"({"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "scoring_func": "softmax"})",
+       "scoring_func 'softmax' is not modelled"},
+      {R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 32, "num_experts_per_tok": 2,
+           "num_hidden_layers": 4})",
+       "missing field 'num_local_experts'"},
+      {R"({"model_type": "olmoe", "hidden_size": 64, "intermediate_size": 32, "num_experts": 2,
+           "num_experts_per_tok": 4, "num_hidden_layers": 4})",
+       "exceeds num_experts"},
+  };
+  for (const auto& [text, message] : refused) {
+    auto m = ParseModel(text, "config.json");
+    ASSERT_FALSE(m.ok()) << text;
+    EXPECT_NE(m.status().message().find(message), std::string::npos) << m.status().message();
+  }
+}
+
 TEST(WeightFormats, ExactBytesPerMatrix) {
   // 2048 x 768 matrix = 1,572,864 weights.
   EXPECT_EQ(ByteCount(WeightFormat::kFp32, 768, 2048), 6291456);

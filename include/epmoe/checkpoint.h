@@ -86,9 +86,10 @@ bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& summary);
 
 // Writes MoE layers 0 .. num_layers - 1 of `source` (router, correction bias, experts, shared
 // experts) into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32,
-// BF16 or F16): safetensors files of whole experts, up to about 1 GB each, and the
-// model.safetensors.index.json that names each tensor's file. Files are written whole or not at
-// all (each through a temporary name). `pool` converts experts in parallel (may be null).
+// BF16 or F16): safetensors files of whole experts, up to about 1 GB each, the
+// model.safetensors.index.json that names each tensor's file, and a config.json of the model with
+// the layers written (ModelToHfConfig; none for routing it cannot express). Files are written whole
+// or not at all (each through a temporary name). `pool` converts experts in parallel (may be null).
 Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
                        TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool = nullptr);
 

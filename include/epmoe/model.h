@@ -47,11 +47,19 @@ struct ModelConfig {
 Status ValidateModel(const ModelConfig& model, std::string_view source);
 
 // Loads a preset by name (see ListModelPresets) or a JSON file by path (anything ending in .json or
-// containing '/'). Every field must be present; errors name the file and the field.
+// containing '/'), or a folder's config.json. Every field must be present; errors name the file and
+// the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
-// Parses preset JSON text; `source` names it in errors.
+// Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
+// "model_type": qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3 or glm4_moe) is read too: its MoE
+// sizes and the routing that model type's transformers code applies; the name is its
+// "_name_or_path", else its model_type.
 Result<ModelConfig> ParseModel(std::string_view json_text, std::string_view source);
 std::string ModelToJson(const ModelConfig& model);
+// The model as a Hugging Face config.json that ParseModel reads back to the same values (its MoE
+// fields only), as qwen3_moe, mixtral or deepseek_v3, the model types whose routing it has; refused
+// for routing none of them has.
+Result<std::string> ModelToHfConfig(const ModelConfig& model);
 std::vector<std::string> ListModelPresets();
 
 // The same model with hidden and intermediate sizes replaced (0 keeps a size): tests and quick runs

@@ -528,6 +528,25 @@ struct Shard {
 
 }  // namespace
 
+namespace {
+
+// Writes `text` to `path` through a temporary name, so that `path` holds all of it or is untouched.
+Status WriteWhole(const fs::path& path, const std::string& text) {
+  const fs::path temporary = path.string() + ".tmp";
+  {
+    std::ofstream out(temporary);
+    out << text << "\n";
+    if (!out) return IoError(fmt::format("{}: cannot write", temporary.string()));
+  }
+  std::error_code error;
+  fs::rename(temporary, path, error);
+  if (error)
+    return IoError(fmt::format("{}: cannot rename to {}: {}", temporary.string(), path.string(), error.message()));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
                        TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool) {
   if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16)
@@ -614,16 +633,12 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
   }
 
   const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-  const fs::path index_path = fs::path(dir) / kIndexFile, temporary = index_path.string() + ".tmp";
-  {
-    std::ofstream out(temporary);
-    out << index.dump(2) << "\n";
-    if (!out) return IoError(fmt::format("{}: cannot write", temporary.string()));
-  }
-  fs::rename(temporary, index_path, error);
-  if (error)
-    return IoError(
-        fmt::format("{}: cannot rename to {}: {}", temporary.string(), index_path.string(), error.message()));
+  EPMOE_RETURN_IF_ERROR(WriteWhole(fs::path(dir) / kIndexFile, index.dump(2)));
+  // The model of the layers written, as a config.json, so that `--model DIR` reads it.
+  ModelConfig written = model;
+  written.num_layers = model.num_dense_layers + num_layers;
+  const Result<std::string> config = ModelToHfConfig(written);
+  if (config.ok()) EPMOE_RETURN_IF_ERROR(WriteWhole(fs::path(dir) / "config.json", *config));
   return Status::Ok();
 }
 

@@ -1,11 +1,13 @@
 #include "epmoe/model.h"
 
-#include "epmoe/config_file.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
+
+#include "epmoe/config_file.h"
 
 namespace epmoe::embedded {
 extern const std::vector<std::pair<std::string_view, std::string_view>> kModelPresets;
@@ -121,6 +123,93 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
   return Status::Ok();
 }
 
+namespace {
+
+// A field of a Hugging Face config.json, or `fallback` when it is absent and fallback is given.
+template <typename T>
+Status ReadHfField(const json& j, const char* key, std::string_view source, T* out,
+                   std::optional<T> fallback = std::nullopt) {
+  if (fallback && !j.contains(key)) {
+    *out = *fallback;
+    return Status::Ok();
+  }
+  return ReadField(j, key, source, out);
+}
+
+// The MoE part of a transformers config.json (model_type qwen3_moe, olmoe, mixtral, gpt_oss,
+// deepseek_v3 or glm4_moe), with the routing each model type's code applies.
+Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
+  std::string type;
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "model_type", source, &type));
+  ModelConfig m;
+  m.name =
+      j.contains("_name_or_path") && j["_name_or_path"].is_string() && !j["_name_or_path"].get<std::string>().empty()
+          ? j["_name_or_path"].get<std::string>()
+          : type;
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "hidden_size", source, &m.hidden));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_hidden_layers", source, &m.num_layers));
+  if (type == "qwen3_moe" || type == "olmoe") {
+    // Softmax over all experts, then the top k, renormalized when norm_topk_prob says so.
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts", source, &m.num_experts));
+    EPMOE_RETURN_IF_ERROR(
+        ReadField(j, type == "olmoe" ? "intermediate_size" : "moe_intermediate_size", source, &m.expert_intermediate));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(false)));
+    m.scoring = Scoring::kSoftmax;
+    int sparse_step = 1;
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "decoder_sparse_step", source, &sparse_step, std::optional<int>(1)));
+    const bool dense_layers = j.contains("mlp_only_layers") && !j["mlp_only_layers"].empty();
+    if (sparse_step != 1 || dense_layers)
+      return InvalidArgument(fmt::format(
+          "{}: decoder_sparse_step {} and mlp_only_layers {}: MoE layers interleaved with dense ones are not modelled "
+          "(only dense layers first)",
+          source, sparse_step, j.value("mlp_only_layers", json::array()).dump()));
+  } else if (type == "mixtral" || type == "gpt_oss") {
+    // Softmax over the k chosen logits.
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_local_experts", source, &m.num_experts));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.expert_intermediate));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, j.contains("num_experts_per_tok") ? "num_experts_per_tok" : "experts_per_token",
+                                    source, &m.top_k));
+    m.scoring = Scoring::kSoftmaxTopk;
+  } else if (type == "deepseek_v3" || type == "glm4_moe") {
+    // Sigmoid scores with a correction bias for choosing, group-limited, renormalized and scaled.
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
+    m.shared_intermediate = m.num_shared_experts > 0 ? m.expert_intermediate : 0;
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.dense_intermediate));
+    if (m.num_dense_layers == 0) m.dense_intermediate = 0;
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "n_group", source, &m.num_expert_groups, std::optional<int>(1)));
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "topk_group", source, &m.topk_groups, std::optional<int>(1)));
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(true)));
+    EPMOE_RETURN_IF_ERROR(
+        ReadHfField(j, "routed_scaling_factor", source, &m.routed_scaling, std::optional<double>(1.0)));
+    std::string scoring = "sigmoid";
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "scoring_func", source, &scoring, std::optional<std::string>("sigmoid")));
+    if (scoring != "sigmoid")
+      return InvalidArgument(
+          fmt::format("{}: scoring_func '{}' is not modelled for {} (sigmoid is)", source, scoring, type));
+    m.scoring = Scoring::kSigmoid;
+    m.correction_bias = true;
+    int layer_freq = 1;
+    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
+    if (layer_freq != 1)
+      return InvalidArgument(fmt::format(
+          "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
+  } else {
+    return InvalidArgument(fmt::format(
+        "{}: model_type '{}' is not read (qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3, glm4_moe are; or write "
+        "an epmoe model .json, see `epmoe model show`)",
+        source, type));
+  }
+  EPMOE_RETURN_IF_ERROR(ValidateModel(m, source));
+  return m;
+}
+
+}  // namespace
+
 Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   json j;
   try {
@@ -129,6 +218,7 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
     return InvalidArgument(fmt::format("{}: not valid JSON: {}", source, e.what()));
   }
   if (!j.is_object()) return InvalidArgument(fmt::format("{}: expected a JSON object", source));
+  if (j.contains("model_type")) return ParseHfConfig(j, source);
   ModelConfig m;
   std::string scoring;
   EPMOE_RETURN_IF_ERROR(ReadField(j, "name", source, &m.name));
@@ -198,7 +288,47 @@ std::string ModelToJson(const ModelConfig& m) {
 
 std::vector<std::string> ListModelPresets() { return BuiltinConfigNames(embedded::kModelPresets); }
 
+Result<std::string> ModelToHfConfig(const ModelConfig& m) {
+  json j = {{"_name_or_path", m.name},
+            {"hidden_size", m.hidden},
+            {"num_hidden_layers", m.num_layers},
+            {"num_experts_per_tok", m.top_k}};
+  const bool plain = m.num_shared_experts == 0 && m.num_dense_layers == 0 && m.num_expert_groups == 1 &&
+                     m.routed_scaling == 1.0 && !m.correction_bias;
+  if (m.scoring == Scoring::kSoftmax && plain) {
+    j["model_type"] = "qwen3_moe";
+    j["num_experts"] = m.num_experts;
+    j["moe_intermediate_size"] = m.expert_intermediate;
+    j["norm_topk_prob"] = m.renormalize;
+  } else if (m.scoring == Scoring::kSoftmaxTopk && plain && !m.renormalize) {
+    j["model_type"] = "mixtral";
+    j["num_local_experts"] = m.num_experts;
+    j["intermediate_size"] = m.expert_intermediate;
+  } else if (m.scoring == Scoring::kSigmoid && m.correction_bias &&
+             (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate)) {
+    j["model_type"] = "deepseek_v3";
+    j["n_routed_experts"] = m.num_experts;
+    j["moe_intermediate_size"] = m.expert_intermediate;
+    j["n_shared_experts"] = m.num_shared_experts;
+    j["first_k_dense_replace"] = m.num_dense_layers;
+    j["intermediate_size"] = m.dense_intermediate;
+    j["n_group"] = m.num_expert_groups;
+    j["topk_group"] = m.topk_groups;
+    j["norm_topk_prob"] = m.renormalize;
+    j["routed_scaling_factor"] = m.routed_scaling;
+    j["scoring_func"] = "sigmoid";
+    j["topk_method"] = "noaux_tc";
+  } else {
+    return InvalidArgument(fmt::format("{}: its routing is none of qwen3_moe's, mixtral's or deepseek_v3's", m.name));
+  }
+  return j.dump(2);
+}
+
 Result<ModelConfig> LoadModel(std::string_view name_or_path) {
+  std::error_code error;
+  const std::string path(name_or_path);
+  if (std::filesystem::is_directory(path, error))
+    return LoadModel((std::filesystem::path(path) / "config.json").string());
   EPMOE_ASSIGN_OR_RETURN(ConfigText config, ReadConfig(name_or_path, embedded::kModelPresets, "model preset", "models"));
   return ParseModel(config.text, config.source);
 }

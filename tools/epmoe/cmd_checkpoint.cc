@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -104,6 +105,13 @@ Status Show(const ShowOptions& o, nlohmann::json* report) {
   (*report)["shared_intermediate"] = s.shared_intermediate;
   (*report)["correction_bias"] = s.correction_bias;
   (*report)["presets"] = fitting;
+  // A downloaded folder's config.json is a model too (`--model FOLDER`).
+  if (std::filesystem::exists(std::filesystem::path(o.path) / "config.json")) {
+    auto config = LoadModel(o.path);
+    (*report)["config_json"] = config.ok()
+                                   ? nlohmann::json{{"model", config->name}, {"fits", CheckpointFits(*config, s)}}
+                                   : nlohmann::json{{"error", config.status().message()}};
+  }
   return Status::Ok();
 }
 
@@ -123,10 +131,17 @@ void PrintShow(const nlohmann::json& r) {
       r["num_experts"].get<int>(), static_cast<long long>(r["hidden"].get<int64_t>()),
       static_cast<long long>(r["expert_intermediate"].get<int64_t>()), r["expert_dtype"].get<std::string>().c_str(),
       static_cast<long long>(r["shared_intermediate"].get<int64_t>()), r["correction_bias"].get<bool>() ? "yes" : "no");
-  if (r["presets"].empty()) {
+  for (const auto& name : r["presets"]) std::printf("fits --model %s\n", name.get<std::string>().c_str());
+  if (r.contains("config_json")) {
+    const nlohmann::json& config = r["config_json"];
+    if (config.contains("error")) {
+      std::printf("its config.json is not a model epmoe reads: %s\n", config["error"].get<std::string>().c_str());
+    } else {
+      std::printf("its config.json (%s) %s --model %s\n", config["model"].get<std::string>().c_str(),
+                  config["fits"].get<bool>() ? "fits:" : "does not fit it:", r["path"].get<std::string>().c_str());
+    }
+  } else if (r["presets"].empty()) {
     std::printf("no preset has these shapes: give --model a .json with them (see `epmoe model show`)\n");
-  } else {
-    for (const auto& name : r["presets"]) std::printf("fits --model %s\n", name.get<std::string>().c_str());
   }
 }
 
