@@ -15,6 +15,7 @@
 #include "epmoe/layer.h"
 #include "epmoe/thread_pool.h"
 #include "output.h"
+#include "weights_option.h"
 
 namespace epmoe::cli {
 namespace {
@@ -33,12 +34,7 @@ struct WriteOptions {
 };
 
 Status Write(const WriteOptions& o, nlohmann::json* report) {
-  EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
-  model = ScaledModel(model, o.hidden, o.intermediate);
-  EPMOE_RETURN_IF_ERROR(ValidateModel(model, "--hidden/--intermediate"));
-  if (o.layers > model.num_moe_layers())
-    return InvalidArgument(
-        fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
+  EPMOE_ASSIGN_OR_RETURN(const ModelConfig model, LoadCommandModel(o.model, o.hidden, o.intermediate, o.layers));
   // Mixtral's checkpoints name experts block_sparse_moe.experts.E.w1; the other presets' mlp.experts.E.gate_proj.
   const std::string naming_name = o.naming != "auto"                  ? o.naming
                                   : model.name.starts_with("mixtral") ? "block_sparse_moe"

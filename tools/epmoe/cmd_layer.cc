@@ -62,9 +62,7 @@ struct LayerReport {
 };
 
 Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
-  EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
-  model = ScaledModel(model, o.hidden, o.intermediate);
-  EPMOE_RETURN_IF_ERROR(ValidateModel(model, "--hidden/--intermediate"));
+  EPMOE_ASSIGN_OR_RETURN(const ModelConfig model, LoadCommandModel(o.model, o.hidden, o.intermediate, o.layers));
   EPMOE_ASSIGN_OR_RETURN(WeightFormat format, ParseWeightFormat(o.weight_format));
   EPMOE_ASSIGN_OR_RETURN(RoutingMode routing, ParseRoutingMode(o.routing));
   if ((routing == RoutingMode::kReplay) != !o.trace.empty())
@@ -75,10 +73,6 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
     read.format = o.trace_format;
     EPMOE_ASSIGN_OR_RETURN(replay, PicksReplay::Open(o.trace, read, model));
   }
-  if (o.layers > model.num_moe_layers())
-    return InvalidArgument(
-        fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
-
   // Packed weights of every layer stay resident. Without --check the experts are packed as they are
   // made, one per thread at a time; --check keeps every layer's fp32 weights for the reference.
   ThreadPool pool(o.threads);

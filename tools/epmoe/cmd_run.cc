@@ -407,12 +407,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   EPMOE_ASSIGN_OR_RETURN(auto comm, WorldCommunicator(co));
   *is_root = comm->rank() == 0;
   const int g = comm->size();
-  EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
-  model = ScaledModel(model, o.hidden, o.intermediate);
-  EPMOE_RETURN_IF_ERROR(ValidateModel(model, "--hidden/--intermediate"));
-  if (o.layers > model.num_moe_layers())
-    return InvalidArgument(
-        fmt::format("--layers {} exceeds the {} MoE layers of {}", o.layers, model.num_moe_layers(), model.name));
+  EPMOE_ASSIGN_OR_RETURN(const ModelConfig model, LoadCommandModel(o.model, o.hidden, o.intermediate, o.layers));
   if (!o.trace.empty() && o.routing != "uniform")
     return InvalidArgument("--trace replays the trace's picks; do not combine it with --routing");
   ExecutorOptions base;

@@ -7,6 +7,16 @@
 
 namespace epmoe::cli {
 
+Result<ModelConfig> LoadCommandModel(const std::string& name_or_path, int hidden, int intermediate, int layers) {
+  EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(name_or_path));
+  model = ScaledModel(model, hidden, intermediate);
+  EPMOE_RETURN_IF_ERROR(ValidateModel(model, "--hidden/--intermediate"));
+  if (layers > model.num_moe_layers())
+    return InvalidArgument(
+        fmt::format("--layers {} exceeds the {} MoE layers of {}", layers, model.num_moe_layers(), model.name));
+  return model;
+}
+
 void AddWeightsOption(CLI::App* command, std::string* path) {
   command->add_option("--weights", *path,
                       "Read the routers and experts from a Hugging Face checkpoint: a .safetensors file or a folder "

@@ -14,6 +14,11 @@
 
 namespace epmoe::cli {
 
+// The model of `--model` (a preset, a .json file or a checkpoint folder's config.json) with the
+// sizes of `--hidden` / `--intermediate` (0 keeps them), refused when it has fewer MoE layers than
+// `--layers`.
+Result<ModelConfig> LoadCommandModel(const std::string& name_or_path, int hidden, int intermediate, int layers);
+
 // Adds `--weights PATH` to a command.
 void AddWeightsOption(CLI::App* command, std::string* path);
 
