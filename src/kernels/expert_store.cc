@@ -29,16 +29,21 @@ struct WorkItem {
   bool decode;
 };
 
+// An expert's rows go through the decode path: one row block, each weight read once for all rows.
+bool IsDecode(int64_t rows) {
+  return rows <= KernelExpertStore::kDecodeMaxRows;
+}
+
 // Channels of one work item: few in decode (so few experts still spread over every thread), a
 // multiple of the kernel's register tile that keeps the weights of an item in L2 in prefill.
 int64_t ChannelsPerItem(int64_t rows, int64_t weight_row_bytes, int64_t matrices, int64_t tile) {
-  if (rows <= KernelExpertStore::kDecodeMaxRows) return kDecodeChannels;
+  if (IsDecode(rows)) return kDecodeChannels;
   const int64_t fit = kWeightBlockBytes / std::max<int64_t>(1, weight_row_bytes * matrices);
   return std::max(tile, std::min<int64_t>(fit, 256) / tile * tile);
 }
 
 int64_t RowsPerBlock(int64_t rows, int64_t act_row_bytes) {
-  if (rows <= KernelExpertStore::kDecodeMaxRows) return rows;
+  if (IsDecode(rows)) return rows;
   return std::clamp<int64_t>(kRowBlockBytes / std::max<int64_t>(1, act_row_bytes), 16, 512);
 }
 
@@ -49,9 +54,8 @@ std::vector<WorkItem> MakeItems(std::span<const int64_t> offsets, int64_t channe
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
     const int64_t step = ChannelsPerItem(rows, weight_row_bytes, matrices, tile);
-    const bool decode = rows <= KernelExpertStore::kDecodeMaxRows;
     for (int64_t n = 0; n < channels; n += step)
-      items.push_back({static_cast<int>(e), n, std::min(channels, n + step), decode});
+      items.push_back({static_cast<int>(e), n, std::min(channels, n + step), IsDecode(rows)});
   }
   return items;
 }
