@@ -74,7 +74,7 @@ struct CheckpointSummary {
   int num_experts = 0;          // experts of the first MoE layer
   int64_t hidden = 0;           // from expert 0's gate of the first MoE layer
   int64_t expert_intermediate = 0;
-  std::string expert_dtype;         // of that tensor
+  std::string expert_dtype;         // of that tensor ("NVFP4" for ModelOpt's packed codes)
   int64_t shared_intermediate = 0;  // all shared experts of the first MoE layer together (0: none)
   bool correction_bias = false;
 };
