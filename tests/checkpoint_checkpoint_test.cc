@@ -1,5 +1,6 @@
 // Checkpoint (reading a model's MoE weights from safetensors files) against the synthetic weights
-// it was written from, in both namings, with 8-bit float weights and their scales, and every refusal.
+// it was written from, in both namings, with 8-bit float weights and their scales, and every
+// refusal.
 #include "epmoe/checkpoint.h"
 
 #include <fmt/format.h>
@@ -373,7 +374,7 @@ TEST_F(CheckpointTest, RefusesWhatDoesNotFitTheModel) {
   biased.scoring = Scoring::kSigmoid;
   biased.correction_bias = true;
   ExpectError(Checkpoint::Open(Dir(), biased, 1), "no tensor \"model.layers.0.mlp.gate.e_score_correction_bias\"");
-  // Another model's dense layers shift the transformer layer numbers: its first MoE layer is absent.
+  // Another model's dense layers shift the transformer layer numbers: its first MoE layer is gone.
   ModelConfig shifted = model;
   shifted.num_dense_layers = 1;
   ExpectError(Checkpoint::Open(Dir(), shifted, 1), "model.layers.1.mlp.experts.0.gate_proj.weight");

@@ -1,5 +1,6 @@
-// `epmoe checkpoint write` and `--weights` end to end: a written checkpoint run through `epmoe layer`
-// and `epmoe run` (two ranks, every option, checked) gives what the synthetic weights it holds give.
+// `epmoe checkpoint write` and `--weights` end to end: a written checkpoint run through
+// `epmoe layer` and `epmoe run` (two ranks, every option, checked) gives what the synthetic weights
+// it holds give.
 #include <gtest/gtest.h>
 
 #include <filesystem>

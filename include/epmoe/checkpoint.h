@@ -1,4 +1,5 @@
-// A model's MoE weights read from a Hugging Face checkpoint (safetensors files), and written as one.
+// A model's MoE weights read from a Hugging Face checkpoint (safetensors files), and written as
+// one.
 //
 // Checkpoint is a WeightSource (layer.h): MoeLayer::Create and the expert-parallel executors read
 // each expert (or slice) they hold straight from the mapped files, convert it to fp32 and pack it
@@ -28,7 +29,8 @@ class ThreadPool;
 //   kBlockSparseMoe  Mixtral: model.layers.N.block_sparse_moe.gate.weight,
 //                    block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
 // The shared experts of a model are one MLP of num_shared_experts x shared_intermediate rows in a
-// checkpoint; shared expert s is its slice [s x shared_intermediate, (s + 1) x shared_intermediate).
+// checkpoint; shared expert s is its slice [s x shared_intermediate, (s + 1) x
+// shared_intermediate).
 enum class CheckpointNaming { kMlpExperts, kBlockSparseMoe };
 const char* CheckpointNamingName(CheckpointNaming naming);  // "mlp.experts", "block_sparse_moe"
 Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name);
@@ -37,12 +39,13 @@ class Checkpoint final : public WeightSource {
  public:
   // Opens `path`: a .safetensors file, or a folder of them (the files its
   // model.safetensors.index.json names, else every *.safetensors file in it). Finds the naming and
-  // checks that every tensor MoE layers 0 .. num_layers - 1 of `model` need is there, once, with the
-  // model's shape and a dtype it reads: F32, BF16, F16; F8_E4M3 / F8_E5M2 with its scales beside
-  // it (`<name>_scale_inv`, DeepSeek-V3's 128 x 128 blocks, or `<name minus .weight>.weight_scale`,
-  // one per tensor or per row), every scale multiplying its block; or NVFP4 as NVIDIA's ModelOpt
-  // writes it (U8 codes, two a byte, an F8_E4M3 `.weight_scale` per 16 and a `.weight_scale_2` for
-  // the tensor). Each weight is read as its dequantized value. Errors name the file and tensor.
+  // checks that every tensor MoE layers 0 .. num_layers - 1 of `model` need is there, once, with
+  // the model's shape and a dtype it reads: F32, BF16, F16; F8_E4M3 / F8_E5M2 with its scales
+  // beside it (`<name>_scale_inv`, DeepSeek-V3's 128 x 128 blocks, or `<name minus
+  // .weight>.weight_scale`, one per tensor or per row), every scale multiplying its block; or NVFP4
+  // as NVIDIA's ModelOpt writes it (U8 codes, two a byte, an F8_E4M3 `.weight_scale` per 16 and a
+  // `.weight_scale_2` for the tensor). Each weight is read as its dequantized value. Errors name
+  // the file and tensor.
   static Result<std::unique_ptr<Checkpoint>> Open(const std::string& path, const ModelConfig& model, int num_layers);
   ~Checkpoint() override;
 

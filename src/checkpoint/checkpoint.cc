@@ -90,7 +90,7 @@ struct Located {
   float global_scale = 1.0f;
 };
 
-// The mapped files of a checkpoint and its tensors by name; Open then checks the ones a model needs.
+// The mapped files of a checkpoint and its tensors by name; Open checks the ones a model needs.
 struct Index {
   ModelConfig model;
   int num_layers = 0;
@@ -108,7 +108,7 @@ struct Index {
     return it == tensors.end() ? nullptr : &it->second;
   }
 
-  // Finds `name`, checks its shape is `shape` and its dtype readable, and finds an 8-bit weight's scales.
+  // Finds `name`, checks its shape and dtype, and finds an 8-bit weight's scales.
   Status Check(const std::string& name, const std::vector<int64_t>& shape) {
     auto it = tensors.find(name);
     if (it == tensors.end())
@@ -229,7 +229,7 @@ struct Index {
     if (t->nvfp4) return ReadNvfp4(*t, row_begin, row_count, col_begin, col_count, out);
     EPMOE_RETURN_IF_ERROR(t->file->ReadFloat(*t->info, row_begin, row_count, col_begin, col_count, out));
     if (t->scale == nullptr) return Status::Ok();
-    // The scales in grid order: the scale tensor read as ReadFloat views it (rows of its last dimension).
+    // The scales in grid order: the scale tensor as ReadFloat views it (rows of its last dim).
     const std::vector<int64_t>& shape = t->scale->shape;
     const int64_t view_cols = shape.empty() ? 1 : shape.back(), view_rows = t->scale->elements() / view_cols;
     std::vector<float> grid(t->grid_rows * t->grid_cols);

@@ -1,6 +1,6 @@
 // `epmoe checkpoint show PATH`: what a Hugging Face checkpoint (safetensors) holds and which model
-// preset fits it. `epmoe checkpoint write`: a model's synthetic weights as such a checkpoint, to try
-// `--weights` without a downloaded model and to compare its runs with synthetic ones.
+// preset fits it. `epmoe checkpoint write`: a model's synthetic weights as such a checkpoint, to
+// try `--weights` without a downloaded model and to compare its runs with synthetic ones.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -35,7 +35,8 @@ struct WriteOptions {
 
 Status Write(const WriteOptions& o, nlohmann::json* report) {
   EPMOE_ASSIGN_OR_RETURN(const ModelConfig model, LoadCommandModel(o.model, o.hidden, o.intermediate, o.layers));
-  // Mixtral's checkpoints name experts block_sparse_moe.experts.E.w1; the other presets' mlp.experts.E.gate_proj.
+  // Mixtral's checkpoints name experts block_sparse_moe.experts.E.w1; the other presets'
+  // mlp.experts.E.gate_proj.
   const std::string naming_name = o.naming != "auto"                  ? o.naming
                                   : model.name.starts_with("mixtral") ? "block_sparse_moe"
                                                                       : "mlp.experts";
