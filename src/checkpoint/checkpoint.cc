@@ -108,6 +108,15 @@ struct Index {
     return it == tensors.end() ? nullptr : &it->second;
   }
 
+  // "x.weight" -> "x": the prefix of a weight's scale tensors.
+  static std::string Stem(const std::string& name) {
+    return name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+  }
+  // Whether weight `name` is NVFP4 as ModelOpt writes it: U8 codes with a weight_scale_2 beside.
+  bool IsModelOptNvfp4(const std::string& name, const TensorInfo& info) const {
+    return info.dtype == TensorDtype::kU8 && Find(Stem(name) + ".weight_scale_2") != nullptr;
+  }
+
   // Finds `name`, checks its shape and dtype, and finds an 8-bit weight's scales.
   Status Check(const std::string& name, const std::vector<int64_t>& shape) {
     auto it = tensors.find(name);
@@ -115,9 +124,8 @@ struct Index {
       return NotFound(fmt::format("{}: no tensor \"{}\" (needed by MoE layer weights of {})", path, name, model.name));
     Located& t = it->second;
     const std::string where = fmt::format("{}: tensor \"{}\"", t.file->source(), name);
-    const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
-    if (t.info->dtype == TensorDtype::kU8 && Find(stem + ".weight_scale_2") != nullptr)
-      return CheckNvfp4(stem, where, shape, &t);
+    const std::string stem = Stem(name);
+    if (IsModelOptNvfp4(name, *t.info)) return CheckNvfp4(stem, where, shape, &t);
     if (t.info->shape != shape)
       return InvalidArgument(
           fmt::format("{} has shape {}, {} needs {}", where, ShapeText(t.info->shape), model.name, ShapeText(shape)));
@@ -262,6 +270,21 @@ struct Checkpoint::State : checkpoint_internal::Index {};
 
 namespace {
 
+// What Open and WriteCheckpoint both refuse: a layer count the model does not have, and a naming
+// without the model's shared experts or correction bias. `where` begins the messages.
+Status CheckLayers(const ModelConfig& model, int num_layers, std::string_view where) {
+  if (num_layers < 1 || num_layers > model.num_moe_layers())
+    return InvalidArgument(fmt::format("{}: {} layers asked, {} has {} MoE layers", where, num_layers, model.name,
+                                       model.num_moe_layers()));
+  return Status::Ok();
+}
+Status CheckNaming(const ModelConfig& model, CheckpointNaming naming, std::string_view where) {
+  if (naming == CheckpointNaming::kBlockSparseMoe && (model.num_shared_experts > 0 || model.correction_bias))
+    return InvalidArgument(fmt::format(
+        "{}: the block_sparse_moe naming has no shared experts or correction bias, which {} has", where, model.name));
+  return Status::Ok();
+}
+
 Result<std::vector<std::string>> CheckpointFiles(const std::string& path) {
   std::error_code error;
   const fs::file_status status = fs::status(path, error);
@@ -329,9 +352,7 @@ int64_t Checkpoint::file_bytes() const {
 
 Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path, const ModelConfig& model,
                                                      int num_layers) {
-  if (num_layers < 1 || num_layers > model.num_moe_layers())
-    return InvalidArgument(fmt::format("checkpoint: {} layers asked, {} has {} MoE layers", num_layers, model.name,
-                                       model.num_moe_layers()));
+  EPMOE_RETURN_IF_ERROR(CheckLayers(model, num_layers, "checkpoint"));
   auto state = std::make_unique<State>();
   state->model = model;
   state->num_layers = num_layers;
@@ -350,11 +371,7 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path, co
         "tensors, such as gpt-oss's mlp.experts.gate_up_proj_blocks, are not read",
         path, mlp.Expert(0, kGate), mixtral.Expert(0, kGate), model.name));
   }
-  if (state->naming == CheckpointNaming::kBlockSparseMoe && (model.num_shared_experts > 0 || model.correction_bias))
-    return InvalidArgument(
-        fmt::format("{}: the block_sparse_moe naming has no shared experts or correction bias, "
-                    "which {} has",
-                    path, model.name));
+  EPMOE_RETURN_IF_ERROR(CheckNaming(model, state->naming, path));
 
   const int64_t e = model.num_experts, h = model.hidden, inter = model.expert_intermediate;
   const int64_t shared = static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate;
@@ -469,9 +486,7 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
   while (state.Find(first.Expert(summary.num_experts, kGate)) != nullptr) ++summary.num_experts;
   const std::string gate_name = first.Expert(0, kGate);
   const TensorInfo& gate = *state.Find(gate_name)->info;
-  // ModelOpt's NVFP4 holds two values a byte.
-  const bool nvfp4 = gate.dtype == TensorDtype::kU8 &&
-                     state.Find(gate_name.substr(0, gate_name.size() - 7) + ".weight_scale_2") != nullptr;
+  const bool nvfp4 = state.IsModelOptNvfp4(gate_name, gate);  // two values a byte
   summary.expert_dtype = nvfp4 ? "NVFP4" : gate.dtype_name;
   if (gate.shape.size() == 2) {
     summary.expert_intermediate = gate.shape[0];
@@ -526,10 +541,6 @@ struct Shard {
   }
 };
 
-}  // namespace
-
-namespace {
-
 // Writes `text` to `path` through a temporary name, so that `path` holds all of it or is untouched.
 Status WriteWhole(const fs::path& path, const std::string& text) {
   const fs::path temporary = path.string() + ".tmp";
@@ -551,12 +562,8 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
                        TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool) {
   if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16)
     return InvalidArgument(fmt::format("checkpoint: writes F32, BF16 or F16, not {}", TensorDtypeName(dtype)));
-  if (num_layers < 1 || num_layers > model.num_moe_layers())
-    return InvalidArgument(fmt::format("checkpoint: {} layers asked, {} has {} MoE layers", num_layers, model.name,
-                                       model.num_moe_layers()));
-  if (naming == CheckpointNaming::kBlockSparseMoe && (model.num_shared_experts > 0 || model.correction_bias))
-    return InvalidArgument(fmt::format(
-        "checkpoint: the block_sparse_moe naming has no shared experts or correction bias, which {} has", model.name));
+  EPMOE_RETURN_IF_ERROR(CheckLayers(model, num_layers, "checkpoint"));
+  EPMOE_RETURN_IF_ERROR(CheckNaming(model, naming, "checkpoint"));
   std::error_code error;
   fs::create_directories(dir, error);
   if (error) return IoError(fmt::format("{}: cannot create the folder: {}", dir, error.message()));
