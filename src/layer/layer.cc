@@ -122,14 +122,8 @@ Result<MoeLayerWeights> LoadLayerWeights(const ModelConfig& model, const WeightS
   w.experts.resize(model.num_experts);
   std::vector<Status> failed(model.num_experts);
   auto load = [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      Result<ExpertWeights> expert = source.Expert(layer, static_cast<int>(e), 0, -1);
-      if (expert.ok()) {
-        w.experts[e] = std::move(expert).value();
-      } else {
-        failed[e] = expert.status();
-      }
-    }
+    for (int64_t e = begin; e < end; ++e)
+      failed[e] = source.ReadExpert(layer, static_cast<int>(e), 0, -1, &w.experts[e]);
   };
   if (pool != nullptr) {
     pool->ParallelFor(model.num_experts, 1, load);
@@ -137,10 +131,9 @@ Result<MoeLayerWeights> LoadLayerWeights(const ModelConfig& model, const WeightS
     load(0, model.num_experts);
   }
   for (const Status& status : failed) EPMOE_RETURN_IF_ERROR(status);
-  for (int s = 0; s < model.num_shared_experts; ++s) {
-    EPMOE_ASSIGN_OR_RETURN(ExpertWeights shared, source.SharedExpert(layer, s, 0, -1));
-    w.shared.push_back(std::move(shared));
-  }
+  w.shared.resize(model.num_shared_experts);
+  for (int s = 0; s < model.num_shared_experts; ++s)
+    EPMOE_RETURN_IF_ERROR(source.ReadSharedExpert(layer, s, 0, -1, &w.shared[s]));
   return w;
 }
 
