@@ -69,7 +69,7 @@ TEST_F(CheckpointTest, F32RoundTripIsExactInBothNamings) {
       auto expected = synthetic->Routing(layer, nullptr);
       ASSERT_TRUE(routing.ok() && expected.ok());
       EXPECT_EQ(routing->router.data, expected->router.data);
-      EXPECT_EQ(routing->correction_bias, expected->correction_bias);
+      EXPECT_EQ(routing->router_bias, expected->router_bias);
       for (int e : {0, 3, model.num_experts - 1}) {
         auto read = checkpoint.Expert(layer, e, 0, -1);
         ASSERT_TRUE(read.ok()) << read.status().ToString();

@@ -25,7 +25,7 @@ namespace {
 
 TEST(ModelPresets, EveryPresetLoadsAndValidates) {
   const auto names = ListModelPresets();
-  EXPECT_EQ(names.size(), 6u);
+  EXPECT_EQ(names.size(), 7u);
   for (const auto& name : names) {
     auto m = LoadModel(name);
     ASSERT_TRUE(m.ok()) << name << ": " << m.status().ToString();
@@ -148,7 +148,8 @@ TEST(HfConfig, ReadsAsThePresetOfTheSameModel) {
            "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32})"},
       {"gpt-oss-120b",
        R"({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
-           "num_local_experts": 128, "experts_per_token": 4, "num_hidden_layers": 36})"},
+           "num_local_experts": 128, "experts_per_token": 4, "num_hidden_layers": 36,
+           "swiglu_limit": 7.0})"},
       {"deepseek-v3",
        R"({"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
            "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
@@ -166,6 +167,40 @@ TEST(HfConfig, ReadsAsThePresetOfTheSameModel) {
   }
   EXPECT_EQ(ParseModel(configs[0].second, "config.json")->name, "Qwen/Qwen3-30B-A3B");
   EXPECT_EQ(ParseModel(configs[1].second, "config.json")->name, "olmoe");
+}
+
+// gpt-oss's fields: optional in epmoe's JSON (absent: none of them), checked together.
+TEST(ModelPresets, GptOssFields) {
+  const ModelConfig gpt = *LoadModel("gpt-oss-20b");
+  EXPECT_TRUE(gpt.router_bias);
+  EXPECT_TRUE(gpt.expert_bias);
+  EXPECT_EQ(gpt.activation, Activation::kSwiGluOai);
+  EXPECT_EQ(gpt.swiglu_limit, 7.0);
+  EXPECT_EQ(RoutedExpertBytes(gpt, WeightFormat::kMxfp4),
+            ExpertByteCount(WeightFormat::kMxfp4, 2880, 2880) + (2 * 2880 + 2880) * 4);
+  const ModelConfig qwen = *LoadModel("qwen3-30b-a3b");  // its preset predates the fields
+  EXPECT_FALSE(qwen.router_bias || qwen.expert_bias);
+  EXPECT_EQ(qwen.activation, Activation::kSwiGlu);
+  EXPECT_EQ(RoutedExpertBytes(qwen, WeightFormat::kInt8), ExpertByteCount(WeightFormat::kInt8, 2048, 768));
+
+  ModelConfig both = *LoadModel("deepseek-v3");
+  both.router_bias = true;
+  EXPECT_NE(ValidateModel(both, "m").message().find("'router_bias'"), std::string::npos);
+  ModelConfig no_limit = gpt;
+  no_limit.swiglu_limit = 0;
+  EXPECT_NE(ValidateModel(no_limit, "m").message().find("'swiglu_limit'"), std::string::npos);
+  ModelConfig stray_limit = qwen;
+  stray_limit.swiglu_limit = 7;
+  EXPECT_NE(ValidateModel(stray_limit, "m").message().find("'swiglu_limit'"), std::string::npos);
+  ModelConfig shared = gpt;
+  shared.num_shared_experts = 1;
+  shared.shared_intermediate = 2880;
+  EXPECT_NE(ValidateModel(shared, "m").message().find("'expert_bias'"), std::string::npos);
+  ModelConfig round = *ParseModel(ModelToJson(gpt), "json");
+  EXPECT_EQ(ModelToJson(round), ModelToJson(gpt));
+  std::string gelu = ModelToJson(gpt);
+  gelu.replace(gelu.find("swiglu_oai"), 10, "gelu");
+  EXPECT_NE(ParseModel(gelu, "m.json").status().message().find("unknown activation 'gelu'"), std::string::npos);
 }
 
 // Every preset written as a config.json reads back to itself.

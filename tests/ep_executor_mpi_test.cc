@@ -40,6 +40,22 @@ ModelConfig TinyModel(int shared) {
   return m;
 }
 
+// gpt-oss's kind of layer: a router bias added to the logits, expert biases (sliced options carry the
+// down bias on the first slice only) and the clamped activation, its limit low enough to bite. The
+// intermediate size leaves mxfp4 whole blocks of 32 in each of 8 slices.
+ModelConfig TinyGptOss() {
+  ModelConfig m = TinyModel(0);
+  m.expert_intermediate = 256;
+  m.scoring = Scoring::kSoftmaxTopk;
+  m.renormalize = false;
+  m.router_bias = true;
+  m.expert_bias = true;
+  m.activation = Activation::kSwiGluOai;
+  m.swiglu_limit = 0.1;
+  EPMOE_CHECK(ValidateModel(m, "tiny gpt-oss").ok());
+  return m;
+}
+
 // The expected output of every row: MoeLayer's routed sum on the rows as they travel (decoded),
 // plus the shared experts on `shared_rows` (the original rows when the shared expert is a copy).
 Matrix Expected(const ModelConfig& model, int layer, const Matrix& rows, const Picks& picks, RowFormat format,
@@ -102,6 +118,7 @@ struct Case {
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PlacementPtr placement;
   WeightFormat weights = WeightFormat::kFp32;
+  bool gpt_oss = false;  // TinyGptOss instead of TinyModel(shared)
 };
 
 Case CaseOf(EpOption option) {
@@ -137,7 +154,7 @@ StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, con
                       int steps = 2) {
   Communicator& comm = World();
   const int g = comm.size(), me = comm.rank();
-  const ModelConfig model = TinyModel(c.shared);
+  const ModelConfig model = c.gpt_oss ? TinyGptOss() : TinyModel(c.shared);
   auto executor = CreateExecutor(comm, model, OptionsFor(c, g), Pool());
   EPMOE_CHECK_MSG(executor.ok(), executor.status().ToString());
   int64_t total = 0, first = 0;
@@ -168,7 +185,9 @@ StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, con
       if (Exact(c)) {
         EXPECT_EQ(out.data, want.data) << EpOptionName(c.option) << " layer " << layer << " rank " << me;
       } else {
-        const double tolerance = c.combine == RowFormat::kBf16 ? 1e-2 : 1e-5;
+        // Sliced options quantize each slice's intermediate rows on their own (quantized weight
+        // formats take int8 activations, scaled per row), so they differ from the whole expert's.
+        const double tolerance = c.combine == RowFormat::kBf16 || c.weights != WeightFormat::kFp32 ? 1e-2 : 1e-5;
         EXPECT_LE(NormalizedMaxError(out, want), tolerance) << EpOptionName(c.option) << " layer " << layer;
       }
     }
@@ -207,6 +226,21 @@ TEST(Executor, EveryOptionAndOriginMatchesTheSingleProcessLayer) {
       if (g == 1) {
         EXPECT_EQ(st.bytes_sent, 0);
       }
+    }
+  }
+}
+
+TEST(Executor, GptOssBiasesAndActivationUnderEveryOption) {
+  const int g = World().size();
+  for (EpOption option : AllEpOptions()) {
+    for (WeightFormat weights : {WeightFormat::kFp32, WeightFormat::kMxfp4}) {
+      SCOPED_TRACE(std::string(EpOptionName(option)) + " " + WeightFormatName(weights));
+      Case c;
+      c.option = option;
+      c.gpt_oss = true;
+      c.shared = 0;
+      c.weights = weights;
+      RunAndCheck(c, EvenishRows(2 * g + 3), nullptr, 1);
     }
   }
 }

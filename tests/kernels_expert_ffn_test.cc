@@ -25,6 +25,7 @@
 #include "epmoe/thread_pool.h"
 #include "kernel_testing.h"
 #include "kernels/expert_store.h"
+#include "kernels/kernel.h"
 
 namespace epmoe {
 namespace {
@@ -50,6 +51,11 @@ double KernelTolerance(WeightFormat format, Isa isa) {
 
 using epmoe::testing::RandomMatrix;
 
+std::vector<float> RandomValues(int64_t count, float bound, std::mt19937& rng) {
+  const Matrix m = RandomMatrix(1, count, bound, rng);
+  return {m.data.begin(), m.data.end()};
+}
+
 std::vector<ExpertWeights> RandomExperts(int count, int64_t hidden, int64_t inter, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<ExpertWeights> experts(count);
@@ -65,8 +71,9 @@ std::vector<ExpertWeights> RandomExperts(int count, int64_t hidden, int64_t inte
   return experts;
 }
 
+// The weights as stored: quantized and back (biases are kept in fp32).
 ExpertWeights DequantizedExpert(const ExpertWeights& e, WeightFormat format) {
-  ExpertWeights d;
+  ExpertWeights d = e;
   d.gate = Dequantize(*Quantize(format, e.gate));
   d.up = Dequantize(*Quantize(format, e.up));
   d.down = Dequantize(*Quantize(format, e.down));
@@ -80,11 +87,11 @@ std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
 }
 
 Matrix ReferenceOutputs(const std::vector<ExpertWeights>& experts, const Matrix& rows,
-                        const std::vector<int64_t>& offsets) {
+                        const std::vector<int64_t>& offsets, const GatedActivation& activation = {}) {
   Matrix out(rows.rows, rows.cols);
   for (size_t e = 0; e < experts.size(); ++e) {
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
-      ReferenceExpertFfn(experts[e], rows.row_span(r), out.row_span(r));
+      ReferenceExpertFfn(experts[e], activation, rows.row_span(r), out.row_span(r));
   }
   return out;
 }
@@ -156,6 +163,41 @@ TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   // The result of a row depends neither on the thread count nor on the other rows.
   const Matrix single = RunStore(**store, rows, offsets, 1);
   EXPECT_EQ(single.data, actual.data);
+}
+
+// gpt-oss's experts: a bias after each projection and the clamped activation (GatedActivation), with
+// a limit that the gate and up values often pass. Both paths; biases count in the stored bytes.
+TEST_P(KernelHarness, BiasesAndClampedActivationMatchReference) {
+  const auto [format, isa] = GetParam();
+  constexpr int64_t kHidden = 256, kInter = 192;
+  const std::vector<int64_t> counts = {0, 1, 3, 8, 20, 64, 300};
+  const int n = static_cast<int>(counts.size());
+  std::vector<ExpertWeights> experts = RandomExperts(n, kHidden, kInter, 23);
+  std::mt19937 rng(29);
+  for (ExpertWeights& e : experts) {
+    e.gate_bias = RandomValues(kInter, 1.0f, rng);
+    e.up_bias = RandomValues(kInter, 1.0f, rng);
+    e.down_bias = RandomValues(kHidden, 0.5f, rng);
+  }
+  const GatedActivation activation{1.702f, 0.6f, 1.0f};
+  const std::vector<int64_t> offsets = Offsets(counts);
+  const Matrix rows = RandomMatrix(offsets.back(), kHidden, 1.0f, rng);
+  auto store = PackExperts(Pointers(experts), PackOptions{format, IsaName(isa), nullptr, activation});
+  ASSERT_TRUE(store.ok()) << store.status().message();
+  const int64_t bias_bytes = (2 * kInter + kHidden) * 4;
+  EXPECT_EQ((*store)->expert_bytes(0), ExpertByteCount(format, kHidden, kInter) + bias_bytes);
+  const Matrix actual = RunStore(**store, rows, offsets, 2);
+  ASSERT_EQ(FirstNonFinite(actual.data), -1);
+  std::vector<ExpertWeights> dequantized;
+  for (const auto& e : experts) dequantized.push_back(DequantizedExpert(e, format));
+  EXPECT_LE(NormalizedMaxError(actual, ReferenceOutputs(experts, rows, offsets, activation)), FormatTolerance(format));
+  EXPECT_LE(NormalizedMaxError(actual, ReferenceOutputs(dequantized, rows, offsets, activation)),
+            KernelTolerance(format, isa));
+  // Neither the clamps nor the biases are idle here.
+  EXPECT_GT(NormalizedMaxError(actual, ReferenceOutputs(dequantized, rows, offsets, {1.702f, 100.0f, 1.0f})), 0.1);
+  std::vector<ExpertWeights> unbiased = dequantized;
+  for (ExpertWeights& e : unbiased) e.down_bias.clear();
+  EXPECT_GT(NormalizedMaxError(actual, ReferenceOutputs(unbiased, rows, offsets, activation)), 0.1);
 }
 
 // The work split: many experts of 1 - 10 rows (the skew of a T = 64 step), each in several work
@@ -243,6 +285,39 @@ TEST_P(KernelHarness, RowsQuantizedApartRunAsRun) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFormatsAndIsas, KernelHarness, ::testing::ValuesIn(AllKernelCases()), KernelCaseName);
+
+// Each instruction set's activation against the scalar one (MatrixKernel's): lengths that leave a
+// scalar tail, values past the clamps, both signs of alpha * g far out, and a NaN passed through.
+TEST(Activate, VectorKernelsMatchTheScalarOne) {
+  std::mt19937 rng(31);
+  constexpr int64_t kCount = 45;
+  std::vector<float> gate = RandomValues(kCount, 30.0f, rng), up = RandomValues(kCount, 10.0f, rng);
+  const std::vector<float> gate_bias = RandomValues(kCount, 1.0f, rng), up_bias = RandomValues(kCount, 1.0f, rng);
+  gate[3] = std::nanf("");
+  up[20] = std::nanf("");
+  for (Isa isa : AllIsas()) {
+    if (!FormatSupportedBy(isa, WeightFormat::kFp32, DetectCpuFeatures())) continue;
+    const auto kernel = kernels::ChooseKernel(WeightFormat::kFp32, isa, 64, 64);
+    ASSERT_EQ(kernel->isa(), isa);
+    for (const GatedActivation& activation : {GatedActivation{}, GatedActivation{1.702f, 7.0f, 1.0f}}) {
+      for (bool biased : {false, true}) {
+        const float* gb = biased ? gate_bias.data() : nullptr;
+        const float* ub = biased ? up_bias.data() : nullptr;
+        std::vector<float> expected(kCount), actual(kCount);
+        kernel->kernels::MatrixKernel::Activate(gate.data(), up.data(), gb, ub, kCount, activation, expected.data());
+        kernel->Activate(gate.data(), up.data(), gb, ub, kCount, activation, actual.data());
+        for (int64_t i = 0; i < kCount; ++i) {
+          if (std::isnan(expected[i])) {
+            EXPECT_TRUE(std::isnan(actual[i])) << IsaName(isa) << " " << i;
+            continue;
+          }
+          EXPECT_NEAR(actual[i], expected[i], 1e-6 * std::max(1.0f, std::abs(expected[i])))
+              << IsaName(isa) << " " << i << " limit " << activation.limit << " biased " << biased;
+        }
+      }
+    }
+  }
+}
 
 TEST(KernelChoice, VectorKernelsGiveWayOnShapesTheyCannotRun) {
   const CpuFeatures& cpu = DetectCpuFeatures();

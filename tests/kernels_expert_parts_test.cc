@@ -1,9 +1,11 @@
 // ExpertStore::MutableExpertParts: the in-place ranges of an expert's stored bytes, in exported
 // order. Writing another store's exported bytes through them must equal ImportExpert: the same
-// bytes on export and the same outputs, bit for bit, in every format.
+// bytes on export and the same outputs, bit for bit, in every format, with and without biases.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "epmoe/expert_ffn.h"
@@ -16,16 +18,26 @@ namespace {
 constexpr int64_t kHidden = 64;
 constexpr int64_t kIntermediate = 32;
 
-ExpertWeights Expert(uint64_t seed, int index) {
+std::vector<float> Values(const Matrix& m) {
+  return {m.data.begin(), m.data.end()};
+}
+
+ExpertWeights Expert(uint64_t seed, int index, bool biased) {
   ExpertWeights e;
   e.gate = SyntheticMatrix(seed, {TensorKind::kExpertGate, 0, index, kIntermediate, kHidden});
   e.up = SyntheticMatrix(seed, {TensorKind::kExpertUp, 0, index, kIntermediate, kHidden});
   e.down = SyntheticMatrix(seed, {TensorKind::kExpertDown, 0, index, kHidden, kIntermediate});
+  if (biased) {
+    e.gate_bias = Values(SyntheticMatrix(seed, {TensorKind::kExpertGateBias, 0, index, 1, kIntermediate}));
+    e.up_bias = Values(SyntheticMatrix(seed, {TensorKind::kExpertUpBias, 0, index, 1, kIntermediate}));
+    e.down_bias = Values(SyntheticMatrix(seed, {TensorKind::kExpertDownBias, 0, index, 1, kHidden}));
+  }
   return e;
 }
 
-std::unique_ptr<ExpertStore> Store(WeightFormat format, uint64_t seed) {
-  const std::vector<ExpertWeights> experts = {Expert(seed, 0), Expert(seed, 1), Expert(seed, 2)};
+std::unique_ptr<ExpertStore> Store(WeightFormat format, uint64_t seed, bool biased = false) {
+  const std::vector<ExpertWeights> experts = {Expert(seed, 0, biased), Expert(seed, 1, biased),
+                                              Expert(seed, 2, biased)};
   const std::vector<const ExpertWeights*> pointers = {&experts[0], &experts[1], &experts[2]};
   auto store = PackExperts(pointers, PackOptions{format});
   EPMOE_CHECK_MSG(store.ok(), store.status().ToString());
@@ -40,11 +52,16 @@ std::vector<std::byte> Exported(const ExpertStore& store, int expert) {
 
 TEST(ExpertParts, WritingExportedBytesInPlaceEqualsImport) {
   ThreadPool pool(1);
-  for (WeightFormat format : {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4,
-                              WeightFormat::kMxfp4}) {
-    SCOPED_TRACE(WeightFormatName(format));
-    auto source = Store(format, 11);
-    auto target = Store(format, 22);
+  for (const auto& [format, biased] : {std::pair{WeightFormat::kFp32, false},
+                                       {WeightFormat::kBf16, false},
+                                       {WeightFormat::kInt8, false},
+                                       {WeightFormat::kNvfp4, false},
+                                       {WeightFormat::kMxfp4, false},
+                                       {WeightFormat::kInt8, true},
+                                       {WeightFormat::kMxfp4, true}}) {
+    SCOPED_TRACE(std::string(WeightFormatName(format)) + (biased ? " with biases" : ""));
+    auto source = Store(format, 11, biased);
+    auto target = Store(format, 22, biased);
     const std::vector<std::byte> sent = Exported(*source, 1);
     ASSERT_NE(Exported(*target, 2), sent);  // different weights before the write
 

@@ -12,9 +12,11 @@ namespace epmoe {
 namespace {
 
 // Plain restatement of the layer, independent of the production code: for each row, for each pick,
-// the SwiGLU written out inline; then the shared experts.
+// the expert written out inline (SwiGLU, or gpt-oss's clamped form and biases as transformers'
+// GptOssExperts computes them); then the shared experts.
 Matrix NaiveLayer(const ModelConfig& m, const MoeLayerWeights& w, const Matrix& rows, const Picks& picks) {
   Matrix out(rows.rows, m.hidden);
+  const bool oai = m.activation == Activation::kSwiGluOai;
   auto ffn = [&](const ExpertWeights& e, const float* x, double scale, float* y) {
     std::vector<double> act(e.intermediate());
     for (int64_t i = 0; i < e.intermediate(); ++i) {
@@ -23,10 +25,20 @@ Matrix NaiveLayer(const ModelConfig& m, const MoeLayerWeights& w, const Matrix& 
         g += e.gate.at(i, c) * static_cast<double>(x[c]);
         u += e.up.at(i, c) * static_cast<double>(x[c]);
       }
-      act[i] = g * (1.0 / (1.0 + std::exp(-g))) * u;
+      if (!oai) {
+        act[i] = g * (1.0 / (1.0 + std::exp(-g))) * u;
+        continue;
+      }
+      g += e.gate_bias[i];
+      u += e.up_bias[i];
+      const double limit = static_cast<float>(m.swiglu_limit);
+      if (g > limit) g = limit;
+      if (u > limit) u = limit;
+      if (u < -limit) u = -limit;
+      act[i] = (u + 1) * (g / (1.0 + std::exp(-g * static_cast<double>(1.702f))));
     }
     for (int64_t h = 0; h < m.hidden; ++h) {
-      double acc = 0;
+      double acc = m.expert_bias ? e.down_bias[h] : 0.0;
       for (int64_t i = 0; i < e.intermediate(); ++i) acc += e.down.at(h, i) * act[i];
       y[h] += static_cast<float>(scale * acc);
     }
@@ -63,6 +75,39 @@ TEST_P(EveryPreset, ProductionAndReferenceMatchTheNaiveLoop) {
     EXPECT_EQ(stats.picks, tokens * m.top_k);
     EXPECT_GT(stats.experts_touched, 0);
     EXPECT_LE(stats.experts_touched, m.num_experts);
+  }
+}
+
+// gpt-oss's clamps, with a limit low enough that they bite on synthetic rows (the presets' 7 is
+// never reached), in every format and instruction set's kernel.
+TEST(GptOss, ClampedActivationAndBiasesMatchTheNaiveLoop) {
+  auto loaded = LoadModel("gpt-oss-20b");
+  ASSERT_TRUE(loaded.ok());
+  ModelConfig m = ScaledModel(*loaded, 64, 48);
+  m.swiglu_limit = 0.05;
+  ThreadPool pool(2);
+  const MoeLayerWeights w = MakeSyntheticLayer(m, 0, 5, &pool);
+  const Matrix rows = SyntheticRows(5, m, 0, 0, 40);
+  Picks picks;
+  ASSERT_TRUE(Router(m).Route(rows, w.router, w.router_bias, &picks).ok());
+  const Matrix naive = NaiveLayer(m, w, rows, picks);
+  ModelConfig unclamped = m;
+  unclamped.swiglu_limit = 100;
+  EXPECT_GT(NormalizedMaxError(naive, NaiveLayer(unclamped, w, rows, picks)), 0.1) << "the clamps do not bite";
+  Matrix reference;
+  ASSERT_TRUE(ReferenceMoeForward(m, w, rows, picks, &reference).ok());
+  EXPECT_LT(NormalizedMaxError(reference, naive), 1e-5);
+  for (WeightFormat format : AllWeightFormats()) {
+    for (const char* isa : {"reference", "avx2", "avx512"}) {
+      auto layer = MoeLayer::Create(m, w, PackOptions{format, isa});
+      if (!layer.ok()) continue;  // an instruction set this CPU lacks
+      Matrix production;
+      ASSERT_TRUE((*layer)->Forward(rows, picks, &production, pool, nullptr).ok());
+      // The formats' own quantization error (fp32: none), as kernels_expert_ffn_test bounds it.
+      const double bound = format == WeightFormat::kFp32 ? 1e-5 : format == WeightFormat::kBf16 ? 0.02 : 0.15;
+      EXPECT_LT(NormalizedMaxError(production, naive), bound)
+          << WeightFormatName(format) << " " << (*layer)->routed().kernel_name();
+    }
   }
 }
 
@@ -172,9 +217,9 @@ TEST(Layer, SlicesOfAnExpertSumToTheExpert) {
   const ExpertWeights b = MakeSyntheticExpert(m, 2, 5, 9, 6, 16);
   const Matrix rows = SyntheticRows(3, m, 0, 0, 1);
   std::vector<float> y(m.hidden), ya(m.hidden), yb(m.hidden);
-  ReferenceExpertFfn(whole, rows.row_span(0), y);
-  ReferenceExpertFfn(a, rows.row_span(0), ya);
-  ReferenceExpertFfn(b, rows.row_span(0), yb);
+  ReferenceExpertFfn(whole, {}, rows.row_span(0), y);
+  ReferenceExpertFfn(a, {}, rows.row_span(0), ya);
+  ReferenceExpertFfn(b, {}, rows.row_span(0), yb);
   for (int h = 0; h < m.hidden; ++h) EXPECT_NEAR(ya[h] + yb[h], y[h], 1e-6);
 }
 

@@ -177,6 +177,25 @@ TEST(Router, RouteComputesLogitsFromTheRouterMatrix) {
   EXPECT_EQ(picks.expert(1, 0), 0);  // row 1 = 2 e3, expert 0's weight is e3
 }
 
+// gpt-oss: the router's bias is part of its logits, so it both chooses and weighs.
+TEST(Router, RouterBiasIsAddedToTheLogits) {
+  ModelConfig m = TinyModel(Scoring::kSoftmaxTopk, 4, 2);
+  m.router_bias = true;
+  const Matrix rows = Logits({{1, 0, 0, 0}});
+  const Matrix weight = Logits({{3, 0, 0, 0}, {2, 0, 0, 0}, {1, 0, 0, 0}, {0, 0, 0, 0}});  // logits 3, 2, 1, 0
+  const std::vector<float> bias = {0, 0, 1.5f, 0};                                         // -> 3, 2, 2.5, 0
+  Picks picks;
+  ASSERT_TRUE(Router(m).Route(rows, weight, bias, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 0);
+  EXPECT_EQ(picks.expert(0, 1), 2);
+  const double a = std::exp(3.0), b = std::exp(2.5);
+  EXPECT_NEAR(picks.weight(0, 0), a / (a + b), 1e-6);
+  EXPECT_NEAR(picks.weight(0, 1), b / (a + b), 1e-6);
+  const std::vector<float> short_bias = {0.1f};
+  EXPECT_EQ(Router(m).Route(rows, weight, short_bias, &picks).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Router(m).Route(rows, weight, {}, &picks).code(), StatusCode::kInvalidArgument);
+}
+
 // The logits are computed in tiles of rows x experts spread over threads; a row's picks must not
 // depend on that (nor on the batch it comes in), and must be what its exact logits give. Hidden 4100
 // (not a multiple of 8) and 13 experts leave partial tiles and a remainder of the 4-way dots.

@@ -1,6 +1,8 @@
 // Expert FFN: the local experts of one layer in a kernel's layout, run over grouped rows.
 //
-// An expert is a SwiGLU FFN: out = down( silu(gate x) * (up x) ), gate and up [I x H], down [H x I].
+// An expert is a gated FFN: out = down( act(gate x, up x) ), gate and up [I x H], down [H x I]; act
+// is SwiGLU, silu(g) * u, or gpt-oss's clamped form (GatedActivation), and gpt-oss's experts add a
+// bias after each projection.
 // ExpertStore holds a set of experts packed once (at load) in one weight format; Run applies each
 // expert to its contiguous group of rows. Slices of experts (a range of the intermediate dimension)
 // are experts too, so sliced options reuse the same store. An ExpertStore is immutable after
@@ -10,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -24,16 +27,34 @@ namespace epmoe {
 class ThreadPool;
 
 // One expert's fp32 weights: the source every format is packed from, and the reference's input.
+// Biases are optional, each either empty or full length. A slice of an expert (a range of the
+// intermediate dimension) carries its range of the gate and up biases and, only when it starts at
+// 0, the down bias, so that the slices' outputs still sum to the expert's.
 struct ExpertWeights {
   Matrix gate;  // [intermediate x hidden]
   Matrix up;    // [intermediate x hidden]
   Matrix down;  // [hidden x intermediate]
+  std::vector<float> gate_bias = {};  // intermediate values, or empty
+  std::vector<float> up_bias = {};    // intermediate values, or empty
+  std::vector<float> down_bias = {};  // hidden values, or empty
   int64_t hidden() const { return gate.cols; }
   int64_t intermediate() const { return gate.rows; }
 };
 
-// Plain per-row SwiGLU in fp32 with double accumulation: the reference every kernel is tested against.
-void ReferenceExpertFfn(const ExpertWeights& expert, std::span<const float> row, std::span<float> out);
+// What an expert applies between its projections, elementwise, to gate g and up u (after their
+// biases): g' * sigmoid(alpha * g') * (u' + up_offset), where g' = min(g, limit) and
+// u' = clamp(u, -limit, limit). The defaults are SwiGLU, silu(g) * u; gpt-oss's experts take
+// alpha 1.702, limit 7 and up_offset 1 (ActivationOf in layer.h maps a model to its own).
+struct GatedActivation {
+  float alpha = 1.0f;
+  float limit = std::numeric_limits<float>::infinity();
+  float up_offset = 0.0f;
+};
+
+// Plain per-row expert FFN in fp32 with double accumulation: the reference every kernel is tested
+// against.
+void ReferenceExpertFfn(const ExpertWeights& expert, const GatedActivation& activation, std::span<const float> row,
+                        std::span<float> out);
 
 class ExpertStore {
  public:
@@ -43,7 +64,7 @@ class ExpertStore {
   virtual int num_experts() const = 0;
   virtual int64_t hidden() const = 0;
   virtual int64_t intermediate() const = 0;
-  // Exact bytes of expert e's weights as stored, scales included.
+  // Exact bytes of expert e's weights as stored, scales and biases (fp32) included.
   virtual int64_t expert_bytes(int expert) const = 0;
   // Which kernel runs (e.g. "fp32/reference"), for reports.
   virtual std::string kernel_name() const = 0;
@@ -65,7 +86,8 @@ class ExpertStore {
 
   // Live rebalancing (moving one packed expert to another rank's store of the same format, shape
   // and kernel). ExportExpert writes expert e as stored, expert_bytes(e) bytes: for gate, up and
-  // down in turn, its values, its scales and (nvfp4) its tensor scale. ImportExpert replaces
+  // down in turn, its values, its scales and (nvfp4) its tensor scale, then the gate, up and down
+  // biases it has, in fp32. ImportExpert replaces
   // expert e with such bytes; it is the one change to a packed store and must not run during Run
   // (callers import between steps). Both refuse an expert out of range or a wrong length.
   virtual Status ExportExpert(int expert, std::span<std::byte> out) const = 0;
@@ -88,12 +110,14 @@ struct PackOptions {
   std::string isa = "auto";
   // Optional: quantizes and packs the experts in parallel on this pool.
   ThreadPool* pool = nullptr;
+  // What Run applies between the projections (MoeLayer and the executors set their model's).
+  GatedActivation activation = {};
 };
 
 // Packs the given experts (all with the same shape) into one store: quantizes each matrix (see
 // quantize.h) and repacks it once into the chosen kernel's layout. Refuses shapes the format
-// cannot hold (see CheckShape: block formats are not padded), NaN or Inf weights, unknown or
-// unsupported instruction sets, and empty or mismatched inputs.
+// cannot hold (see CheckShape: block formats are not padded), NaN or Inf weights or biases, biases
+// of the wrong length, unknown or unsupported instruction sets, and empty or mismatched inputs.
 //
 // Run quantizes activations inside the call, as each kernel's dot product wants them:
 // reference keeps fp32 rows (weights are dequantized to fp32); avx512 and avx2 quantize rows to

@@ -19,18 +19,25 @@ namespace epmoe {
 
 class ThreadPool;
 
+// The activation between a model's expert projections (gpt-oss's own, else SwiGLU).
+GatedActivation ActivationOf(const ModelConfig& model);
+// `options` with the model's activation: what every store of the model's experts is packed with.
+PackOptions ForModel(const ModelConfig& model, PackOptions options);
+
 // All weights of one MoE layer in fp32.
 struct MoeLayerWeights {
   int layer = 0;
-  Matrix router;                       // [E x hidden]
-  std::vector<float> correction_bias;  // E values, or empty
+  Matrix router;  // [E x hidden]
+  // E values, or empty: the correction bias (model.correction_bias: added to sigmoid scores for
+  // choosing only) or the router's bias (model.router_bias: added to its logits).
+  std::vector<float> router_bias;
   std::vector<ExpertWeights> experts;  // E routed experts
   std::vector<ExpertWeights> shared;   // num_shared_experts shared experts
 };
 
 // Synthetic weights for MoE layer `layer` (see synthetic.h): deterministic from the seed.
 MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);
-// Only its routing weights (router and correction bias; no experts), the same as
+// Only its routing weights (router and its bias; no experts), the same as
 // MakeSyntheticLayer's.
 MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);
 // Expert e of layer `layer`, or the intermediate slice [begin, end) of it (still a valid expert:
@@ -46,7 +53,7 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
-  // The router and correction bias of a layer (experts and shared experts left empty).
+  // The router and its bias of a layer (experts and shared experts left empty).
   virtual Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const = 0;
   // Routed expert `expert` of a layer, or the slice [slice_begin, slice_end) of its intermediate
   // dimension (slice_end -1: to the end), as MakeSyntheticExpert slices, written into *out as an
@@ -128,7 +135,7 @@ class MoeLayer {
   MoeLayer() = default;
   ModelConfig model_;
   Matrix router_;
-  std::vector<float> correction_bias_;
+  std::vector<float> router_bias_;
   std::unique_ptr<ExpertStore> routed_;
   std::unique_ptr<ExpertStore> shared_;  // null without shared experts
 };

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "epmoe/status.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe {
 
@@ -21,6 +22,14 @@ enum class Scoring {
   kSigmoid,      // sigmoid; a per-expert correction bias is added for choosing only (DeepSeek-V3)
 };
 const char* ScoringName(Scoring scoring);
+
+// What an expert applies between its projections, to gate g and up u (each after its bias, where
+// the model has them).
+enum class Activation {
+  kSwiGlu,     // silu(g) * u (most models)
+  kSwiGluOai,  // gpt-oss: g' * sigmoid(1.702 g') * (u' + 1), g' = min(g, L), u' = clamp(u, -L, L)
+};
+const char* ActivationName(Activation activation);
 
 struct ModelConfig {
   std::string name;
@@ -39,16 +48,25 @@ struct ModelConfig {
   int topk_groups = 1;           // groups a row may choose from
   bool renormalize = false;      // scale the k weights of a row to sum to 1
   double routed_scaling = 1.0;   // routed experts' weighted sum is multiplied by this
+  bool router_bias = false;      // the router's logits have a bias of their own (gpt-oss)
+  Activation activation = Activation::kSwiGlu;
+  double swiglu_limit = 0;   // kSwiGluOai: the clamp L (gpt-oss: 7); 0 otherwise
+  bool expert_bias = false;  // every routed expert projection (gate, up, down) adds a bias (gpt-oss)
 
   int num_moe_layers() const { return num_layers - num_dense_layers; }
 };
+
+// Exact bytes of one routed expert's weights stored in `format`, scales and (expert_bias) its fp32
+// biases included.
+int64_t RoutedExpertBytes(const ModelConfig& model, WeightFormat format);
 
 // Checks every field; the message names the field (and `source`, e.g. the file).
 Status ValidateModel(const ModelConfig& model, std::string_view source);
 
 // Loads a preset by name (see ListModelPresets) or a JSON file by path (anything ending in .json or
-// containing '/'), or a folder's config.json. Every field must be present; errors name the file and
-// the field.
+// containing '/'), or a folder's config.json. Every field must be present except gpt-oss's
+// (router_bias, activation, swiglu_limit, expert_bias: absent, a model has none of them); errors
+// name the file and the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
 // Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
 // "model_type": qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3 or glm4_moe) is read too: its MoE

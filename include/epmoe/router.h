@@ -58,8 +58,10 @@ class Router {
   Status RouteLogits(const Matrix& logits, std::span<const float> correction_bias, Picks* picks) const;
 
   // rows: [T x hidden]; router_weight: [E x hidden]. Computes logits = rows * router_weight^T (on
-  // the pool's threads when one is given; the result does not depend on it).
-  Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> correction_bias, Picks* picks,
+  // the pool's threads when one is given; the result does not depend on it). `bias` is the layer's
+  // router bias (MoeLayerWeights::router_bias): with model.router_bias added to the logits (E
+  // values), else RouteLogits' correction bias.
+  Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> bias, Picks* picks,
                ThreadPool* pool = nullptr) const;
 
  private:

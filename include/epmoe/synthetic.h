@@ -3,7 +3,8 @@
 // Every value is a pure function of (seed, layer, tensor, row, column), so any rank can generate
 // exactly its own experts or slices and get the same numbers as a single-process reference, and
 // generation parallelizes without changing results. Values are uniform in
-// [-1/sqrt(fan_in), 1/sqrt(fan_in)] so a layer's outputs stay of order one.
+// [-1/sqrt(fan_in), 1/sqrt(fan_in)] so a layer's outputs stay of order one (rows in [-1, 1], router
+// biases in [-0.1, 0.1], expert biases in [-0.5, 0.5]).
 #pragma once
 
 #include <cstdint>
@@ -17,15 +18,18 @@ class ThreadPool;
 
 // Which tensor of a layer; `index` in SyntheticTensor selects the expert.
 enum class TensorKind : uint32_t {
-  kRouter = 1,      // [E x hidden]
-  kCorrectionBias,  // [1 x E]
-  kExpertGate,      // [intermediate x hidden], index = logical expert
-  kExpertUp,        // [intermediate x hidden]
-  kExpertDown,      // [hidden x intermediate]
-  kSharedGate,      // index = shared expert
+  kRouter = 1,  // [E x hidden]
+  kRouterBias,  // [1 x E]: the correction bias, or the bias added to the logits (ModelConfig)
+  kExpertGate,  // [intermediate x hidden], index = logical expert
+  kExpertUp,    // [intermediate x hidden]
+  kExpertDown,  // [hidden x intermediate]
+  kSharedGate,  // index = shared expert
   kSharedUp,
   kSharedDown,
-  kRows,  // input rows, index = step
+  kRows,            // input rows, index = step
+  kExpertGateBias,  // [1 x intermediate] (ModelConfig::expert_bias), index = logical expert
+  kExpertUpBias,    // [1 x intermediate]
+  kExpertDownBias,  // [1 x hidden]
 };
 
 struct SyntheticTensor {

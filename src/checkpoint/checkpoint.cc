@@ -420,8 +420,8 @@ Result<MoeLayerWeights> Checkpoint::Routing(int layer, ThreadPool* /*pool*/) con
   w.router = Matrix(model.num_experts, model.hidden);
   EPMOE_RETURN_IF_ERROR(state_->Read(names.Router(), 0, model.num_experts, 0, model.hidden, w.router.data.data()));
   if (model.correction_bias) {
-    w.correction_bias.resize(model.num_experts);
-    EPMOE_RETURN_IF_ERROR(state_->Read(names.CorrectionBias(), 0, 1, 0, model.num_experts, w.correction_bias.data()));
+    w.router_bias.resize(model.num_experts);
+    EPMOE_RETURN_IF_ERROR(state_->Read(names.CorrectionBias(), 0, 1, 0, model.num_experts, w.router_bias.data()));
   }
   return w;
 }
@@ -591,7 +591,7 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
     EPMOE_ASSIGN_OR_RETURN(const MoeLayerWeights routing, source.Routing(layer, pool));
     EPMOE_RETURN_IF_ERROR(shard.Add(names.Router(), {model.num_experts, h}, routing.router.data, dtype));
     if (model.correction_bias)
-      EPMOE_RETURN_IF_ERROR(shard.Add(names.CorrectionBias(), {model.num_experts}, routing.correction_bias, dtype));
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.CorrectionBias(), {model.num_experts}, routing.router_bias, dtype));
     if (model.num_shared_experts > 0) {
       // One MLP of all shared experts: their gate and up rows one after another, their down
       // columns side by side.

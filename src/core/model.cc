@@ -25,6 +25,12 @@ Result<Scoring> ParseScoring(const std::string& name) {
   return InvalidArgument(fmt::format("unknown scoring '{}' (expected softmax, softmax_topk or sigmoid)", name));
 }
 
+Result<Activation> ParseActivation(const std::string& name) {
+  if (name == "swiglu") return Activation::kSwiGlu;
+  if (name == "swiglu_oai") return Activation::kSwiGluOai;
+  return InvalidArgument(fmt::format("unknown activation '{}' (expected swiglu or swiglu_oai)", name));
+}
+
 // Reads field `key` of object `j` into `out`; errors name the source and the field.
 template <typename T>
 Status ReadField(const json& j, const char* key, std::string_view source, T* out) {
@@ -78,6 +84,20 @@ const char* ScoringName(Scoring scoring) {
   return "unknown";
 }
 
+const char* ActivationName(Activation activation) {
+  switch (activation) {
+    case Activation::kSwiGlu: return "swiglu";
+    case Activation::kSwiGluOai: return "swiglu_oai";
+  }
+  return "unknown";
+}
+
+int64_t RoutedExpertBytes(const ModelConfig& model, WeightFormat format) {
+  const int64_t weights = ExpertByteCount(format, model.hidden, model.expert_intermediate);
+  if (!model.expert_bias) return weights;
+  return weights + (2 * int64_t{model.expert_intermediate} + model.hidden) * static_cast<int64_t>(sizeof(float));
+}
+
 Status ValidateModel(const ModelConfig& m, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Positive(source, "hidden", m.hidden));
   EPMOE_RETURN_IF_ERROR(Positive(source, "num_experts", m.num_experts));
@@ -120,15 +140,30 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
                                        source, m.topk_groups, m.topk_groups * per_group, m.top_k));
   if (m.correction_bias && m.scoring != Scoring::kSigmoid)
     return InvalidArgument(fmt::format("{}: field 'correction_bias' needs scoring 'sigmoid'", source));
+  if (m.correction_bias && m.router_bias)
+    return InvalidArgument(
+        fmt::format("{}: fields 'correction_bias' and 'router_bias' are both true (a router has "
+                    "one bias: for choosing only, or added to its logits)",
+                    source));
+  if (m.activation == Activation::kSwiGluOai && !(m.swiglu_limit > 0))
+    return InvalidArgument(fmt::format("{}: field 'swiglu_limit' must be positive for activation 'swiglu_oai', got {}",
+                                       source, m.swiglu_limit));
+  if (m.expert_bias && m.num_shared_experts > 0)
+    return InvalidArgument(
+        fmt::format("{}: field 'expert_bias' with shared experts (biases are read for routed experts only)", source));
+  if (m.activation == Activation::kSwiGlu && m.swiglu_limit != 0)
+    return InvalidArgument(
+        fmt::format("{}: field 'swiglu_limit' = {} is for activation 'swiglu_oai' only", source, m.swiglu_limit));
   return Status::Ok();
 }
 
 namespace {
 
-// A field of a Hugging Face config.json, or `fallback` when it is absent and fallback is given.
+// Field `key`, or `fallback` when it is absent and fallback is given (a Hugging Face config.json's
+// optional fields, and the fields epmoe's model JSON gained after its first presets).
 template <typename T>
-Status ReadHfField(const json& j, const char* key, std::string_view source, T* out,
-                   std::optional<T> fallback = std::nullopt) {
+Status ReadOptionalField(const json& j, const char* key, std::string_view source, T* out,
+                         std::optional<T> fallback = std::nullopt) {
   if (fallback && !j.contains(key)) {
     *out = *fallback;
     return Status::Ok();
@@ -154,10 +189,10 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
     EPMOE_RETURN_IF_ERROR(
         ReadField(j, type == "olmoe" ? "intermediate_size" : "moe_intermediate_size", source, &m.expert_intermediate));
     EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(false)));
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(false)));
     m.scoring = Scoring::kSoftmax;
     int sparse_step = 1;
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "decoder_sparse_step", source, &sparse_step, std::optional<int>(1)));
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "decoder_sparse_step", source, &sparse_step, std::optional<int>(1)));
     const bool dense_layers = j.contains("mlp_only_layers") && !j["mlp_only_layers"].empty();
     if (sparse_step != 1 || dense_layers)
       return InvalidArgument(fmt::format(
@@ -171,30 +206,41 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
     EPMOE_RETURN_IF_ERROR(ReadField(j, j.contains("num_experts_per_tok") ? "num_experts_per_tok" : "experts_per_token",
                                     source, &m.top_k));
     m.scoring = Scoring::kSoftmaxTopk;
+    if (type == "gpt_oss") {
+      // transformers' GptOssTopKRouter (a linear layer with a bias) and GptOssExperts (biases on
+      // every projection, the clamped SwiGLU with alpha 1.702 and up + 1).
+      m.router_bias = true;
+      m.expert_bias = true;
+      m.activation = Activation::kSwiGluOai;
+      EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "swiglu_limit", source, &m.swiglu_limit, std::optional<double>(7.0)));
+    }
   } else if (type == "deepseek_v3" || type == "glm4_moe") {
     // Sigmoid scores with a correction bias for choosing, group-limited, renormalized and scaled.
     EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
     EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
     EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
     m.shared_intermediate = m.num_shared_experts > 0 ? m.expert_intermediate : 0;
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
     EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.dense_intermediate));
     if (m.num_dense_layers == 0) m.dense_intermediate = 0;
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "n_group", source, &m.num_expert_groups, std::optional<int>(1)));
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "topk_group", source, &m.topk_groups, std::optional<int>(1)));
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(true)));
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "n_group", source, &m.num_expert_groups, std::optional<int>(1)));
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "topk_group", source, &m.topk_groups, std::optional<int>(1)));
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(true)));
     EPMOE_RETURN_IF_ERROR(
-        ReadHfField(j, "routed_scaling_factor", source, &m.routed_scaling, std::optional<double>(1.0)));
+        ReadOptionalField(j, "routed_scaling_factor", source, &m.routed_scaling, std::optional<double>(1.0)));
     std::string scoring = "sigmoid";
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "scoring_func", source, &scoring, std::optional<std::string>("sigmoid")));
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "scoring_func", source, &scoring, std::optional<std::string>("sigmoid")));
     if (scoring != "sigmoid")
       return InvalidArgument(
           fmt::format("{}: scoring_func '{}' is not modelled for {} (sigmoid is)", source, scoring, type));
     m.scoring = Scoring::kSigmoid;
     m.correction_bias = true;
     int layer_freq = 1;
-    EPMOE_RETURN_IF_ERROR(ReadHfField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
     if (layer_freq != 1)
       return InvalidArgument(fmt::format(
           "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
@@ -237,9 +283,19 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(ReadField(j, "topk_groups", source, &m.topk_groups));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "renormalize", source, &m.renormalize));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "routed_scaling", source, &m.routed_scaling));
+  // Fields added later (gpt-oss's), optional: absent, a model has none of them.
+  std::string activation = "swiglu";
+  EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "router_bias", source, &m.router_bias, std::optional<bool>(false)));
+  EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "activation", source, &activation, std::optional<std::string>("swiglu")));
+  EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "swiglu_limit", source, &m.swiglu_limit, std::optional<double>(0.0)));
+  EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "expert_bias", source, &m.expert_bias, std::optional<bool>(false)));
   auto parsed_scoring = ParseScoring(scoring);
   if (!parsed_scoring.ok()) return parsed_scoring.status().WithContext(fmt::format("{}: field 'scoring'", source));
   m.scoring = *parsed_scoring;
+  auto parsed_activation = ParseActivation(activation);
+  if (!parsed_activation.ok())
+    return parsed_activation.status().WithContext(fmt::format("{}: field 'activation'", source));
+  m.activation = *parsed_activation;
   for (auto it = j.begin(); it != j.end(); ++it) {
     static const char* kKnown[] = {"name",
                                    "hidden",
@@ -257,6 +313,10 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
                                    "topk_groups",
                                    "renormalize",
                                    "routed_scaling",
+                                   "router_bias",
+                                   "activation",
+                                   "swiglu_limit",
+                                   "expert_bias",
                                    "description"};
     if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return it.key() == k; }) ==
         std::end(kKnown))
@@ -282,7 +342,11 @@ std::string ModelToJson(const ModelConfig& m) {
             {"num_expert_groups", m.num_expert_groups},
             {"topk_groups", m.topk_groups},
             {"renormalize", m.renormalize},
-            {"routed_scaling", m.routed_scaling}};
+            {"routed_scaling", m.routed_scaling},
+            {"router_bias", m.router_bias},
+            {"activation", ActivationName(m.activation)},
+            {"swiglu_limit", m.swiglu_limit},
+            {"expert_bias", m.expert_bias}};
   return j.dump(2);
 }
 
@@ -294,8 +358,17 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
             {"num_hidden_layers", m.num_layers},
             {"num_experts_per_tok", m.top_k}};
   const bool plain = m.num_shared_experts == 0 && m.num_dense_layers == 0 && m.num_expert_groups == 1 &&
-                     m.routed_scaling == 1.0 && !m.correction_bias;
-  if (m.scoring == Scoring::kSoftmax && plain) {
+                     m.routed_scaling == 1.0 && !m.correction_bias && !m.router_bias && !m.expert_bias &&
+                     m.activation == Activation::kSwiGlu;
+  const bool gpt_oss = m.router_bias && m.expert_bias && m.activation == Activation::kSwiGluOai &&
+                       m.scoring == Scoring::kSoftmaxTopk && !m.renormalize && m.num_shared_experts == 0 &&
+                       m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0;
+  if (gpt_oss) {
+    j["model_type"] = "gpt_oss";
+    j["num_local_experts"] = m.num_experts;
+    j["intermediate_size"] = m.expert_intermediate;
+    j["swiglu_limit"] = m.swiglu_limit;
+  } else if (m.scoring == Scoring::kSoftmax && plain) {
     j["model_type"] = "qwen3_moe";
     j["num_experts"] = m.num_experts;
     j["moe_intermediate_size"] = m.expert_intermediate;
@@ -304,7 +377,8 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["model_type"] = "mixtral";
     j["num_local_experts"] = m.num_experts;
     j["intermediate_size"] = m.expert_intermediate;
-  } else if (m.scoring == Scoring::kSigmoid && m.correction_bias &&
+  } else if (m.scoring == Scoring::kSigmoid && m.correction_bias && !m.expert_bias &&
+             m.activation == Activation::kSwiGlu &&
              (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate)) {
     j["model_type"] = "deepseek_v3";
     j["n_routed_experts"] = m.num_experts;
@@ -319,7 +393,8 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["scoring_func"] = "sigmoid";
     j["topk_method"] = "noaux_tc";
   } else {
-    return InvalidArgument(fmt::format("{}: its routing is none of qwen3_moe's, mixtral's or deepseek_v3's", m.name));
+    return InvalidArgument(fmt::format(
+        "{}: its routing and experts are none of qwen3_moe's, mixtral's, gpt_oss's or deepseek_v3's", m.name));
   }
   return j.dump(2);
 }

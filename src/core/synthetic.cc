@@ -32,7 +32,10 @@ uint64_t TensorKey(uint64_t seed, const SyntheticTensor& t) {
 float Amplitude(const SyntheticTensor& t) {
   switch (t.kind) {
     case TensorKind::kRows: return 1.0f;
-    case TensorKind::kCorrectionBias: return 0.1f;
+    case TensorKind::kRouterBias: return 0.1f;
+    case TensorKind::kExpertGateBias:
+    case TensorKind::kExpertUpBias:
+    case TensorKind::kExpertDownBias: return 0.5f;
     default: return static_cast<float>(1.0 / std::sqrt(static_cast<double>(t.cols)));
   }
 }

@@ -81,7 +81,7 @@ class DwdpExecutor : public MoeExecutor {
     }
     // Bytes of one packed expert; every expert of every rank must have the same size and layout
     // (same format, shape and kernel), or the bytes read would not fit the importing store.
-    expert_bytes_ = ExpertByteCount(options_.pack.format, model_.hidden, model_.expert_intermediate);
+    expert_bytes_ = RoutedExpertBytes(model_, options_.pack.format);
     if (owned > 0) expert_bytes_ = owned_[0]->expert_bytes(0);
     const std::string kernel = owned > 0 ? owned_[0]->kernel_name() : std::string();
     const int64_t mine[2] = {owned > 0 ? expert_bytes_ : -1,

@@ -136,7 +136,7 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   if (o.option == EpOption::kDwdp && g > 1) {
     // The double buffer holds two pieces of at least one packed expert each (the reads land in
     // place); a layer whose lacking experts do not fit is read in pieces.
-    const int64_t expert = ExpertByteCount(o.pack.format, model.hidden, model.expert_intermediate);
+    const int64_t expert = RoutedExpertBytes(model, o.pack.format);
     if (2 * expert > o.max_buffer_bytes)
       return OutOfRange(fmt::format("dwdp: the double buffer needs at least 2 packed experts of {} bytes, over the "
                                     "bound of {} bytes (raise the buffer bound)", expert, o.max_buffer_bytes));
@@ -145,9 +145,11 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
 }
 
 Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,
-                                                    const ExecutorOptions& options, ThreadPool& pool) {
+                                                    const ExecutorOptions& given, ThreadPool& pool) {
   EPMOE_RETURN_IF_ERROR(ValidateModel(model, "executor"));
-  EPMOE_RETURN_IF_ERROR(CheckExecutorShape(model, options, comm.size()));
+  EPMOE_RETURN_IF_ERROR(CheckExecutorShape(model, given, comm.size()));
+  ExecutorOptions options = given;
+  options.pack = ForModel(model, given.pack);
   switch (options.option) {
     case EpOption::kSliced:
     case EpOption::kWhole:

@@ -2,27 +2,34 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "epmoe/cpu.h"
 #include "kernels/expert_store.h"
 
 namespace epmoe {
 
-void ReferenceExpertFfn(const ExpertWeights& expert, std::span<const float> row, std::span<float> out) {
+void ReferenceExpertFfn(const ExpertWeights& expert, const GatedActivation& activation, std::span<const float> row,
+                        std::span<float> out) {
   const int64_t hidden = expert.hidden();
   const int64_t inter = expert.intermediate();
+  const double limit = activation.limit;
   std::vector<double> act(inter);
   for (int64_t i = 0; i < inter; ++i) {
-    double g = 0, u = 0;
+    double g = expert.gate_bias.empty() ? 0.0 : expert.gate_bias[i];
+    double u = expert.up_bias.empty() ? 0.0 : expert.up_bias[i];
     for (int64_t c = 0; c < hidden; ++c) {
       g += static_cast<double>(expert.gate.at(i, c)) * row[c];
       u += static_cast<double>(expert.up.at(i, c)) * row[c];
     }
-    act[i] = g / (1.0 + std::exp(-g)) * u;
+    g = std::min(g, limit);
+    u = std::max(-limit, std::min(u, limit));
+    act[i] = g / (1.0 + std::exp(-activation.alpha * g)) * (u + activation.up_offset);
   }
   for (int64_t h = 0; h < hidden; ++h) {
-    double acc = 0;
+    double acc = expert.down_bias.empty() ? 0.0 : expert.down_bias[h];
     for (int64_t i = 0; i < inter; ++i) acc += static_cast<double>(expert.down.at(h, i)) * act[i];
     out[h] = static_cast<float>(acc);
   }
@@ -38,6 +45,20 @@ Status CheckExpertShape(const ExpertWeights& x, int expert, int64_t hidden, int6
                     "gate and up {}x{}, down {}x{}",
                     expert, x.gate.rows, x.gate.cols, x.up.rows, x.up.cols, x.down.rows, x.down.cols, inter, hidden,
                     hidden, inter));
+  const std::pair<const std::vector<float>*, int64_t> biases[3] = {
+      {&x.gate_bias, inter}, {&x.up_bias, inter}, {&x.down_bias, hidden}};
+  for (int b = 0; b < 3; ++b) {
+    static constexpr const char* kNames[3] = {"gate", "up", "down"};
+    const std::vector<float>& bias = *biases[b].first;
+    if (!bias.empty() && static_cast<int64_t>(bias.size()) != biases[b].second)
+      return InvalidArgument(fmt::format("pack experts: expert {} has a {} bias of {} values; expected {} (or none)",
+                                         expert, kNames[b], bias.size(), biases[b].second));
+    for (size_t i = 0; i < bias.size(); ++i) {
+      if (!std::isfinite(bias[i]))
+        return InvalidArgument(
+            fmt::format("pack experts: expert {} {} bias value {} is {}", expert, kNames[b], i, bias[i]));
+    }
+  }
   return Status::Ok();
 }
 
@@ -48,8 +69,8 @@ Result<std::unique_ptr<ExpertStore>> Pack(int count, int64_t hidden, int64_t int
   EPMOE_RETURN_IF_ERROR(CheckShape(options.format, hidden, inter));
   Result<Isa> isa = ResolveIsa(options.isa);
   if (!isa.ok()) return isa.status().WithContext("pack experts");
-  EPMOE_ASSIGN_OR_RETURN(
-      auto store, kernels::KernelExpertStore::Create(count, hidden, inter, source, options.format, *isa, options.pool));
+  EPMOE_ASSIGN_OR_RETURN(auto store, kernels::KernelExpertStore::Create(count, hidden, inter, source, options.format,
+                                                                        options.activation, *isa, options.pool));
   return std::unique_ptr<ExpertStore>(std::move(store));
 }
 

@@ -111,7 +111,8 @@ void QuantizeActivationRows(const MatrixKernel& kernel, const float* rows, int64
 
 // An expert's stored bytes as contiguous ranges (empty ones left out), in the one order that
 // export, import and MutableExpertParts share: per matrix (gate, up, down) its values, its scales
-// and, for nvfp4, its tensor scale. Byte is std::byte, or const std::byte for a const expert.
+// and, for nvfp4, its tensor scale; then the biases it has. Byte is std::byte, or const std::byte for
+// a const expert.
 template <class Byte, class Expert>
 std::vector<std::span<Byte>> PartsOf(Expert& expert) {
   std::vector<std::span<Byte>> parts;
@@ -123,6 +124,8 @@ std::vector<std::span<Byte>> PartsOf(Expert& expert) {
     add(m->scales.data(), m->scales.size());
     if (m->format == WeightFormat::kNvfp4) add(&m->tensor_scale, sizeof(float));
   }
+  for (auto* bias : {&expert.gate_bias, &expert.up_bias, &expert.down_bias})
+    add(bias->data(), bias->size() * sizeof(float));
   return parts;
 }
 
@@ -130,9 +133,11 @@ std::vector<std::span<Byte>> PartsOf(Expert& expert) {
 
 Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, int64_t hidden, int64_t intermediate,
                                                                      const Source& source, WeightFormat format,
-                                                                     Isa highest, ThreadPool* pool) {
+                                                                     const GatedActivation& activation, Isa highest,
+                                                                     ThreadPool* pool) {
   std::unique_ptr<KernelExpertStore> store(new KernelExpertStore());
   store->format_ = format;
+  store->activation_ = activation;
   store->hidden_ = hidden;
   store->intermediate_ = intermediate;
   store->kernel_ = ChooseKernel(format, highest, store->hidden_, store->intermediate_);
@@ -170,6 +175,9 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, 
         }
         *targets[m] = PackMatrixAt(quantized, layout, memory + offsets[m]);
       }
+      packed.gate_bias = (*weights)->gate_bias;
+      packed.up_bias = (*weights)->up_bias;
+      packed.down_bias = (*weights)->down_bias;
     }
   };
   if (pool != nullptr) {
@@ -183,7 +191,8 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, 
 
 int64_t KernelExpertStore::expert_bytes(int expert) const {
   const PackedExpert& e = experts_[expert];
-  return e.gate.bytes() + e.up.bytes() + e.down.bytes();
+  const size_t biases = e.gate_bias.size() + e.up_bias.size() + e.down_bias.size();
+  return e.gate.bytes() + e.up.bytes() + e.down.bytes() + static_cast<int64_t>(biases * sizeof(float));
 }
 
 Status KernelExpertStore::ExportExpert(int expert, std::span<std::byte> out) const {
@@ -259,7 +268,7 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   const int64_t mid_stride = kernel.ActivationBytes(intermediate_);
   const uint8_t* inputs = reinterpret_cast<const uint8_t*>(rows);
 
-  // Phase 2: silu(gate x) * (up x) for every row, in fp32.
+  // Phase 2: the activation of (gate x, up x) for every row, in fp32.
   // Scratch kept by the calling thread, as Run's inputs. Named through references: the pool's
   // threads run the lambdas below, and a thread_local named there would be their own.
   thread_local std::vector<float> mid_scratch;
@@ -279,9 +288,11 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
       const uint8_t* acts = inputs + (first + r0) * hidden_stride;
       kernel.MatMul(expert.gate, item.n_begin, item.n_end, acts, n_rows, gate.data(), width, OutputWrites::kCached);
       kernel.MatMul(expert.up, item.n_begin, item.n_end, acts, n_rows, up.data(), width, OutputWrites::kCached);
+      const float* gate_bias = expert.gate_bias.empty() ? nullptr : expert.gate_bias.data() + item.n_begin;
+      const float* up_bias = expert.up_bias.empty() ? nullptr : expert.up_bias.data() + item.n_begin;
       for (int64_t r = 0; r < n_rows; ++r)
-        kernel.SwiGlu(gate.data() + r * width, up.data() + r * width, width,
-                      mid.data() + (first + r0 + r) * intermediate_ + item.n_begin);
+        kernel.Activate(gate.data() + r * width, up.data() + r * width, gate_bias, up_bias, width, activation_,
+                        mid.data() + (first + r0 + r) * intermediate_ + item.n_begin);
     }
   });
 
@@ -306,13 +317,21 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
   const std::vector<WorkItem> down_items =
       MakeItems(offsets, hidden_, experts_[0].down.row_bytes, 1, kernel.channel_tile());
   ForEachItemInRuns(pool, down_items, [&](const WorkItem& item) {
+    const PackedExpert& expert = experts_[item.expert];
     const int64_t first = offsets[item.expert];
     const int64_t count = offsets[item.expert + 1] - first;
     const int64_t block = RowsPerBlock(count, mid_stride);
     for (int64_t r0 = 0; r0 < count; r0 += block) {
       const int64_t n_rows = std::min(block, count - r0);
-      kernel.MatMul(experts_[item.expert].down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride,
-                    n_rows, out + (first + r0) * hidden_ + item.n_begin, hidden_, down_writes);
+      float* rows_out = out + (first + r0) * hidden_ + item.n_begin;
+      kernel.MatMul(expert.down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride, n_rows,
+                    rows_out, hidden_, down_writes);
+      // The bias after the product (streamed outputs are then read back: only models with biases pay).
+      if (!expert.down_bias.empty()) {
+        const float* bias = expert.down_bias.data() + item.n_begin;
+        for (int64_t r = 0; r < n_rows; ++r)
+          for (int64_t n = 0; n < item.n_end - item.n_begin; ++n) rows_out[r * hidden_ + n] += bias[n];
+      }
     }
   });
 }

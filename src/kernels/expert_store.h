@@ -1,13 +1,12 @@
 // KernelExpertStore: the ExpertStore of every weight format and instruction set. Packs each
-// expert's three matrices once into its matrix kernel's layout; Run is the grouped SwiGLU over all
-// local experts, in four parallel phases (quantize input rows, gate+up+SwiGLU, quantize the
-// intermediate rows, down). Two paths by rows per expert: decode (up to kDecodeMaxRows rows: one
-// pass over the expert's weights, split into small channel blocks so few experts still spread over
-// every thread; a thread takes runs of one expert's consecutive blocks and runs each run as one
-// block, so that its weight reads stay one sequential stream per matrix) and prefill (more rows:
-// cache-blocked, row blocks sized for L2 and weight blocks re-read from L2, register tiles inside).
-// Immutable after construction; Run is thread-safe. Run keeps its scratch (the step's rows in the
-// kernel's format, the intermediate rows in fp32 and in the kernel's format) per calling thread
+// expert's three matrices once into its matrix kernel's layout, and its biases in fp32; Run is the
+// grouped gated FFN over all local experts, in four parallel phases (quantize input rows, gate + up
+// + activation, quantize the intermediate rows, down). Two paths by rows per expert: decode (up to kDecodeMaxRows rows:
+// one pass over the expert's weights, split into small channel blocks so few experts still spread over every thread; a
+// thread takes runs of one expert's consecutive blocks and runs each run as one block, so that its weight reads stay
+// one sequential stream per matrix) and prefill (more rows: cache-blocked, row blocks sized for L2 and weight blocks
+// re-read from L2, register tiles inside). Immutable after construction; Run is thread-safe. Run keeps its scratch (the
+// step's rows in the kernel's format, the intermediate rows in fp32 and in the kernel's format) per calling thread
 // between calls, sized by the largest step that thread ran: a serving loop's steady state then
 // takes no page faults.
 #pragma once
@@ -35,7 +34,8 @@ class KernelExpertStore final : public ExpertStore {
   // Packs `count` experts of shape [intermediate x hidden] taken from `source` (on the pool's
   // threads, each expert once), for the kernel chosen for that shape at or below `highest`.
   static Result<std::unique_ptr<KernelExpertStore>> Create(int count, int64_t hidden, int64_t intermediate,
-                                                           const Source& source, WeightFormat format, Isa highest,
+                                                           const Source& source, WeightFormat format,
+                                                           const GatedActivation& activation, Isa highest,
                                                            ThreadPool* pool);
 
   WeightFormat format() const override { return format_; }
@@ -56,10 +56,12 @@ class KernelExpertStore final : public ExpertStore {
  private:
   struct PackedExpert {
     PackedMatrix gate, up, down;
+    std::vector<float> gate_bias, up_bias, down_bias;  // each empty or full length
   };
   KernelExpertStore() = default;
 
   WeightFormat format_ = WeightFormat::kFp32;
+  GatedActivation activation_;
   int64_t hidden_ = 0;
   int64_t intermediate_ = 0;
   std::unique_ptr<MatrixKernel> kernel_;

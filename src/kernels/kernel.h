@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "epmoe/cpu.h"
+#include "epmoe/expert_ffn.h"
 #include "epmoe/quantize.h"
 #include "epmoe/weight_format.h"
 
@@ -149,8 +150,10 @@ class MatrixKernel {
   // returns, however written.
   virtual void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows,
                       float* out, int64_t out_stride, OutputWrites writes) const = 0;
-  // out[i] = silu(gate[i]) * up[i] for i in [0, count).
-  virtual void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const;
+  // out[i] = activation(gate[i] + gate_bias[i], up[i] + up_bias[i]) for i in [0, count)
+  // (GatedActivation, expert_ffn.h); a null bias adds nothing.
+  virtual void Activate(const float* gate, const float* up, const float* gate_bias, const float* up_bias, int64_t count,
+                        const GatedActivation& activation, float* out) const;
 };
 
 // Factories; the avx2 and avx512 ones may be called only when FormatSupportedBy says so for this CPU.

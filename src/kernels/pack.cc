@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -216,8 +217,17 @@ void DequantizePackedRow(const PackedMatrix& w, int64_t n, float* out) {
   }
 }
 
-void MatrixKernel::SwiGlu(const float* gate, const float* up, int64_t count, float* out) const {
-  for (int64_t i = 0; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+void MatrixKernel::Activate(const float* gate, const float* up, const float* gate_bias, const float* up_bias,
+                            int64_t count, const GatedActivation& activation, float* out) const {
+  const float limit = activation.limit;
+  for (int64_t i = 0; i < count; ++i) {
+    float g = gate[i] + (gate_bias != nullptr ? gate_bias[i] : 0.0f);
+    float u = up[i] + (up_bias != nullptr ? up_bias[i] : 0.0f);
+    // Written so that a NaN passes through (std::min and std::max return their first argument).
+    g = std::min(g, limit);
+    u = std::min(std::max(u, -limit), limit);
+    out[i] = g / (1.0f + std::exp(-activation.alpha * g)) * (u + activation.up_offset);
+  }
 }
 
 std::unique_ptr<MatrixKernel> ChooseKernel(WeightFormat format, Isa highest, int64_t hidden, int64_t intermediate) {

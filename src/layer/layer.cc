@@ -16,9 +16,10 @@ double MicrosSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Fills *out with the synthetic expert (or slice [begin, end)) of the given tensor kinds.
+// Fills *out with the synthetic expert (or slice [begin, end)) of the given tensor kinds, with
+// biases when `biased` (ExpertWeights: a slice carries the down bias only when it starts at 0).
 void FillExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer, int index,
-                uint64_t seed, int64_t begin, int64_t end, ExpertWeights* out) {
+                uint64_t seed, int64_t begin, int64_t end, bool biased, ExpertWeights* out) {
   if (end < 0) end = inter;
   const int64_t width = end - begin;
   out->gate.Reshape(width, hidden);
@@ -27,6 +28,14 @@ void FillExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden,
   FillSynthetic(seed, {gate, layer, index, inter, hidden}, begin, width, 0, hidden, out->gate.data.data());
   FillSynthetic(seed, {up, layer, index, inter, hidden}, begin, width, 0, hidden, out->up.data.data());
   FillSynthetic(seed, {down, layer, index, hidden, inter}, 0, hidden, begin, width, out->down.data.data());
+  out->gate_bias.resize(biased ? width : 0);
+  out->up_bias.resize(biased ? width : 0);
+  out->down_bias.resize(biased && begin == 0 ? hidden : 0);
+  if (!biased) return;
+  FillSynthetic(seed, {TensorKind::kExpertGateBias, layer, index, 1, inter}, 0, 1, begin, width, out->gate_bias.data());
+  FillSynthetic(seed, {TensorKind::kExpertUpBias, layer, index, 1, inter}, 0, 1, begin, width, out->up_bias.data());
+  if (begin == 0)
+    FillSynthetic(seed, {TensorKind::kExpertDownBias, layer, index, 1, hidden}, 0, 1, 0, hidden, out->down_bias.data());
 }
 
 Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& picks) {
@@ -51,9 +60,9 @@ MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64
   MoeLayerWeights w;
   w.layer = layer;
   w.router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
-  if (model.correction_bias) {
-    const Matrix bias = SyntheticMatrix(seed, {TensorKind::kCorrectionBias, layer, 0, 1, model.num_experts});
-    w.correction_bias.assign(bias.data.begin(), bias.data.end());
+  if (model.correction_bias || model.router_bias) {
+    const Matrix bias = SyntheticMatrix(seed, {TensorKind::kRouterBias, layer, 0, 1, model.num_experts});
+    w.router_bias.assign(bias.data.begin(), bias.data.end());
   }
   return w;
 }
@@ -62,7 +71,7 @@ ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int exper
                                   int64_t end) {
   ExpertWeights w;
   FillExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
-             model.expert_intermediate, layer, expert, seed, begin, end, &w);
+             model.expert_intermediate, layer, expert, seed, begin, end, model.expert_bias, &w);
   return w;
 }
 
@@ -70,8 +79,23 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
                                         int64_t end) {
   ExpertWeights w;
   FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
-             model.shared_intermediate, layer, index, seed, begin, end, &w);
+             model.shared_intermediate, layer, index, seed, begin, end, false, &w);
   return w;
+}
+
+GatedActivation ActivationOf(const ModelConfig& model) {
+  GatedActivation activation;
+  if (model.activation == Activation::kSwiGluOai) {
+    activation.alpha = 1.702f;
+    activation.limit = static_cast<float>(model.swiglu_limit);
+    activation.up_offset = 1.0f;
+  }
+  return activation;
+}
+
+PackOptions ForModel(const ModelConfig& model, PackOptions options) {
+  options.activation = ActivationOf(model);
+  return options;
 }
 
 Result<ExpertWeights> WeightSource::Expert(int layer, int expert, int64_t slice_begin, int64_t slice_end) const {
@@ -96,12 +120,12 @@ class SyntheticSource final : public WeightSource {
   }
   Status ReadExpert(int layer, int expert, int64_t begin, int64_t end, ExpertWeights* out) const override {
     FillExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model_.hidden,
-               model_.expert_intermediate, layer, expert, seed_, begin, end, out);
+               model_.expert_intermediate, layer, expert, seed_, begin, end, model_.expert_bias, out);
     return Status::Ok();
   }
   Status ReadSharedExpert(int layer, int index, int64_t begin, int64_t end, ExpertWeights* out) const override {
     FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model_.hidden,
-               model_.shared_intermediate, layer, index, seed_, begin, end, out);
+               model_.shared_intermediate, layer, index, seed_, begin, end, false, out);
     return Status::Ok();
   }
 
@@ -145,15 +169,16 @@ Status ReferenceMoeForward(const ModelConfig& model, const MoeLayerWeights& weig
                            const Picks& picks, Matrix* out) {
   EPMOE_RETURN_IF_ERROR(CheckRows(model, rows, picks));
   *out = Matrix(rows.rows, model.hidden);
+  const GatedActivation activation = ActivationOf(model);
   std::vector<float> y(model.hidden);
   for (int64_t r = 0; r < rows.rows; ++r) {
     std::vector<double> acc(model.hidden, 0.0);
     for (int j = 0; j < picks.k; ++j) {
-      ReferenceExpertFfn(weights.experts[picks.expert(r, j)], rows.row_span(r), y);
+      ReferenceExpertFfn(weights.experts[picks.expert(r, j)], activation, rows.row_span(r), y);
       for (int h = 0; h < model.hidden; ++h) acc[h] += static_cast<double>(picks.weight(r, j)) * y[h];
     }
     for (const ExpertWeights& shared : weights.shared) {
-      ReferenceExpertFfn(shared, rows.row_span(r), y);
+      ReferenceExpertFfn(shared, activation, rows.row_span(r), y);
       for (int h = 0; h < model.hidden; ++h) acc[h] += y[h];
     }
     for (int h = 0; h < model.hidden; ++h) out->at(r, h) = static_cast<float>(acc[h]);
@@ -214,14 +239,15 @@ void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted
 }
 
 Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const MoeLayerWeights& weights,
-                                                   const PackOptions& options) {
+                                                   const PackOptions& given) {
+  const PackOptions options = ForModel(model, given);
   if (static_cast<int>(weights.experts.size()) != model.num_experts)
     return InvalidArgument(
         fmt::format("layer: {} experts given, the model has {}", weights.experts.size(), model.num_experts));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
   layer->router_ = weights.router;
-  layer->correction_bias_ = weights.correction_bias;
+  layer->router_bias_ = weights.router_bias;
   std::vector<const ExpertWeights*> routed;
   for (const auto& e : weights.experts) routed.push_back(&e);
   EPMOE_ASSIGN_OR_RETURN(layer->routed_, PackExperts(routed, options));
@@ -234,12 +260,13 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
 }
 
 Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const WeightSource& source,
-                                                   int layer_index, const PackOptions& options) {
+                                                   int layer_index, const PackOptions& given) {
+  const PackOptions options = ForModel(model, given);
   EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, source.Routing(layer_index, options.pool));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
   layer->router_ = std::move(routing.router);
-  layer->correction_bias_ = std::move(routing.correction_bias);
+  layer->router_bias_ = std::move(routing.router_bias);
   auto routed = [&](int e, ExpertWeights* out) { return source.ReadExpert(layer_index, e, 0, -1, out); };
   EPMOE_ASSIGN_OR_RETURN(layer->routed_,
                          PackExperts(model.num_experts, model.hidden, model.expert_intermediate, routed, options));
@@ -252,7 +279,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
 }
 
 Status MoeLayer::Route(const Matrix& rows, Picks* picks, ThreadPool* pool) const {
-  return Router(model_).Route(rows, router_, correction_bias_, picks, pool);
+  return Router(model_).Route(rows, router_, router_bias_, picks, pool);
 }
 
 Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, ThreadPool& pool,

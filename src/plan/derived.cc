@@ -79,7 +79,7 @@ int64_t AllToAllBytesPerToken(const ModelConfig& m, int bytes_per_number) {
 
 ModelBytes ComputeModelBytes(const ModelConfig& m, const WeightFormats& formats) {
   ModelBytes b;
-  b.expert = ExpertByteCount(formats.experts, m.hidden, m.expert_intermediate);
+  b.expert = RoutedExpertBytes(m, formats.experts);
   b.routed_layer = b.expert * m.num_experts;
   b.shared_layer = m.num_shared_experts > 0
                        ? m.num_shared_experts * ExpertByteCount(formats.shared, m.hidden, m.shared_intermediate)
@@ -90,7 +90,7 @@ ModelBytes ComputeModelBytes(const ModelConfig& m, const WeightFormats& formats)
 }
 
 int64_t DwdpBytesPerRankPerLayer(const ModelConfig& m, WeightFormat format, int gpus) {
-  const int64_t layer = ExpertByteCount(format, m.hidden, m.expert_intermediate) * m.num_experts;
+  const int64_t layer = RoutedExpertBytes(m, format) * m.num_experts;
   return layer / gpus * (gpus - 1);
 }
 

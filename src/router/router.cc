@@ -262,7 +262,15 @@ Status Router::Route(const Matrix& rows, const Matrix& router_weight, std::span<
         fmt::format("router: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   Matrix logits(rows.rows, model_.num_experts);
   ComputeLogits(rows, router_weight, &logits, pool);
-  return RouteLogits(logits, bias, picks);
+  if (!model_.router_bias) return RouteLogits(logits, bias, picks);
+  if (static_cast<int>(bias.size()) != model_.num_experts)
+    return InvalidArgument(
+        fmt::format("router: the router's bias has {} values, expected {}", bias.size(), model_.num_experts));
+  for (int64_t r = 0; r < logits.rows; ++r) {
+    float* x = logits.row(r);
+    for (int e = 0; e < model_.num_experts; ++e) x[e] += bias[e];
+  }
+  return RouteLogits(logits, {}, picks);
 }
 
 Picks RoundRobinPicks(const ModelConfig& model, int64_t rows, int64_t first_row) {

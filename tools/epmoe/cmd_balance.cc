@@ -72,15 +72,17 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   std::string expert_source = "a 1024 x 1024 expert (no --model)";
   int64_t hidden = 1024, intermediate = 1024;
   EPMOE_ASSIGN_OR_RETURN(WeightFormat format, ParseWeightFormat(o.weight_format));
+  int64_t expert_bytes = ExpertByteCount(format, hidden, intermediate);
   if (!o.model.empty()) {
     EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
     hidden = model.hidden;
     intermediate = model.expert_intermediate;
+    expert_bytes = RoutedExpertBytes(model, format);
     if (groups == 0) groups = model.num_expert_groups;
     expert_source = model.name;
   }
   if (groups == 0) groups = 1;
-  cost.bytes_per_expert = static_cast<double>(ExpertByteCount(format, hidden, intermediate));
+  cost.bytes_per_expert = static_cast<double>(expert_bytes);
   cost.flops_per_row = 6.0 * hidden * intermediate;
   cost.memory_bandwidth = o.bandwidth_gbs * 1e9;
   cost.peak_flops = o.peak_gflops * 1e9;

@@ -77,8 +77,7 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   // made, one per thread at a time; --check keeps every layer's fp32 weights for the reference.
   ThreadPool pool(o.threads);
   const int64_t experts_per_layer = model.num_experts + model.num_shared_experts;
-  const int64_t packed =
-      o.layers * experts_per_layer * ExpertByteCount(format, model.hidden, model.expert_intermediate);
+  const int64_t packed = o.layers * experts_per_layer * RoutedExpertBytes(model, format);
   const int64_t source = (o.check ? o.layers * experts_per_layer : 2 * pool.size()) *
                          ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate);
   const int64_t budget =

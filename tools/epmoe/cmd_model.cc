@@ -29,7 +29,7 @@ int ShowModel(const ShowOptions& options) {
   for (WeightFormat f : AllWeightFormats()) {
     const bool storable =
         CheckShape(f, m.expert_intermediate, m.hidden).ok() && CheckShape(f, m.hidden, m.expert_intermediate).ok();
-    const int64_t expert = ExpertByteCount(f, m.hidden, m.expert_intermediate);
+    const int64_t expert = RoutedExpertBytes(m, f);
     const int64_t shared = m.num_shared_experts * ExpertByteCount(f, m.hidden, m.shared_intermediate);
     const int64_t layer = m.num_experts * expert + shared;
     sizes.push_back({{"format", WeightFormatName(f)},

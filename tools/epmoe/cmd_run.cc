@@ -205,7 +205,7 @@ class Inputs {
     }
     if (o_.routing == "scores") {
       const MoeLayerWeights& routing = routing_[layer];
-      return Router(model_).Route(rows, routing.router, routing.correction_bias, picks);
+      return Router(model_).Route(rows, routing.router, routing.router_bias, picks);
     }
     if (o_.routing == "round_robin") {
       *picks = RoundRobinPicks(model_, rows.rows, first);

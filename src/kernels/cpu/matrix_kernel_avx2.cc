@@ -461,19 +461,29 @@ class Avx2Kernel final : public MatrixKernel {
     }
   }
 
-  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
+  // As ActivateAvx512 (matrix_kernel_avx512.cc), 8 values at a time.
+  void Activate(const float* gate, const float* up, const float* gate_bias, const float* up_bias, int64_t count,
+                const GatedActivation& activation, float* out) const override {
+    const __m256 one = _mm256_set1_ps(1.0f), sign_bit = _mm256_set1_ps(-0.0f), alpha = _mm256_set1_ps(activation.alpha);
+    const __m256 limit = _mm256_set1_ps(activation.limit), negative_limit = _mm256_set1_ps(-activation.limit);
+    const __m256 up_offset = _mm256_set1_ps(activation.up_offset);
     int64_t i = 0;
-    const __m256 one = _mm256_set1_ps(1.0f), sign_bit = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= count; i += 8) {
-      // silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = ExpNonPositive(_mm256_or_ps(g, sign_bit));        // exp(-|g|)
-      const __m256 inverse = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(|g|)
-      const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+      __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+      if (gate_bias != nullptr) g = _mm256_add_ps(g, _mm256_loadu_ps(gate_bias + i));
+      if (up_bias != nullptr) u = _mm256_add_ps(u, _mm256_loadu_ps(up_bias + i));
+      g = _mm256_min_ps(limit, g);
+      u = _mm256_min_ps(limit, _mm256_max_ps(negative_limit, u));
+      const __m256 a = _mm256_mul_ps(alpha, g);
+      const __m256 e = ExpNonPositive(_mm256_or_ps(a, sign_bit));        // exp(-|a|)
+      const __m256 inverse = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(|a|)
+      const __m256 negative = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
       const __m256 sigmoid = _mm256_blendv_ps(inverse, _mm256_mul_ps(inverse, e), negative);
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_add_ps(u, up_offset)));
     }
-    MatrixKernel::SwiGlu(gate + i, up + i, count - i, out + i);  // the last few, in scalar
+    // The last few, in scalar.
+    MatrixKernel::Activate(gate + i, up + i, gate_bias != nullptr ? gate_bias + i : nullptr,
+                           up_bias != nullptr ? up_bias + i : nullptr, count - i, activation, out + i);
   }
 
  private:

@@ -413,7 +413,7 @@ struct DenseTiles {
 // the rest, so the first should not wait for it.
 constexpr int64_t kStreamTallRows = 16;
 
-// ---- SwiGLU ----
+// ---- the gated activation (SwiGLU) ----
 
 // exp(x) for x <= 0 (kernels/cpu/exp_polynomial.h); 2^n by VSCALEFPS.
 inline __m512 ExpNonPositive(__m512 x) {
@@ -427,23 +427,33 @@ inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// silu(g) * u = g * sigmoid(g) * u, sigmoid from exp(-|g|) so nothing overflows.
-// Whole vectors of 16 only: returns how many values it did.
-int64_t SwiGluAvx512(const float* gate, const float* up, int64_t count, float* out) {
+// GatedActivation over whole vectors of 16 only: returns how many values it did. The sigmoid comes
+// from exp(-|a|), a = alpha * g, so that nothing overflows. The clamps take the limit as their first
+// operand: MINPS / MAXPS return the second when either is NaN, so a NaN passes through.
+int64_t ActivateAvx512(const float* gate, const float* up, const float* gate_bias, const float* up_bias, int64_t count,
+                       const GatedActivation& activation, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f), alpha = _mm512_set1_ps(activation.alpha);
+  const __m512 limit = _mm512_set1_ps(activation.limit), negative_limit = _mm512_set1_ps(-activation.limit);
+  const __m512 up_offset = _mm512_set1_ps(activation.up_offset);
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));  // sigmoid(|g|)
-    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);  // g < 0: e / (1 + e)
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+    __m512 g = _mm512_loadu_ps(gate + i), u = _mm512_loadu_ps(up + i);
+    if (gate_bias != nullptr) g = _mm512_add_ps(g, _mm512_loadu_ps(gate_bias + i));
+    if (up_bias != nullptr) u = _mm512_add_ps(u, _mm512_loadu_ps(up_bias + i));
+    g = _mm512_min_ps(limit, g);
+    u = _mm512_min_ps(limit, _mm512_max_ps(negative_limit, u));
+    const __m512 a = _mm512_mul_ps(alpha, g);
+    const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)));
+    const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));  // sigmoid(|a|)
+    const __mmask16 negative = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);  // a < 0: e / (1 + e)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_add_ps(u, up_offset)));
   }
   return i;
 }
 
-// What every AVX-512 kernel shares: the instruction set, the 16-channel-block layout and SwiGLU.
+// What every AVX-512 kernel shares: the instruction set, the 16-channel-block layout and the
+// activation.
 template <WeightFormat kFormat>
 class Avx512Kernel : public MatrixKernel {
  public:
@@ -451,9 +461,12 @@ class Avx512Kernel : public MatrixKernel {
   WeightFormat format() const override { return kFormat; }
   PackLayout layout() const override { return PackLayout::kChannelBlocked; }
   int64_t channel_block() const override { return kLanes; }
-  void SwiGlu(const float* gate, const float* up, int64_t count, float* out) const override {
-    const int64_t done = SwiGluAvx512(gate, up, count, out);
-    MatrixKernel::SwiGlu(gate + done, up + done, count - done, out + done);  // the last few, in scalar
+  void Activate(const float* gate, const float* up, const float* gate_bias, const float* up_bias, int64_t count,
+                const GatedActivation& activation, float* out) const override {
+    const int64_t i = ActivateAvx512(gate, up, gate_bias, up_bias, count, activation, out);
+    // The last few, in scalar.
+    MatrixKernel::Activate(gate + i, up + i, gate_bias != nullptr ? gate_bias + i : nullptr,
+                           up_bias != nullptr ? up_bias + i : nullptr, count - i, activation, out + i);
   }
 };
 
