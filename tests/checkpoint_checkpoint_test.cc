@@ -396,11 +396,11 @@ TEST_F(CheckpointTest, RefusesBrokenFolders) {
   { std::ofstream(Dir("model.safetensors.index.json")) << "{\"weight_map\": {\"a\": \"../x.safetensors\"}}"; }
   ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "is not a file in its folder");
   fs::remove(Dir("model.safetensors.index.json"));
-  // A file of another model's tensors: the names looked for are given.
+  // A file of a model whose naming is not read: the names looked for are given.
   std::vector<std::byte> bytes;
   ASSERT_TRUE(EncodeFloats(std::vector<float>(4, 1.0f), TensorDtype::kF32, &bytes).ok());
   const std::vector<TensorToWrite> other = {
-      {"model.layers.0.mlp.experts.gate_up_proj_blocks", TensorDtype::kF32, {4}, bytes}};
+      {"model.layers.0.feed_forward.experts.gate_up_proj", TensorDtype::kF32, {4}, bytes}};  // Llama 4's
   ASSERT_TRUE(WriteSafetensors(Dir("a.safetensors"), other).ok());
   ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "block_sparse_moe.experts.0.w1.weight");
   // The same tensor in two files.
@@ -426,6 +426,145 @@ TEST_F(CheckpointTest, RefusesWeightsItCannotRead) {
     ExpectError(Checkpoint::Open(file, model, 1),
                 dtype == TensorDtype::kU8 ? "is U8: weights are read in F32, BF16, F16" : "has no scales");
   }
+}
+
+// gpt-oss's layout written by hand, from transformers' dequantization (convert_moe_packed_tensors
+// then GptOssExperts): a [E, 2I, H/32, 16] block tensor is E x 2I rows of H values, the low nibble
+// value 2j of byte j, scaled by 2^(scale - 127) per 32; as [E, H, 2I] (transposed), gate is the even
+// columns and up the odd ones. Nothing here uses the writer.
+TEST_F(CheckpointTest, GptOssMxfp4LayoutReadsAsTransformersDequantizesIt) {
+  ModelConfig model = Scaled("gpt-oss-20b", 64, 32);
+  model.num_experts = 2;
+  model.top_k = 1;
+  model.num_layers = 1;
+  const int64_t e_count = 2, h = 64, inter = 32;
+  static constexpr float kFp4[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0f, -0.5, -1, -1.5, -2, -3, -4, -6};
+  auto code = [](int64_t e, int64_t row, int64_t col) {
+    return static_cast<uint8_t>((e * 7 + row * 3 + col * 5) % 16);
+  };
+  auto scale = [](int64_t e, int64_t row, int64_t block) {
+    return static_cast<uint8_t>(120 + (e + row + 2 * block) % 9);
+  };
+  auto blocks = [&](int64_t rows, int64_t cols, std::vector<std::byte>* codes, std::vector<std::byte>* scales) {
+    for (int64_t e = 0; e < e_count; ++e) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; c += 2)
+          codes->push_back(std::byte(static_cast<uint8_t>(code(e, r, c) | code(e, r, c + 1) << 4)));
+        for (int64_t b = 0; b < cols / 32; ++b) scales->push_back(std::byte{scale(e, r, b)});
+      }
+    }
+  };
+  auto value = [&](int64_t e, int64_t row, int64_t col) {
+    return kFp4[code(e, row, col)] * std::ldexp(1.0f, scale(e, row, col / 32) - 127);
+  };
+  std::vector<std::byte> gate_up, gate_up_scales, down, down_scales, router, router_bias, gate_up_bias, down_bias;
+  blocks(2 * inter, h, &gate_up, &gate_up_scales);
+  blocks(h, inter, &down, &down_scales);
+  std::vector<float> biases(e_count * 2 * inter);
+  for (size_t i = 0; i < biases.size(); ++i) biases[i] = 0.25f * static_cast<float>(i % 7);
+  ASSERT_TRUE(EncodeFloats(biases, TensorDtype::kBf16, &gate_up_bias).ok());
+  ASSERT_TRUE(EncodeFloats(std::vector<float>(e_count * h, -0.5f), TensorDtype::kBf16, &down_bias).ok());
+  ASSERT_TRUE(EncodeFloats(std::vector<float>(e_count * h, 0.125f), TensorDtype::kBf16, &router).ok());
+  ASSERT_TRUE(EncodeFloats(std::vector<float>{1.0f, -1.0f}, TensorDtype::kBf16, &router_bias).ok());
+  const std::string p = "model.layers.0.mlp.";
+  const std::vector<TensorToWrite> tensors = {
+      {p + "router.weight", TensorDtype::kBf16, {e_count, h}, router},
+      {p + "router.bias", TensorDtype::kBf16, {e_count}, router_bias},
+      {p + "experts.gate_up_proj_blocks", TensorDtype::kU8, {e_count, 2 * inter, h / 32, 16}, gate_up},
+      {p + "experts.gate_up_proj_scales", TensorDtype::kU8, {e_count, 2 * inter, h / 32}, gate_up_scales},
+      {p + "experts.gate_up_proj_bias", TensorDtype::kBf16, {e_count, 2 * inter}, gate_up_bias},
+      {p + "experts.down_proj_blocks", TensorDtype::kU8, {e_count, h, inter / 32, 16}, down},
+      {p + "experts.down_proj_scales", TensorDtype::kU8, {e_count, h, inter / 32}, down_scales},
+      {p + "experts.down_proj_bias", TensorDtype::kBf16, {e_count, h}, down_bias}};
+  fs::create_directories(dir_);
+  ASSERT_TRUE(WriteSafetensors(Dir("model.safetensors"), tensors).ok());
+  auto checkpoint = Checkpoint::Open(Dir(), model, 1);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  EXPECT_EQ((*checkpoint)->naming(), CheckpointNaming::kGptOss);
+  EXPECT_EQ((*checkpoint)->Routing(0, nullptr)->router_bias, (std::vector<float>{1.0f, -1.0f}));
+  for (int64_t e = 0; e < e_count; ++e) {
+    const ExpertWeights w = *(*checkpoint)->Expert(0, static_cast<int>(e), 0, -1);
+    for (int64_t i = 0; i < inter; ++i) {
+      for (int64_t c = 0; c < h; ++c) {
+        ASSERT_EQ(w.gate.at(i, c), value(e, 2 * i, c)) << e << " " << i << " " << c;
+        ASSERT_EQ(w.up.at(i, c), value(e, 2 * i + 1, c)) << e << " " << i << " " << c;
+      }
+      EXPECT_EQ(w.gate_bias[i], biases[e * 2 * inter + 2 * i]);
+      EXPECT_EQ(w.up_bias[i], biases[e * 2 * inter + 2 * i + 1]);
+    }
+    for (int64_t r = 0; r < h; ++r)
+      for (int64_t i = 0; i < inter; ++i) ASSERT_EQ(w.down.at(r, i), value(e, r, i)) << e << " " << r << " " << i;
+    EXPECT_EQ(w.down_bias, std::vector<float>(h, -0.5f));
+    // A later slice of the intermediate dimension: its rows, and no down bias (the first slice's).
+    const ExpertWeights slice = *(*checkpoint)->Expert(0, static_cast<int>(e), 16, 32);
+    EXPECT_EQ(slice.gate.at(3, 5), value(e, 2 * 19, 5));
+    EXPECT_EQ(slice.down.at(7, 2), value(e, 7, 18));
+    EXPECT_EQ(slice.up_bias[1], biases[e * 2 * inter + 2 * 17 + 1]);
+    EXPECT_TRUE(slice.down_bias.empty());
+  }
+  auto summary = SummarizeCheckpoint(Dir());
+  ASSERT_TRUE(summary.ok());
+  EXPECT_EQ(summary->naming, CheckpointNaming::kGptOss);
+  EXPECT_EQ(summary->expert_dtype, "MXFP4");
+  EXPECT_EQ(summary->num_experts, 2);
+  EXPECT_EQ(summary->hidden, 64);
+  EXPECT_EQ(summary->expert_intermediate, 32);
+  EXPECT_TRUE(summary->router_bias && summary->expert_bias);
+  EXPECT_TRUE(CheckpointFits(model, *summary));
+  // A model without gpt-oss's biases is refused, and blocks of another shape name both shapes.
+  ExpectError(Checkpoint::Open(Dir(), Scaled("mixtral-8x7b", 64, 32), 1), "the gpt_oss naming holds gpt-oss's");
+  ModelConfig wider = model;
+  wider.expert_intermediate = 64;
+  ExpectError(Checkpoint::Open(Dir(), wider, 1),
+              "gate_up_proj_blocks\" is U8 [2, 64, 2, 16]; gpt-oss-20b needs U8 [2, 128, 2, 16]");
+}
+
+// The writer's two gpt-oss forms read back as written: F32 exactly (the synthetic values, biases
+// included), MXFP4 as each row's MXFP4 quantization; the MXFP4 layer runs as the reference says.
+TEST_F(CheckpointTest, GptOssWrittenInBothFormsReadsBack) {
+  const ModelConfig model = Scaled("gpt-oss-20b", 64, 64);
+  const auto synthetic = SyntheticWeights(model, 8);
+  ThreadPool pool(2);
+  ASSERT_TRUE(
+      WriteCheckpoint(Dir("f32"), model, *synthetic, 2, TensorDtype::kF32, CheckpointNaming::kGptOss, &pool).ok());
+  ASSERT_TRUE(
+      WriteCheckpoint(Dir("u8"), model, *synthetic, 2, TensorDtype::kU8, CheckpointNaming::kGptOss, &pool).ok());
+  auto f32 = Checkpoint::Open(Dir("f32"), model, 2);
+  auto u8 = Checkpoint::Open(Dir("u8"), model, 2);
+  ASSERT_TRUE(f32.ok() && u8.ok()) << f32.status().ToString() << u8.status().ToString();
+  for (int e : {0, model.num_experts - 1}) {
+    const ExpertWeights made = *synthetic->Expert(1, e, 0, -1);
+    const ExpertWeights exact = *(*f32)->Expert(1, e, 0, -1);
+    ExpectSameExpert(exact, made);
+    EXPECT_EQ(exact.gate_bias, made.gate_bias);
+    EXPECT_EQ(exact.up_bias, made.up_bias);
+    EXPECT_EQ(exact.down_bias, made.down_bias);
+    const ExpertWeights slice = *(*f32)->Expert(1, e, 32, 64);
+    ExpectSameExpert(slice, *synthetic->Expert(1, e, 32, 64));
+    EXPECT_TRUE(slice.down_bias.empty());
+    const ExpertWeights quantized = *(*u8)->Expert(1, e, 0, -1);
+    EXPECT_EQ(Values(quantized.gate), Values(Dequantize(*Quantize(WeightFormat::kMxfp4, made.gate))));
+    EXPECT_EQ(Values(quantized.up), Values(Dequantize(*Quantize(WeightFormat::kMxfp4, made.up))));
+    EXPECT_EQ(Values(quantized.down), Values(Dequantize(*Quantize(WeightFormat::kMxfp4, made.down))));
+    for (size_t i = 0; i < made.down_bias.size(); ++i)
+      EXPECT_NEAR(quantized.down_bias[i], made.down_bias[i], 0x1p-8 * std::abs(made.down_bias[i]));
+  }
+  EXPECT_EQ((*f32)->Routing(1, nullptr)->router_bias, synthetic->Routing(1, nullptr)->router_bias);
+  auto weights = LoadLayerWeights(model, **u8, 1, &pool);
+  ASSERT_TRUE(weights.ok());
+  auto layer = MoeLayer::Create(model, **u8, 1, PackOptions{WeightFormat::kMxfp4, "auto", &pool});
+  ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+  const Matrix rows = SyntheticRows(8, model, 0, 0, 33);
+  Picks picks;
+  ASSERT_TRUE((*layer)->Route(rows, &picks).ok());
+  Matrix out, reference;
+  ASSERT_TRUE((*layer)->Forward(rows, picks, &out, pool, nullptr).ok());
+  ASSERT_TRUE(ReferenceMoeForward(model, *weights, rows, picks, &reference).ok());
+  EXPECT_LT(NormalizedMaxError(out, reference), 5e-2);  // int8 activations only: the weights are exact
+  // The MXFP4 form is for the gpt_oss naming only.
+  EXPECT_FALSE(WriteCheckpoint(Dir("bad"), Scaled("qwen3-30b-a3b"), *synthetic, 1, TensorDtype::kU8,
+                               CheckpointNaming::kMlpExperts)
+                   .ok());
 }
 
 }  // namespace

@@ -87,6 +87,42 @@ TEST_F(CheckpointCli, RunOnTwoRanksReadsEachRanksExperts) {
   }
 }
 
+// gpt-oss as it ships (MXFP4 experts, router and expert biases, its clamped SwiGLU), its folder the
+// model: every option on two ranks, routed by the checkpoint's router, matches the single-process
+// layer packed from it, and `layer --check` matches the fp32 reference.
+TEST(CheckpointCliGptOss, Mxfp4CheckpointRunsEveryOption) {
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) / "epmoe_checkpoint_cli_gpt_oss").string();
+  std::filesystem::remove_all(dir);
+  const CommandResult write =
+      RunCommand(EpmoeBinary() +
+                     " checkpoint write --model gpt-oss-20b --hidden 64 --intermediate 64 --layers 2 "
+                     "--dtype mxfp4 --format json --out " +
+                     dir,
+                 false);
+  ASSERT_EQ(write.exit_code, 0) << write.out;
+  EXPECT_EQ(nlohmann::json::parse(write.out)["naming"], "gpt_oss");
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 2 ";
+  const CommandResult run = RunCommand(mpirun + EpmoeBinary() +
+                                           " run --option all --check --tokens 9 --steps 2 --no-progress --routing "
+                                           "scores --weight-format mxfp4 --format json --model " +
+                                           dir + " --weights " + dir,
+                                       false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  ASSERT_EQ(j["options"].size(), 5u);
+  for (const auto& o : j["options"]) {
+    ASSERT_FALSE(o.contains("refused")) << o.dump();
+    EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2) << o["option"];
+  }
+  const CommandResult layer = RunCommand(
+      EpmoeBinary() + " layer --tokens 16 --steps 1 --weight-format mxfp4 --check --model " + dir + " --weights " + dir,
+      false);
+  EXPECT_EQ(layer.exit_code, 0) << layer.out;
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(CheckpointCli, ShowFindsTheMoeLayersAndShapes) {
   const CommandResult show = RunCommand(EpmoeBinary() + " checkpoint show --format json " + dir_, false);
   ASSERT_EQ(show.exit_code, 0) << show.out;

@@ -28,11 +28,16 @@ class ThreadPool;
 //                    mlp.shared_experts.{gate,up,down}_proj.weight
 //   kBlockSparseMoe  Mixtral: model.layers.N.block_sparse_moe.gate.weight,
 //                    block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
+//   kGptOss          gpt-oss: model.layers.N.mlp.router.{weight,bias}, and every expert of the layer
+//                    in mlp.experts.gate_up_proj_{blocks,scales,bias} (gate and up rows interleaved,
+//                    MXFP4: [E, 2I, H/32, 16] U8 codes, [E, 2I, H/32] U8 E8M0 scales) and
+//                    mlp.experts.down_proj_{blocks,scales,bias}; or, dequantized, gate_up_proj
+//                    [E, H, 2I] and down_proj [E, I, H] in a float dtype, as transformers holds them
 // The shared experts of a model are one MLP of num_shared_experts x shared_intermediate rows in a
 // checkpoint; shared expert s is its slice [s x shared_intermediate, (s + 1) x
 // shared_intermediate).
-enum class CheckpointNaming { kMlpExperts, kBlockSparseMoe };
-const char* CheckpointNamingName(CheckpointNaming naming);  // "mlp.experts", "block_sparse_moe"
+enum class CheckpointNaming { kMlpExperts, kBlockSparseMoe, kGptOss };
+const char* CheckpointNamingName(CheckpointNaming naming);  // "mlp.experts", "block_sparse_moe", "gpt_oss"
 Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name);
 
 class Checkpoint final : public WeightSource {
@@ -44,8 +49,9 @@ class Checkpoint final : public WeightSource {
   // beside it (`<name>_scale_inv`, DeepSeek-V3's 128 x 128 blocks, or `<name minus
   // .weight>.weight_scale`, one per tensor or per row), every scale multiplying its block; or NVFP4
   // as NVIDIA's ModelOpt writes it (U8 codes, two a byte, an F8_E4M3 `.weight_scale` per 16 and a
-  // `.weight_scale_2` for the tensor). Each weight is read as its dequantized value. Errors name
-  // the file and tensor.
+  // `.weight_scale_2` for the tensor); or gpt-oss's MXFP4. Each weight is read as its dequantized
+  // value (exactly: packed as mxfp4 again, gpt-oss's experts keep their values). Errors name the
+  // file and tensor.
   static Result<std::unique_ptr<Checkpoint>> Open(const std::string& path, const ModelConfig& model, int num_layers);
   ~Checkpoint() override;
 
@@ -77,9 +83,11 @@ struct CheckpointSummary {
   int num_experts = 0;          // experts of the first MoE layer
   int64_t hidden = 0;           // from expert 0's gate of the first MoE layer
   int64_t expert_intermediate = 0;
-  std::string expert_dtype;         // of that tensor ("NVFP4" for ModelOpt's packed codes)
+  std::string expert_dtype;         // of that tensor ("NVFP4" / "MXFP4" for packed codes)
   int64_t shared_intermediate = 0;  // all shared experts of the first MoE layer together (0: none)
   bool correction_bias = false;
+  bool router_bias = false;  // gpt-oss's router and expert biases
+  bool expert_bias = false;
 };
 Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path);
 // Whether `model` has the summarized checkpoint's MoE shapes and its MoE layers are all there. A
@@ -87,9 +95,10 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path);
 // model's last.
 bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& summary);
 
-// Writes MoE layers 0 .. num_layers - 1 of `source` (router, correction bias, experts, shared
-// experts) into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32,
-// BF16 or F16): safetensors files of whole experts, up to about 1 GB each, the
+// Writes MoE layers 0 .. num_layers - 1 of `source` (router and its bias, experts, shared experts)
+// into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32, BF16 or F16;
+// or U8 with the gpt_oss naming: its experts in MXFP4 as gpt-oss ships them, the rest BF16):
+// safetensors files of whole experts (gpt_oss: of whole layers), up to about 1 GB each, the
 // model.safetensors.index.json that names each tensor's file, and a config.json of the model with
 // the layers written (ModelToHfConfig; none for routing it cannot express). Files are written whole
 // or not at all (each through a temporary name). `pool` converts experts in parallel (may be null).

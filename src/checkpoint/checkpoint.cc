@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -18,19 +19,26 @@ namespace epmoe {
 
 namespace fs = std::filesystem;
 
+namespace {
+constexpr CheckpointNaming kAllNamings[] = {CheckpointNaming::kMlpExperts, CheckpointNaming::kBlockSparseMoe,
+                                            CheckpointNaming::kGptOss};
+}  // namespace
+
 const char* CheckpointNamingName(CheckpointNaming naming) {
   switch (naming) {
     case CheckpointNaming::kMlpExperts: return "mlp.experts";
     case CheckpointNaming::kBlockSparseMoe: return "block_sparse_moe";
+    case CheckpointNaming::kGptOss: return "gpt_oss";
   }
   return "?";
 }
 
 Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name) {
-  for (CheckpointNaming naming : {CheckpointNaming::kMlpExperts, CheckpointNaming::kBlockSparseMoe}) {
+  for (CheckpointNaming naming : kAllNamings) {
     if (name == CheckpointNamingName(naming)) return naming;
   }
-  return InvalidArgument(fmt::format("unknown checkpoint naming \"{}\" (mlp.experts, block_sparse_moe)", name));
+  return InvalidArgument(
+      fmt::format("unknown checkpoint naming \"{}\" (mlp.experts, block_sparse_moe, gpt_oss)", name));
 }
 
 namespace {
@@ -51,9 +59,19 @@ struct LayerNames {
       : naming(naming_in), prefix(fmt::format("model.layers.{}.", transformer_layer)) {}
 
   std::string Router() const {
-    return prefix + (naming == CheckpointNaming::kMlpExperts ? "mlp.gate.weight" : "block_sparse_moe.gate.weight");
+    switch (naming) {
+      case CheckpointNaming::kMlpExperts: return prefix + "mlp.gate.weight";
+      case CheckpointNaming::kBlockSparseMoe: return prefix + "block_sparse_moe.gate.weight";
+      case CheckpointNaming::kGptOss: return prefix + "mlp.router.weight";
+    }
+    return "";
   }
   std::string CorrectionBias() const { return prefix + "mlp.gate.e_score_correction_bias"; }
+  std::string RouterBias() const { return prefix + "mlp.router.bias"; }
+  // gpt-oss: every expert's gate and up projections in one tensor (rows interleaved: gate, up, gate,
+  // ...), and their down projections in another; `suffix` is "_blocks", "_scales", "_bias" or "".
+  std::string GateUp(const char* suffix) const { return fmt::format("{}mlp.experts.gate_up_proj{}", prefix, suffix); }
+  std::string Down(const char* suffix) const { return fmt::format("{}mlp.experts.down_proj{}", prefix, suffix); }
   std::string Expert(int expert, Projection projection) const {
     static const char* const kMlp[] = {"gate_proj", "up_proj", "down_proj"};
     static const char* const kMixtral[] = {"w1", "w3", "w2"};
@@ -88,6 +106,9 @@ struct Located {
   // first); `scale` is F8_E4M3 [rows x cols / 16] and global_scale the tensor's weight_scale_2.
   bool nvfp4 = false;
   float global_scale = 1.0f;
+  // MXFP4 as gpt-oss stores it: U8 blocks [..., rows, cols / 32, 16], two E2M1 values a byte (low
+  // nibble first); `scale` is U8 [..., rows, cols / 32], E8M0 codes (2^(code - 127)).
+  bool mxfp4 = false;
 };
 
 // The mapped files of a checkpoint and its tensors by name; Open checks the ones a model needs.
@@ -192,6 +213,47 @@ struct Index {
     return Status::Ok();
   }
 
+  // gpt-oss's MXFP4 tensor `stem`_blocks (with `stem`_scales) of logical shape [experts, rows,
+  // cols].
+  Status CheckMxfp4(const std::string& stem, int64_t experts, int64_t rows, int64_t cols) {
+    const std::string blocks_name = stem + "_blocks", scales_name = stem + "_scales";
+    auto it = tensors.find(blocks_name);
+    if (it == tensors.end())
+      return NotFound(
+          fmt::format("{}: no tensor \"{}\" (needed by MoE layer weights of {})", path, blocks_name, model.name));
+    Located& t = it->second;
+    const std::string where = fmt::format("{}: tensor \"{}\"", t.file->source(), blocks_name);
+    const std::vector<int64_t> shape = {experts, rows, cols / 32, 16};
+    if (cols % 32 != 0 || t.info->dtype != TensorDtype::kU8 || t.info->shape != shape)
+      return InvalidArgument(fmt::format("{} is {} {}; {} needs U8 {} (MXFP4: 16 bytes of two values per block of 32)",
+                                         where, t.info->dtype_name, ShapeText(t.info->shape), model.name,
+                                         ShapeText(shape)));
+    const Located* scales = Find(scales_name);
+    const std::vector<int64_t> scale_shape = {experts, rows, cols / 32};
+    if (scales == nullptr || scales->info->dtype != TensorDtype::kU8 || scales->info->shape != scale_shape)
+      return InvalidArgument(
+          fmt::format("{} is MXFP4 but its \"{}\" is not U8 {}", where, scales_name, ShapeText(scale_shape)));
+    t.mxfp4 = true;
+    t.scale_file = scales->file;
+    t.scale = scales->info;
+    return Status::Ok();
+  }
+
+  // Row `row` (of rows_per_expert) of expert `expert` of an MXFP4 tensor, columns [col_begin, +
+  // count): each value its E2M1 code times its block's 2^(code - 127), into out[0], out[stride], ...
+  void ReadMxfp4Row(const Located& t, int64_t expert, int64_t row, int64_t col_begin, int64_t count, float* out,
+                    int64_t stride) const {
+    const int64_t rows = t.info->shape[1], blocks = t.info->shape[2];
+    const int64_t at = expert * rows + row;
+    const std::byte* codes = t.file->Data(*t.info).data() + at * blocks * 16;
+    const std::byte* scales = t.scale_file->Data(*t.scale).data() + at * blocks;
+    for (int64_t c = col_begin; c < col_begin + count; ++c) {
+      const uint8_t byte = std::to_integer<uint8_t>(codes[c / 2]);
+      const float scale = DecodeE8m0(std::to_integer<uint8_t>(scales[c / 32]));
+      out[(c - col_begin) * stride] = DecodeE2m1(c % 2 == 0 ? byte & 0xF : byte >> 4) * scale;
+    }
+  }
+
   Status FindScales(const std::string& name, const std::string& stem, const std::string& where, Located* t) {
     const Located* scale = Find(name + "_scale_inv");
     if (scale == nullptr) scale = Find(stem + ".weight_scale");
@@ -258,9 +320,62 @@ struct Index {
     w->gate.Reshape(width, hidden);
     w->up.Reshape(width, hidden);
     w->down.Reshape(hidden, width);
+    w->gate_bias.clear();
+    w->up_bias.clear();
+    w->down_bias.clear();
     EPMOE_RETURN_IF_ERROR(Read(name(kGate), first + begin, width, 0, hidden, w->gate.data.data()));
     EPMOE_RETURN_IF_ERROR(Read(name(kUp), first + begin, width, 0, hidden, w->up.data.data()));
     return Read(name(kDown), 0, hidden, first + begin, width, w->down.data.data());
+  }
+
+  // The slice [begin, end) of gpt-oss expert `expert` of a layer (GateUp rows 2i and 2i + 1 are
+  // the gate and up rows of intermediate index i), biases included (the down bias only when the
+  // slice starts at 0), into *w. MXFP4 tensors are [experts, out, in] as blocks; plain ones (a
+  // dequantized copy) [experts, in, out], as transformers holds them.
+  Status ReadGptOssExpert(const LayerNames& names, int expert, int64_t begin, int64_t end, ExpertWeights* w) const {
+    const int64_t hidden = model.hidden, inter = model.expert_intermediate, width = end - begin;
+    w->gate.Reshape(width, hidden);
+    w->up.Reshape(width, hidden);
+    w->down.Reshape(hidden, width);
+    if (const Located* blocks = Find(names.GateUp("_blocks")); blocks != nullptr) {
+      const Located& down = *Find(names.Down("_blocks"));
+      for (int64_t i = 0; i < width; ++i) {
+        ReadMxfp4Row(*blocks, expert, 2 * (begin + i), 0, hidden, w->gate.row(i), 1);
+        ReadMxfp4Row(*blocks, expert, 2 * (begin + i) + 1, 0, hidden, w->up.row(i), 1);
+      }
+      for (int64_t h = 0; h < hidden; ++h) ReadMxfp4Row(down, expert, h, begin, width, w->down.row(h), 1);
+    } else {
+      // [hidden x 2 width] of gate_up (columns interleaved gate, up), [width x hidden] of down.
+      std::vector<float> block(hidden * 2 * width);
+      const Located& gate_up = *Find(names.GateUp(""));
+      EPMOE_RETURN_IF_ERROR(
+          gate_up.file->ReadFloat(*gate_up.info, expert * hidden, hidden, 2 * begin, 2 * width, block.data()));
+      for (int64_t h = 0; h < hidden; ++h) {
+        for (int64_t i = 0; i < width; ++i) {
+          w->gate.at(i, h) = block[h * 2 * width + 2 * i];
+          w->up.at(i, h) = block[h * 2 * width + 2 * i + 1];
+        }
+      }
+      block.resize(width * hidden);
+      const Located& down = *Find(names.Down(""));
+      EPMOE_RETURN_IF_ERROR(down.file->ReadFloat(*down.info, expert * inter + begin, width, 0, hidden, block.data()));
+      for (int64_t i = 0; i < width; ++i)
+        for (int64_t h = 0; h < hidden; ++h) w->down.at(h, i) = block[i * hidden + h];
+    }
+    std::vector<float> biases(2 * width);
+    const Located& gate_up_bias = *Find(names.GateUp("_bias"));
+    EPMOE_RETURN_IF_ERROR(
+        gate_up_bias.file->ReadFloat(*gate_up_bias.info, expert, 1, 2 * begin, 2 * width, biases.data()));
+    w->gate_bias.resize(width);
+    w->up_bias.resize(width);
+    for (int64_t i = 0; i < width; ++i) {
+      w->gate_bias[i] = biases[2 * i];
+      w->up_bias[i] = biases[2 * i + 1];
+    }
+    w->down_bias.resize(begin == 0 ? hidden : 0);
+    if (begin > 0) return Status::Ok();
+    const Located& down_bias = *Find(names.Down("_bias"));
+    return down_bias.file->ReadFloat(*down_bias.info, expert, 1, 0, hidden, w->down_bias.data());
   }
 };
 
@@ -271,7 +386,8 @@ struct Checkpoint::State : checkpoint_internal::Index {};
 namespace {
 
 // What Open and WriteCheckpoint both refuse: a layer count the model does not have, and a naming
-// without the model's shared experts or correction bias. `where` begins the messages.
+// whose tensors do not match the model's (shared experts, correction bias, or gpt-oss's biases and
+// activation). `where` begins the messages.
 Status CheckLayers(const ModelConfig& model, int num_layers, std::string_view where) {
   if (num_layers < 1 || num_layers > model.num_moe_layers())
     return InvalidArgument(fmt::format("{}: {} layers asked, {} has {} MoE layers", where, num_layers, model.name,
@@ -282,6 +398,15 @@ Status CheckNaming(const ModelConfig& model, CheckpointNaming naming, std::strin
   if (naming == CheckpointNaming::kBlockSparseMoe && (model.num_shared_experts > 0 || model.correction_bias))
     return InvalidArgument(fmt::format(
         "{}: the block_sparse_moe naming has no shared experts or correction bias, which {} has", where, model.name));
+  const bool gpt_oss_layer = model.router_bias && model.expert_bias && model.activation == Activation::kSwiGluOai;
+  if (naming == CheckpointNaming::kGptOss && !gpt_oss_layer)
+    return InvalidArgument(
+        fmt::format("{}: the gpt_oss naming holds gpt-oss's layers (router and expert biases, "
+                    "activation swiglu_oai), which {} does not have",
+                    where, model.name));
+  if (naming != CheckpointNaming::kGptOss && (model.router_bias || model.expert_bias))
+    return InvalidArgument(fmt::format("{}: the {} naming has no router or expert biases, which {} has", where,
+                                       CheckpointNamingName(naming), model.name));
   return Status::Ok();
 }
 
@@ -359,17 +484,19 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path, co
   state->path = path;
   EPMOE_RETURN_IF_ERROR(state->Load());
 
-  const LayerNames mlp(CheckpointNaming::kMlpExperts, model, 0), mixtral(CheckpointNaming::kBlockSparseMoe, model, 0);
+  const LayerNames mlp(CheckpointNaming::kMlpExperts, model, 0), mixtral(CheckpointNaming::kBlockSparseMoe, model, 0),
+      gpt_oss(CheckpointNaming::kGptOss, model, 0);
   if (state->Find(mlp.Expert(0, kGate)) != nullptr) {
     state->naming = CheckpointNaming::kMlpExperts;
   } else if (state->Find(mixtral.Expert(0, kGate)) != nullptr) {
     state->naming = CheckpointNaming::kBlockSparseMoe;
+  } else if (state->Find(gpt_oss.GateUp("_blocks")) != nullptr || state->Find(gpt_oss.GateUp("")) != nullptr) {
+    state->naming = CheckpointNaming::kGptOss;
   } else {
     return NotFound(fmt::format(
-        "{}: neither \"{}\" nor \"{}\": not a checkpoint of the first MoE layer of {} in a naming this reader "
-        "knows (mlp.experts: DeepSeek-V3, GLM, Qwen3-MoE, OLMoE; block_sparse_moe: Mixtral); fused expert "
-        "tensors, such as gpt-oss's mlp.experts.gate_up_proj_blocks, are not read",
-        path, mlp.Expert(0, kGate), mixtral.Expert(0, kGate), model.name));
+        "{}: none of \"{}\", \"{}\" or \"{}[_blocks]\": not a checkpoint of the first MoE layer of {} in a naming "
+        "this reader knows (mlp.experts: DeepSeek-V3, GLM, Qwen3-MoE, OLMoE; block_sparse_moe: Mixtral; gpt_oss)",
+        path, mlp.Expert(0, kGate), mixtral.Expert(0, kGate), gpt_oss.GateUp(""), model.name));
   }
   EPMOE_RETURN_IF_ERROR(CheckNaming(model, state->naming, path));
 
@@ -379,6 +506,20 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path, co
     const LayerNames names(state->naming, model, layer);
     EPMOE_RETURN_IF_ERROR(state->Check(names.Router(), {e, h}));
     if (model.correction_bias) EPMOE_RETURN_IF_ERROR(state->Check(names.CorrectionBias(), {e}));
+    if (state->naming == CheckpointNaming::kGptOss) {
+      // Every layer as MXFP4 blocks, or every layer as plain tensors (as the first).
+      if (state->Find(gpt_oss.GateUp("_blocks")) != nullptr) {
+        EPMOE_RETURN_IF_ERROR(state->CheckMxfp4(names.GateUp(""), e, 2 * inter, h));
+        EPMOE_RETURN_IF_ERROR(state->CheckMxfp4(names.Down(""), e, h, inter));
+      } else {
+        EPMOE_RETURN_IF_ERROR(state->Check(names.GateUp(""), {e, h, 2 * inter}));
+        EPMOE_RETURN_IF_ERROR(state->Check(names.Down(""), {e, inter, h}));
+      }
+      EPMOE_RETURN_IF_ERROR(state->Check(names.RouterBias(), {e}));
+      EPMOE_RETURN_IF_ERROR(state->Check(names.GateUp("_bias"), {e, 2 * inter}));
+      EPMOE_RETURN_IF_ERROR(state->Check(names.Down("_bias"), {e, h}));
+      continue;
+    }
     for (int expert = 0; expert < model.num_experts; ++expert) {
       EPMOE_RETURN_IF_ERROR(state->Check(names.Expert(expert, kGate), {inter, h}));
       EPMOE_RETURN_IF_ERROR(state->Check(names.Expert(expert, kUp), {inter, h}));
@@ -419,9 +560,10 @@ Result<MoeLayerWeights> Checkpoint::Routing(int layer, ThreadPool* /*pool*/) con
   w.layer = layer;
   w.router = Matrix(model.num_experts, model.hidden);
   EPMOE_RETURN_IF_ERROR(state_->Read(names.Router(), 0, model.num_experts, 0, model.hidden, w.router.data.data()));
-  if (model.correction_bias) {
+  if (model.correction_bias || model.router_bias) {
     w.router_bias.resize(model.num_experts);
-    EPMOE_RETURN_IF_ERROR(state_->Read(names.CorrectionBias(), 0, 1, 0, model.num_experts, w.router_bias.data()));
+    EPMOE_RETURN_IF_ERROR(state_->Read(model.router_bias ? names.RouterBias() : names.CorrectionBias(), 0, 1, 0,
+                                       model.num_experts, w.router_bias.data()));
   }
   return w;
 }
@@ -433,6 +575,8 @@ Status Checkpoint::ReadExpert(int layer, int expert, int64_t slice_begin, int64_
     return InvalidArgument(fmt::format("checkpoint: expert {} of {} experts", expert, model.num_experts));
   EPMOE_ASSIGN_OR_RETURN(const int64_t end, SliceEnd(slice_begin, slice_end, model.expert_intermediate));
   const LayerNames names(state_->naming, model, layer);
+  if (state_->naming == CheckpointNaming::kGptOss)
+    return state_->ReadGptOssExpert(names, expert, slice_begin, end, out);
   return state_->ReadExpert([&](Projection p) { return names.Expert(expert, p); }, 0, slice_begin, end, out);
 }
 
@@ -459,7 +603,7 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
   summary.tensors = static_cast<int64_t>(state.tensors.size());
   std::map<std::string, int64_t> by_dtype;
   // Transformer layers holding expert 0, in each naming.
-  std::set<int> layers[2];
+  std::set<int> layers[std::size(kAllNamings)];
   const std::string kLayers = "model.layers.";
   for (const auto& [name, located] : state.tensors) {
     by_dtype[located.info->dtype_name] += located.info->bytes;
@@ -470,19 +614,40 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
         !std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; }))
       continue;
     const int layer = std::stoi(number);
-    for (CheckpointNaming naming : {CheckpointNaming::kMlpExperts, CheckpointNaming::kBlockSparseMoe}) {
-      if (name == LayerNames(naming, layer).Expert(0, kGate)) layers[static_cast<int>(naming)].insert(layer);
+    for (CheckpointNaming naming : kAllNamings) {
+      const LayerNames names(naming, layer);
+      const bool experts = naming == CheckpointNaming::kGptOss
+                               ? name == names.GateUp("_blocks") || name == names.GateUp("")
+                               : name == names.Expert(0, kGate);
+      if (experts) layers[static_cast<int>(naming)].insert(layer);
     }
   }
   for (const auto& [dtype, bytes] : by_dtype) summary.bytes_by_dtype.emplace_back(dtype, bytes);
   std::stable_sort(summary.bytes_by_dtype.begin(), summary.bytes_by_dtype.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
-  const int found = layers[0].size() >= layers[1].size() ? 0 : 1;
+  int found = 0;
+  for (int n = 1; n < static_cast<int>(std::size(layers)); ++n) {
+    if (layers[n].size() > layers[found].size()) found = n;
+  }
   if (layers[found].empty()) return summary;
   summary.has_experts = true;
   summary.naming = static_cast<CheckpointNaming>(found);
   summary.moe_layers.assign(layers[found].begin(), layers[found].end());
   const LayerNames first(summary.naming, summary.moe_layers[0]);
+  if (summary.naming == CheckpointNaming::kGptOss) {
+    summary.router_bias = state.Find(first.RouterBias()) != nullptr;
+    summary.expert_bias = state.Find(first.GateUp("_bias")) != nullptr;
+    const checkpoint_internal::Located* blocks = state.Find(first.GateUp("_blocks"));
+    const TensorInfo& gate_up = blocks != nullptr ? *blocks->info : *state.Find(first.GateUp(""))->info;
+    summary.expert_dtype = blocks != nullptr ? "MXFP4" : gate_up.dtype_name;
+    const std::vector<int64_t>& shape = gate_up.shape;  // [E, 2I, H/32, 16] or [E, H, 2I]
+    if (shape.size() == (blocks != nullptr ? 4u : 3u)) {
+      summary.num_experts = static_cast<int>(shape[0]);
+      summary.expert_intermediate = (blocks != nullptr ? shape[1] : shape[2]) / 2;
+      summary.hidden = blocks != nullptr ? shape[2] * 32 : shape[1];
+    }
+    return summary;
+  }
   while (state.Find(first.Expert(summary.num_experts, kGate)) != nullptr) ++summary.num_experts;
   const std::string gate_name = first.Expert(0, kGate);
   const TensorInfo& gate = *state.Find(gate_name)->info;
@@ -507,7 +672,8 @@ bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& s) {
   return model.hidden == s.hidden && model.num_experts == s.num_experts &&
          model.expert_intermediate == s.expert_intermediate &&
          static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate == s.shared_intermediate &&
-         model.correction_bias == s.correction_bias && model.num_dense_layers == first && contiguous &&
+         model.correction_bias == s.correction_bias && model.router_bias == s.router_bias &&
+         model.expert_bias == s.expert_bias && model.num_dense_layers == first && contiguous &&
          model.num_moe_layers() <= static_cast<int>(s.moe_layers.size());
 }
 
@@ -518,6 +684,7 @@ constexpr int64_t kShardBytes = int64_t{1} << 30;
 // Tensors of one file being written: their encoded values, kept until the file is written.
 struct Shard {
   std::vector<std::string> names;
+  std::vector<TensorDtype> dtypes;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<std::vector<std::byte>> bytes;
   int64_t size = 0;
@@ -525,21 +692,117 @@ struct Shard {
   Status Add(std::string name, std::vector<int64_t> shape, std::span<const float> values, TensorDtype dtype) {
     std::vector<std::byte> encoded;
     EPMOE_RETURN_IF_ERROR(EncodeFloats(values, dtype, &encoded));
-    size += static_cast<int64_t>(encoded.size());
-    names.push_back(std::move(name));
-    shapes.push_back(std::move(shape));
-    bytes.push_back(std::move(encoded));
+    AddEncoded(std::move(name), dtype, std::move(shape), std::move(encoded));
     return Status::Ok();
   }
+  void AddEncoded(std::string name, TensorDtype dtype, std::vector<int64_t> shape, std::vector<std::byte> encoded) {
+    size += static_cast<int64_t>(encoded.size());
+    names.push_back(std::move(name));
+    dtypes.push_back(dtype);
+    shapes.push_back(std::move(shape));
+    bytes.push_back(std::move(encoded));
+  }
   void Append(Shard&& other) {
-    for (size_t i = 0; i < other.names.size(); ++i) {
-      names.push_back(std::move(other.names[i]));
-      shapes.push_back(std::move(other.shapes[i]));
-      bytes.push_back(std::move(other.bytes[i]));
-    }
-    size += other.size;
+    for (size_t i = 0; i < other.names.size(); ++i)
+      AddEncoded(std::move(other.names[i]), other.dtypes[i], std::move(other.shapes[i]), std::move(other.bytes[i]));
   }
 };
+
+// gpt-oss's experts of one layer, each tensor [experts, ...] of every expert in turn, encoded expert
+// by expert (on the pool's threads) into place: MXFP4 blocks and scales when dtype is U8, else
+// gate_up [E, H, 2I] and down [E, I, H] in dtype; the biases in BF16 (U8) or dtype.
+Status AddGptOssExperts(const ModelConfig& model, const WeightSource& source, int layer, const LayerNames& names,
+                        TensorDtype dtype, ThreadPool* pool, Shard* shard) {
+  const int64_t e_count = model.num_experts, h = model.hidden, inter = model.expert_intermediate;
+  const bool mxfp4 = dtype == TensorDtype::kU8;
+  const TensorDtype value_dtype = mxfp4 ? TensorDtype::kBf16 : dtype;
+  const int64_t value_bytes = TensorDtypeBytes(value_dtype);
+  // Per expert: gate_up, down (values or MXFP4 blocks), gate_up scales, down scales, and biases.
+  const int64_t gate_up_bytes = mxfp4 ? 2 * inter * h / 2 : h * 2 * inter * value_bytes;
+  const int64_t down_bytes = mxfp4 ? h * inter / 2 : inter * h * value_bytes;
+  std::vector<std::byte> gate_up(e_count * gate_up_bytes), down(e_count * down_bytes);
+  std::vector<std::byte> gate_up_scales(mxfp4 ? e_count * 2 * inter * h / 32 : 0);
+  std::vector<std::byte> down_scales(mxfp4 ? e_count * h * inter / 32 : 0);
+  std::vector<float> gate_up_bias(e_count * 2 * inter), down_bias(e_count * h);
+  std::vector<Status> failed(e_count);
+  auto encode = [&](int64_t begin, int64_t end) {
+    ExpertWeights w;  // this thread's buffers, reused
+    std::vector<float> values;
+    std::vector<std::byte> encoded;
+    // Row `values` (32-multiple length) as MXFP4 blocks at `codes` and their scales at `scales`.
+    auto quantize_row = [](const float* row, int64_t length, std::byte* codes, std::byte* scales) {
+      for (int64_t b = 0; b < length / 32; ++b) {
+        const BlockMxfp4 block = QuantizeMxfp4Block(row + 32 * b);
+        std::memcpy(codes + 16 * b, block.packed, 16);
+        scales[b] = static_cast<std::byte>(block.scale_e8m0);
+      }
+    };
+    for (int64_t e = begin; e < end; ++e) {
+      Status status = source.ReadExpert(layer, static_cast<int>(e), 0, -1, &w);
+      if (status.ok() &&
+          (w.gate_bias.size() != static_cast<size_t>(inter) || w.down_bias.size() != static_cast<size_t>(h)))
+        status = InvalidArgument(fmt::format("checkpoint: gpt_oss: expert {} of layer {} has no biases", e, layer));
+      if (!status.ok()) {
+        failed[e] = status;
+        continue;
+      }
+      for (int64_t i = 0; i < inter; ++i) {
+        gate_up_bias[e * 2 * inter + 2 * i] = w.gate_bias[i];
+        gate_up_bias[e * 2 * inter + 2 * i + 1] = w.up_bias[i];
+      }
+      std::copy(w.down_bias.begin(), w.down_bias.end(), down_bias.begin() + e * h);
+      if (mxfp4) {
+        // Rows 2i and 2i + 1: gate and up row i; down row by row; h / 32 and inter / 32 blocks each.
+        for (int64_t i = 0; i < inter; ++i) {
+          for (int half = 0; half < 2; ++half) {
+            const int64_t row = e * 2 * inter + 2 * i + half;
+            quantize_row((half == 0 ? w.gate : w.up).row(i), h, gate_up.data() + row * h / 2,
+                         gate_up_scales.data() + row * h / 32);
+          }
+        }
+        for (int64_t r = 0; r < h; ++r)
+          quantize_row(w.down.row(r), inter, down.data() + (e * h + r) * inter / 2,
+                       down_scales.data() + (e * h + r) * inter / 32);
+        continue;
+      }
+      values.resize(h * 2 * inter);
+      for (int64_t r = 0; r < h; ++r) {
+        for (int64_t i = 0; i < inter; ++i) {
+          values[r * 2 * inter + 2 * i] = w.gate.at(i, r);
+          values[r * 2 * inter + 2 * i + 1] = w.up.at(i, r);
+        }
+      }
+      encoded.clear();  // EncodeFloats appends
+      status = EncodeFloats(values, dtype, &encoded);
+      if (status.ok()) std::memcpy(gate_up.data() + e * gate_up_bytes, encoded.data(), gate_up_bytes);
+      values.resize(inter * h);
+      for (int64_t i = 0; i < inter; ++i)
+        for (int64_t r = 0; r < h; ++r) values[i * h + r] = w.down.at(r, i);
+      encoded.clear();
+      if (status.ok()) status = EncodeFloats(values, dtype, &encoded);
+      if (status.ok()) std::memcpy(down.data() + e * down_bytes, encoded.data(), down_bytes);
+      failed[e] = status;
+    }
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(e_count, 1, encode);
+  } else {
+    encode(0, e_count);
+  }
+  for (const Status& status : failed) EPMOE_RETURN_IF_ERROR(status);
+  if (mxfp4) {
+    shard->AddEncoded(names.GateUp("_blocks"), TensorDtype::kU8, {e_count, 2 * inter, h / 32, 16}, std::move(gate_up));
+    shard->AddEncoded(names.GateUp("_scales"), TensorDtype::kU8, {e_count, 2 * inter, h / 32},
+                      std::move(gate_up_scales));
+    shard->AddEncoded(names.Down("_blocks"), TensorDtype::kU8, {e_count, h, inter / 32, 16}, std::move(down));
+    shard->AddEncoded(names.Down("_scales"), TensorDtype::kU8, {e_count, h, inter / 32}, std::move(down_scales));
+  } else {
+    shard->AddEncoded(names.GateUp(""), dtype, {e_count, h, 2 * inter}, std::move(gate_up));
+    shard->AddEncoded(names.Down(""), dtype, {e_count, inter, h}, std::move(down));
+  }
+  EPMOE_RETURN_IF_ERROR(shard->Add(names.GateUp("_bias"), {e_count, 2 * inter}, gate_up_bias, value_dtype));
+  return shard->Add(names.Down("_bias"), {e_count, h}, down_bias, value_dtype);
+}
 
 // Writes `text` to `path` through a temporary name, so that `path` holds all of it or is untouched.
 Status WriteWhole(const fs::path& path, const std::string& text) {
@@ -560,10 +823,20 @@ Status WriteWhole(const fs::path& path, const std::string& text) {
 
 Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
                        TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool) {
-  if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16)
-    return InvalidArgument(fmt::format("checkpoint: writes F32, BF16 or F16, not {}", TensorDtypeName(dtype)));
+  const bool mxfp4 = dtype == TensorDtype::kU8;
+  if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16 &&
+      !(mxfp4 && naming == CheckpointNaming::kGptOss))
+    return InvalidArgument(
+        fmt::format("checkpoint: writes F32, BF16 or F16 (or U8, MXFP4 experts, with the gpt_oss "
+                    "naming), not {} with the {} naming",
+                    TensorDtypeName(dtype), CheckpointNamingName(naming)));
   EPMOE_RETURN_IF_ERROR(CheckLayers(model, num_layers, "checkpoint"));
   EPMOE_RETURN_IF_ERROR(CheckNaming(model, naming, "checkpoint"));
+  if (mxfp4 && (model.hidden % 32 != 0 || model.expert_intermediate % 32 != 0))
+    return InvalidArgument(fmt::format("checkpoint: MXFP4 needs hidden {} and intermediate {} in blocks of 32",
+                                       model.hidden, model.expert_intermediate));
+  // Routing tensors (and gpt-oss's biases) of an MXFP4 checkpoint in BF16, as gpt-oss's.
+  const TensorDtype value_dtype = mxfp4 ? TensorDtype::kBf16 : dtype;
   std::error_code error;
   fs::create_directories(dir, error);
   if (error) return IoError(fmt::format("{}: cannot create the folder: {}", dir, error.message()));
@@ -575,7 +848,7 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
     const std::string name = fmt::format("model-{:05d}.safetensors", ++file_number);
     std::vector<TensorToWrite> tensors;
     for (size_t i = 0; i < shard.names.size(); ++i) {
-      tensors.push_back({shard.names[i], dtype, shard.shapes[i], shard.bytes[i]});
+      tensors.push_back({shard.names[i], shard.dtypes[i], shard.shapes[i], shard.bytes[i]});
       weight_map[shard.names[i]] = name;
     }
     EPMOE_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / name).string(), tensors, {{"format", "pt"}}));
@@ -589,9 +862,15 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
     const LayerNames names(naming, model, layer);
     Shard shard;
     EPMOE_ASSIGN_OR_RETURN(const MoeLayerWeights routing, source.Routing(layer, pool));
-    EPMOE_RETURN_IF_ERROR(shard.Add(names.Router(), {model.num_experts, h}, routing.router.data, dtype));
-    if (model.correction_bias)
-      EPMOE_RETURN_IF_ERROR(shard.Add(names.CorrectionBias(), {model.num_experts}, routing.router_bias, dtype));
+    EPMOE_RETURN_IF_ERROR(shard.Add(names.Router(), {model.num_experts, h}, routing.router.data, value_dtype));
+    if (model.correction_bias || model.router_bias)
+      EPMOE_RETURN_IF_ERROR(shard.Add(model.router_bias ? names.RouterBias() : names.CorrectionBias(),
+                                      {model.num_experts}, routing.router_bias, value_dtype));
+    if (naming == CheckpointNaming::kGptOss) {
+      EPMOE_RETURN_IF_ERROR(AddGptOssExperts(model, source, layer, names, dtype, pool, &shard));
+      EPMOE_RETURN_IF_ERROR(write(shard));
+      continue;
+    }
     if (model.num_shared_experts > 0) {
       // One MLP of all shared experts: their gate and up rows one after another, their down
       // columns side by side.

@@ -35,15 +35,18 @@ struct WriteOptions {
 
 Status Write(const WriteOptions& o, nlohmann::json* report) {
   EPMOE_ASSIGN_OR_RETURN(const ModelConfig model, LoadCommandModel(o.model, o.hidden, o.intermediate, o.layers));
-  // Mixtral's checkpoints name experts block_sparse_moe.experts.E.w1; the other presets'
-  // mlp.experts.E.gate_proj.
+  // Mixtral's checkpoints name experts block_sparse_moe.experts.E.w1, gpt-oss's are its own; the
+  // other presets' mlp.experts.E.gate_proj.
   const std::string naming_name = o.naming != "auto"                  ? o.naming
                                   : model.name.starts_with("mixtral") ? "block_sparse_moe"
+                                  : model.expert_bias                 ? "gpt_oss"
                                                                       : "mlp.experts";
   EPMOE_ASSIGN_OR_RETURN(const CheckpointNaming naming, ParseCheckpointNaming(naming_name));
-  const TensorDtype dtype = o.dtype == "f32"   ? TensorDtype::kF32
-                            : o.dtype == "f16" ? TensorDtype::kF16
-                                               : TensorDtype::kBf16;
+  // mxfp4: gpt-oss's experts as U8 blocks and scales.
+  const TensorDtype dtype = o.dtype == "f32"     ? TensorDtype::kF32
+                            : o.dtype == "f16"   ? TensorDtype::kF16
+                            : o.dtype == "mxfp4" ? TensorDtype::kU8
+                                                 : TensorDtype::kBf16;
   ThreadPool pool(o.threads);
   const auto start = std::chrono::steady_clock::now();
   EPMOE_RETURN_IF_ERROR(
@@ -101,6 +104,8 @@ Status Show(const ShowOptions& o, nlohmann::json* report) {
   (*report)["expert_dtype"] = s.expert_dtype;
   (*report)["shared_intermediate"] = s.shared_intermediate;
   (*report)["correction_bias"] = s.correction_bias;
+  (*report)["router_bias"] = s.router_bias;
+  (*report)["expert_bias"] = s.expert_bias;
   (*report)["presets"] = fitting;
   // A downloaded folder's config.json is a model too (`--model FOLDER`).
   if (std::filesystem::exists(std::filesystem::path(o.path) / "config.json")) {
@@ -118,16 +123,19 @@ void PrintShow(const nlohmann::json& r) {
   for (const auto& d : r["bytes_by_dtype"])
     std::printf("  %-8s %s\n", d["dtype"].get<std::string>().c_str(), HumanBytes(d["bytes"].get<int64_t>()).c_str());
   if (!r["has_experts"].get<bool>()) {
-    std::printf("no expert tensors in a naming epmoe reads (mlp.experts.E.gate_proj, block_sparse_moe.experts.E.w1)\n");
+    std::printf(
+        "no expert tensors in a naming epmoe reads (mlp.experts.E.gate_proj, block_sparse_moe.experts.E.w1, "
+        "mlp.experts.gate_up_proj[_blocks])\n");
     return;
   }
   std::printf(
       "MoE: %s naming, %d layers from transformer layer %d, %d experts of hidden %lld x intermediate %lld "
-      "(%s), shared experts' intermediate %lld, correction bias %s\n",
+      "(%s), shared experts' intermediate %lld, correction bias %s%s\n",
       r["naming"].get<std::string>().c_str(), r["moe_layers"].get<int>(), r["first_moe_layer"].get<int>(),
       r["num_experts"].get<int>(), static_cast<long long>(r["hidden"].get<int64_t>()),
       static_cast<long long>(r["expert_intermediate"].get<int64_t>()), r["expert_dtype"].get<std::string>().c_str(),
-      static_cast<long long>(r["shared_intermediate"].get<int64_t>()), r["correction_bias"].get<bool>() ? "yes" : "no");
+      static_cast<long long>(r["shared_intermediate"].get<int64_t>()), r["correction_bias"].get<bool>() ? "yes" : "no",
+      r["expert_bias"].get<bool>() ? ", router and expert biases" : "");
   for (const auto& name : r["presets"]) std::printf("fits --model %s\n", name.get<std::string>().c_str());
   if (r.contains("config_json")) {
     const nlohmann::json& config = r["config_json"];
@@ -160,13 +168,13 @@ void AddCheckpointCommand(CLI::App& app, int* exit_code) {
       ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the synthetic weights")->capture_default_str();
-  cmd->add_option("--dtype", o->dtype, "Value type of the tensors")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+  cmd->add_option("--dtype", o->dtype, "Value type of the tensors (mxfp4: gpt-oss's experts as it ships them)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "mxfp4"}))
       ->capture_default_str();
   cmd->add_option("--naming", o->naming,
                   "Tensor names: mlp.experts (DeepSeek-V3, GLM, Qwen3, OLMoE), block_sparse_moe "
-                  "(Mixtral), or auto (by the model)")
-      ->check(CLI::IsMember({"auto", "mlp.experts", "block_sparse_moe"}))
+                  "(Mixtral), gpt_oss, or auto (by the model)")
+      ->check(CLI::IsMember({"auto", "mlp.experts", "block_sparse_moe", "gpt_oss"}))
       ->capture_default_str();
   cmd->add_option("--out", o->out, "Folder to write (created; files in it are replaced)")->required();
   cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
