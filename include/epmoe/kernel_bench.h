@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "epmoe/caches.h"
+#include "epmoe/expert_ffn.h"
 #include "epmoe/machine_limits.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
@@ -28,6 +29,9 @@ struct KernelBenchOptions {
   int intermediate = 768;
   int experts = 128;
   int top_k = 8;
+  // The experts' activation, and biases on their projections: the model's (gpt-oss runs its own).
+  GatedActivation activation;
+  bool expert_bias = false;
   std::string isa = "auto";
   double skew_sigma = 0.3;  // expert popularity ~ exp(sigma * N(0,1)): max/mean load ~2 at large T
   uint64_t seed = 1;

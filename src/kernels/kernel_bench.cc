@@ -148,7 +148,8 @@ double Correlation(const std::vector<double>& x, const std::vector<double>& y) {
 
 int64_t KernelBenchMemoryBytes(const KernelBenchOptions& o, WeightFormat format, int threads) {
   const int64_t hidden = o.hidden, intermediate = o.intermediate;
-  const int64_t packed = o.experts * ExpertByteCount(format, hidden, intermediate);
+  const int64_t biases = o.expert_bias ? (2 * intermediate + hidden) * static_cast<int64_t>(sizeof(float)) : 0;
+  const int64_t packed = o.experts * (ExpertByteCount(format, hidden, intermediate) + biases);
   // Each thread's expert in fp32 and its quantized copy before packing (at most as large).
   const int64_t making = std::max(1, threads) * 2 * ExpertByteCount(WeightFormat::kFp32, hidden, intermediate);
   const int64_t tokens = o.tokens.empty() ? 0 : *std::max_element(o.tokens.begin(), o.tokens.end());
@@ -234,6 +235,16 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
                   w->up.data.data());
     FillSynthetic(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate}, 0, o.hidden, 0, o.intermediate,
                   w->down.data.data());
+    w->gate_bias.resize(o.expert_bias ? o.intermediate : 0);
+    w->up_bias.resize(o.expert_bias ? o.intermediate : 0);
+    w->down_bias.resize(o.expert_bias ? o.hidden : 0);
+    if (o.expert_bias) {
+      FillSynthetic(o.seed, {TensorKind::kExpertGateBias, 0, e, 1, o.intermediate}, 0, 1, 0, o.intermediate,
+                    w->gate_bias.data());
+      FillSynthetic(o.seed, {TensorKind::kExpertUpBias, 0, e, 1, o.intermediate}, 0, 1, 0, o.intermediate,
+                    w->up_bias.data());
+      FillSynthetic(o.seed, {TensorKind::kExpertDownBias, 0, e, 1, o.hidden}, 0, 1, 0, o.hidden, w->down_bias.data());
+    }
     return Status::Ok();
   };
 
@@ -292,7 +303,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   for (WeightFormat format : o.formats) {
     say(fmt::format("packing {} experts of {}x{} in {}", o.experts, o.intermediate, o.hidden,
                     WeightFormatName(format)));
-    PackOptions pack{format, IsaName(isa), &pool};
+    PackOptions pack{format, IsaName(isa), &pool, o.activation};
     EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertStore> store,
                            PackExperts(o.experts, o.hidden, o.intermediate, make_expert, pack));
     // The kernel may have given way to a lower instruction set for this shape: its arithmetic

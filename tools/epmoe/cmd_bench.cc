@@ -11,6 +11,7 @@
 
 #include "commands.h"
 #include "epmoe/kernel_bench.h"
+#include "epmoe/layer.h"
 #include "epmoe/model.h"
 #include "epmoe/thread_pool.h"
 #include "output.h"
@@ -165,6 +166,8 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.intermediate = model->expert_intermediate;
   options.experts = model->num_experts;
   options.top_k = model->top_k;
+  options.activation = ActivationOf(*model);
+  options.expert_bias = model->expert_bias;
   options.isa = o.isa;
   options.repetitions = o.repetitions;
   options.seconds_per_point = o.seconds_per_point;
