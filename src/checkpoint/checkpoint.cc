@@ -240,17 +240,24 @@ struct Index {
   }
 
   // Row `row` (of rows_per_expert) of expert `expert` of an MXFP4 tensor, columns [col_begin, +
-  // count): each value its E2M1 code times its block's 2^(code - 127), into out[0], out[stride], ...
-  void ReadMxfp4Row(const Located& t, int64_t expert, int64_t row, int64_t col_begin, int64_t count, float* out,
-                    int64_t stride) const {
+  // count) into out: each value its E2M1 code times its block's 2^(code - 127). Block by block,
+  // through a table of the block's 16 values (per value, decoding the code and the scale made
+  // loading gpt-oss-20b's layers 2.9 x as slow as making synthetic ones).
+  void ReadMxfp4Row(const Located& t, int64_t expert, int64_t row, int64_t col_begin, int64_t count, float* out) const {
     const int64_t rows = t.info->shape[1], blocks = t.info->shape[2];
     const int64_t at = expert * rows + row;
     const std::byte* codes = t.file->Data(*t.info).data() + at * blocks * 16;
     const std::byte* scales = t.scale_file->Data(*t.scale).data() + at * blocks;
-    for (int64_t c = col_begin; c < col_begin + count; ++c) {
-      const uint8_t byte = std::to_integer<uint8_t>(codes[c / 2]);
-      const float scale = DecodeE8m0(std::to_integer<uint8_t>(scales[c / 32]));
-      out[(c - col_begin) * stride] = DecodeE2m1(c % 2 == 0 ? byte & 0xF : byte >> 4) * scale;
+    const int64_t col_end = col_begin + count;
+    for (int64_t block_begin = col_begin / 32 * 32; block_begin < col_end; block_begin += 32) {
+      const float scale = DecodeE8m0(std::to_integer<uint8_t>(scales[block_begin / 32]));
+      float values[16];
+      for (int code = 0; code < 16; ++code) values[code] = DecodeE2m1(static_cast<uint8_t>(code)) * scale;
+      const int64_t begin = std::max(block_begin, col_begin), end = std::min(block_begin + 32, col_end);
+      for (int64_t c = begin; c < end; ++c) {
+        const uint8_t byte = std::to_integer<uint8_t>(codes[c / 2]);
+        out[c - col_begin] = values[c % 2 == 0 ? byte & 0xF : byte >> 4];
+      }
     }
   }
 
@@ -340,10 +347,10 @@ struct Index {
     if (const Located* blocks = Find(names.GateUp("_blocks")); blocks != nullptr) {
       const Located& down = *Find(names.Down("_blocks"));
       for (int64_t i = 0; i < width; ++i) {
-        ReadMxfp4Row(*blocks, expert, 2 * (begin + i), 0, hidden, w->gate.row(i), 1);
-        ReadMxfp4Row(*blocks, expert, 2 * (begin + i) + 1, 0, hidden, w->up.row(i), 1);
+        ReadMxfp4Row(*blocks, expert, 2 * (begin + i), 0, hidden, w->gate.row(i));
+        ReadMxfp4Row(*blocks, expert, 2 * (begin + i) + 1, 0, hidden, w->up.row(i));
       }
-      for (int64_t h = 0; h < hidden; ++h) ReadMxfp4Row(down, expert, h, begin, width, w->down.row(h), 1);
+      for (int64_t h = 0; h < hidden; ++h) ReadMxfp4Row(down, expert, h, begin, width, w->down.row(h));
     } else {
       // [hidden x 2 width] of gate_up (columns interleaved gate, up), [width x hidden] of down.
       std::vector<float> block(hidden * 2 * width);
