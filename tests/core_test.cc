@@ -219,6 +219,27 @@ TEST(HfConfig, EveryPresetRoundTrips) {
   EXPECT_FALSE(ModelToHfConfig(grouped_softmax).ok());
 }
 
+// Kimi K2's config.json: DeepSeek-V3's architecture and fields under model_type kimi_k2.
+TEST(HfConfig, KimiK2ReadsAsDeepSeekV3) {
+  auto kimi = ParseModel(
+      R"({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
+          "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
+          "n_shared_experts": 1, "num_experts_per_tok": 8, "num_hidden_layers": 61, "first_k_dense_replace": 1,
+          "n_group": 1, "topk_group": 1, "norm_topk_prob": true, "routed_scaling_factor": 2.827,
+          "scoring_func": "sigmoid", "topk_method": "noaux_tc"})",
+      "config.json");
+  ASSERT_TRUE(kimi.ok()) << kimi.status().ToString();
+  EXPECT_EQ(kimi->num_experts, 384);
+  EXPECT_EQ(kimi->top_k, 8);
+  EXPECT_EQ(kimi->num_shared_experts, 1);
+  EXPECT_EQ(kimi->shared_intermediate, 2048);
+  EXPECT_EQ(kimi->num_dense_layers, 1);
+  EXPECT_EQ(kimi->num_moe_layers(), 60);
+  EXPECT_EQ(kimi->scoring, Scoring::kSigmoid);
+  EXPECT_TRUE(kimi->correction_bias && kimi->renormalize);
+  EXPECT_DOUBLE_EQ(kimi->routed_scaling, 2.827);
+}
+
 TEST(HfConfig, AFolderIsReadThroughItsConfigJson) {
   const auto dir = std::filesystem::temp_directory_path() / "epmoe_hf_config";
   std::filesystem::create_directories(dir);

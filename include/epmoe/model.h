@@ -69,7 +69,7 @@ Status ValidateModel(const ModelConfig& model, std::string_view source);
 // name the file and the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
 // Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
-// "model_type": qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3 or glm4_moe) is read too: its MoE
+// "model_type": qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3, kimi_k2 or glm4_moe) is read too: its MoE
 // sizes and the routing that model type's transformers code applies; the name is its
 // "_name_or_path", else its model_type.
 Result<ModelConfig> ParseModel(std::string_view json_text, std::string_view source);

@@ -148,12 +148,12 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
   if (m.activation == Activation::kSwiGluOai && !(m.swiglu_limit > 0))
     return InvalidArgument(fmt::format("{}: field 'swiglu_limit' must be positive for activation 'swiglu_oai', got {}",
                                        source, m.swiglu_limit));
-  if (m.expert_bias && m.num_shared_experts > 0)
-    return InvalidArgument(
-        fmt::format("{}: field 'expert_bias' with shared experts (biases are read for routed experts only)", source));
   if (m.activation == Activation::kSwiGlu && m.swiglu_limit != 0)
     return InvalidArgument(
         fmt::format("{}: field 'swiglu_limit' = {} is for activation 'swiglu_oai' only", source, m.swiglu_limit));
+  if (m.expert_bias && m.num_shared_experts > 0)
+    return InvalidArgument(
+        fmt::format("{}: field 'expert_bias' with shared experts (biases are read for routed experts only)", source));
   return Status::Ok();
 }
 
@@ -172,7 +172,7 @@ Status ReadOptionalField(const json& j, const char* key, std::string_view source
 }
 
 // The MoE part of a transformers config.json (model_type qwen3_moe, olmoe, mixtral, gpt_oss,
-// deepseek_v3 or glm4_moe), with the routing each model type's code applies.
+// deepseek_v3, kimi_k2 or glm4_moe), with the routing each model type's code applies.
 Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
   std::string type;
   EPMOE_RETURN_IF_ERROR(ReadField(j, "model_type", source, &type));
@@ -214,7 +214,8 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
       m.activation = Activation::kSwiGluOai;
       EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "swiglu_limit", source, &m.swiglu_limit, std::optional<double>(7.0)));
     }
-  } else if (type == "deepseek_v3" || type == "glm4_moe") {
+  } else if (type == "deepseek_v3" || type == "kimi_k2" || type == "glm4_moe") {
+    // Kimi K2 is DeepSeek-V3's architecture under its own model_type.
     // Sigmoid scores with a correction bias for choosing, group-limited, renormalized and scaled.
     EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
     EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
@@ -246,8 +247,8 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
           "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
   } else {
     return InvalidArgument(fmt::format(
-        "{}: model_type '{}' is not read (qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3, glm4_moe are; or write "
-        "an epmoe model .json, see `epmoe model show`)",
+        "{}: model_type '{}' is not read (qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3, kimi_k2, glm4_moe are; or "
+        "write an epmoe model .json, see `epmoe model show`)",
         source, type));
   }
   EPMOE_RETURN_IF_ERROR(ValidateModel(m, source));

@@ -580,7 +580,9 @@ int RunPlanCommand(const PlanFlags& f) {
 void AddPlanCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<PlanFlags>();
   auto* cmd = app.add_subcommand("plan", "Predict each option's kernel, communication and step time on a hardware profile");
-  cmd->add_option("--model", f->model, "Model preset name or .json path")->required();
+  cmd->add_option("--model", f->model,
+                  "Model: a preset name, a .json path, or a Hugging Face model folder (its config.json)")
+      ->required();
   cmd->add_option("--hidden", f->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", f->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);
