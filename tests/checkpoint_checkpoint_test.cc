@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -565,6 +566,37 @@ TEST_F(CheckpointTest, GptOssWrittenInBothFormsReadsBack) {
   EXPECT_FALSE(WriteCheckpoint(Dir("bad"), Scaled("qwen3-30b-a3b"), *synthetic, 1, TensorDtype::kU8,
                                CheckpointNaming::kMlpExperts)
                    .ok());
+}
+
+// Qwen2-MoE and Qwen3-Next: one shared expert named mlp.shared_expert (singular) and the gate on its
+// output, mlp.shared_expert_gate.weight [1 x hidden], read back exactly.
+TEST_F(CheckpointTest, GatedSharedExpertOfQwenNext) {
+  ModelConfig model = Scaled("qwen3-next-80b-a3b", 64, 32);
+  model.num_experts = 16;
+  model.num_layers = 2;
+  const auto synthetic = SyntheticWeights(model, 6);
+  ASSERT_TRUE(WriteCheckpoint(Dir(), model, *synthetic, 2, TensorDtype::kF32, CheckpointNaming::kMlpExperts).ok());
+  const std::string index = [&] {
+    std::ifstream in(Dir("model.safetensors.index.json"));
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  EXPECT_NE(index.find("\"model.layers.1.mlp.shared_expert.down_proj.weight\""), std::string::npos);
+  EXPECT_NE(index.find("\"model.layers.1.mlp.shared_expert_gate.weight\""), std::string::npos);
+  auto checkpoint = Checkpoint::Open(Dir(), model, 2);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  const MoeLayerWeights routing = *(*checkpoint)->Routing(1, nullptr);
+  EXPECT_EQ(routing.shared_output_gate, synthetic->Routing(1, nullptr)->shared_output_gate);
+  EXPECT_EQ(routing.shared_output_gate.size(), 64u);
+  ExpectSameExpert(*(*checkpoint)->SharedExpert(1, 0, 0, -1), *synthetic->SharedExpert(1, 0, 0, -1));
+  auto summary = SummarizeCheckpoint(Dir());
+  ASSERT_TRUE(summary.ok());
+  EXPECT_TRUE(summary->shared_output_gate);
+  EXPECT_EQ(summary->shared_intermediate, 32);
+  EXPECT_TRUE(CheckpointFits(model, *summary));
+  ModelConfig ungated = model;
+  ungated.shared_output_gate = false;
+  EXPECT_FALSE(CheckpointFits(ungated, *summary));
+  ExpectError(Checkpoint::Open(Dir(), ungated, 1), "mlp.shared_experts.gate_proj.weight");
 }
 
 }  // namespace

@@ -25,7 +25,7 @@ namespace {
 
 TEST(ModelPresets, EveryPresetLoadsAndValidates) {
   const auto names = ListModelPresets();
-  EXPECT_EQ(names.size(), 7u);
+  EXPECT_EQ(names.size(), 8u);
   for (const auto& name : names) {
     auto m = LoadModel(name);
     ASSERT_TRUE(m.ok()) << name << ": " << m.status().ToString();
@@ -150,6 +150,11 @@ TEST(HfConfig, ReadsAsThePresetOfTheSameModel) {
        R"({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
            "num_local_experts": 128, "experts_per_token": 4, "num_hidden_layers": 36,
            "swiglu_limit": 7.0})"},
+      {"qwen3-next-80b-a3b",
+       R"({"model_type": "qwen3_next", "_name_or_path": "Qwen/Qwen3-Next-80B-A3B-Instruct", "hidden_size": 2048,
+           "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+           "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": true, "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "num_hidden_layers": 48})"},
       {"deepseek-v3",
        R"({"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
            "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,

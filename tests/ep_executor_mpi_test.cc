@@ -89,8 +89,11 @@ Matrix Expected(const ModelConfig& model, int layer, const Matrix& rows, const P
     for (int64_t s = 0; s <= count; ++s) offsets.push_back(s * n);
     for (int64_t s = 0; s < count; ++s) std::copy(shared_in.data.begin(), shared_in.data.end(), in.row(s * n));
     (*store)->Run(in.data.data(), offsets, result.data.data(), Pool());
+    std::vector<float> scales;  // 1, or the shared output gate's sigmoid(row . gate)
+    SharedOutputScales(weights.shared_output_gate, shared_in, &scales);
     for (int64_t s = 0; s < count; ++s)
-      for (int64_t i = 0; i < n * model.hidden; ++i) out.data[i] += result.data[s * n * model.hidden + i];
+      for (int64_t i = 0; i < n * model.hidden; ++i)
+        out.data[i] += scales[i / model.hidden] * result.data[s * n * model.hidden + i];
   }
   return out;
 }
@@ -118,7 +121,8 @@ struct Case {
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PlacementPtr placement;
   WeightFormat weights = WeightFormat::kFp32;
-  bool gpt_oss = false;  // TinyGptOss instead of TinyModel(shared)
+  bool gpt_oss = false;             // TinyGptOss instead of TinyModel(shared)
+  bool shared_output_gate = false;  // TinyModel(shared) with Qwen2-MoE's gate on the shared output
 };
 
 Case CaseOf(EpOption option) {
@@ -154,7 +158,8 @@ StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, con
                       int steps = 2) {
   Communicator& comm = World();
   const int g = comm.size(), me = comm.rank();
-  const ModelConfig model = c.gpt_oss ? TinyGptOss() : TinyModel(c.shared);
+  ModelConfig model = c.gpt_oss ? TinyGptOss() : TinyModel(c.shared);
+  model.shared_output_gate = c.shared_output_gate;
   auto executor = CreateExecutor(comm, model, OptionsFor(c, g), Pool());
   EPMOE_CHECK_MSG(executor.ok(), executor.status().ToString());
   int64_t total = 0, first = 0;
@@ -240,6 +245,22 @@ TEST(Executor, GptOssBiasesAndActivationUnderEveryOption) {
       c.gpt_oss = true;
       c.shared = 0;
       c.weights = weights;
+      RunAndCheck(c, EvenishRows(2 * g + 3), nullptr, 1);
+    }
+  }
+}
+
+// Qwen2-MoE's shared output gate, with the shared expert sliced (the gather options) and copied.
+TEST(Executor, SharedOutputGateUnderEveryOption) {
+  const int g = World().size();
+  for (EpOption option : AllEpOptions()) {
+    for (SharedMode mode : {SharedMode::kDefault, SharedMode::kCopied}) {
+      if (mode == SharedMode::kCopied && (option == EpOption::kA2a || option == EpOption::kDwdp)) continue;
+      SCOPED_TRACE(std::string(EpOptionName(option)) + (mode == SharedMode::kCopied ? " copied" : ""));
+      Case c;
+      c.option = option;
+      c.shared_mode = mode;
+      c.shared_output_gate = true;
       RunAndCheck(c, EvenishRows(2 * g + 3), nullptr, 1);
     }
   }

@@ -13,7 +13,8 @@ namespace {
 
 // Plain restatement of the layer, independent of the production code: for each row, for each pick,
 // the expert written out inline (SwiGLU, or gpt-oss's clamped form and biases as transformers'
-// GptOssExperts computes them); then the shared experts.
+// GptOssExperts computes them); then the shared experts (scaled by their output gate where the model
+// has one, as transformers' Qwen2MoeSparseMoeBlock does).
 Matrix NaiveLayer(const ModelConfig& m, const MoeLayerWeights& w, const Matrix& rows, const Picks& picks) {
   Matrix out(rows.rows, m.hidden);
   const bool oai = m.activation == Activation::kSwiGluOai;
@@ -45,7 +46,11 @@ Matrix NaiveLayer(const ModelConfig& m, const MoeLayerWeights& w, const Matrix& 
   };
   for (int64_t r = 0; r < rows.rows; ++r) {
     for (int j = 0; j < picks.k; ++j) ffn(w.experts[picks.expert(r, j)], rows.row(r), picks.weight(r, j), out.row(r));
-    for (const auto& s : w.shared) ffn(s, rows.row(r), 1.0, out.row(r));
+    // Qwen2-MoE: the shared expert's output times sigmoid(shared_expert_gate(x)).
+    double gate = 0;
+    for (int64_t c = 0; m.shared_output_gate && c < m.hidden; ++c) gate += w.shared_output_gate[c] * rows.at(r, c);
+    const double scale = m.shared_output_gate ? 1.0 / (1.0 + std::exp(-gate)) : 1.0;
+    for (const auto& s : w.shared) ffn(s, rows.row(r), scale, out.row(r));
   }
   return out;
 }

@@ -25,7 +25,9 @@ class ThreadPool;
 // dense layers) and expert E:
 //   kMlpExperts      DeepSeek-V3, GLM, Qwen3-MoE, OLMoE: model.layers.N.mlp.gate.weight,
 //                    mlp.gate.e_score_correction_bias, mlp.experts.E.{gate,up,down}_proj.weight,
-//                    mlp.shared_experts.{gate,up,down}_proj.weight
+//                    mlp.shared_experts.{gate,up,down}_proj.weight; Qwen2-MoE and Qwen3-Next
+//                    (model.shared_output_gate): mlp.shared_expert.{gate,up,down}_proj.weight and
+//                    mlp.shared_expert_gate.weight [1 x hidden]
 //   kBlockSparseMoe  Mixtral: model.layers.N.block_sparse_moe.gate.weight,
 //                    block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
 //   kGptOss          gpt-oss: model.layers.N.mlp.router.{weight,bias}, and every expert of the layer
@@ -88,6 +90,7 @@ struct CheckpointSummary {
   bool correction_bias = false;
   bool router_bias = false;  // gpt-oss's router and expert biases
   bool expert_bias = false;
+  bool shared_output_gate = false;  // Qwen2-MoE's mlp.shared_expert_gate
 };
 Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path);
 // Whether `model` has the summarized checkpoint's MoE shapes and its MoE layers are all there. A

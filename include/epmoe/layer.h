@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "epmoe/expert_ffn.h"
@@ -33,7 +34,13 @@ struct MoeLayerWeights {
   std::vector<float> router_bias;
   std::vector<ExpertWeights> experts;  // E routed experts
   std::vector<ExpertWeights> shared;   // num_shared_experts shared experts
+  std::vector<float> shared_output_gate;  // hidden values (model.shared_output_gate), or empty
 };
+
+// With a shared output gate (model.shared_output_gate), the factor of each row's shared output:
+// scales[r] = sigmoid(rows.row(r) . gate), into *scales (rows.rows values). Without one (gate
+// empty), every factor is 1.
+void SharedOutputScales(std::span<const float> gate, const Matrix& rows, std::vector<float>* scales);
 
 // Synthetic weights for MoE layer `layer` (see synthetic.h): deterministic from the seed.
 MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);
@@ -53,7 +60,8 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
-  // The router and its bias of a layer (experts and shared experts left empty).
+  // The router, its bias and the shared output gate of a layer (experts and shared experts left
+  // empty).
   virtual Result<MoeLayerWeights> Routing(int layer, ThreadPool* pool) const = 0;
   // Routed expert `expert` of a layer, or the slice [slice_begin, slice_end) of its intermediate
   // dimension (slice_end -1: to the end), as MakeSyntheticExpert slices, written into *out as an
@@ -136,6 +144,7 @@ class MoeLayer {
   ModelConfig model_;
   Matrix router_;
   std::vector<float> router_bias_;
+  std::vector<float> shared_output_gate_;
   std::unique_ptr<ExpertStore> routed_;
   std::unique_ptr<ExpertStore> shared_;  // null without shared experts
 };

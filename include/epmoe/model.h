@@ -39,6 +39,9 @@ struct ModelConfig {
   int top_k = 0;                // k: experts picked per row
   int num_shared_experts = 0;   // experts every row goes through (no routing)
   int shared_intermediate = 0;  // intermediate size of the shared expert(s), each
+  // The shared experts' output is scaled per row by sigmoid(row . w), w a per-layer weight vector
+  // (Qwen2-MoE, Qwen3-Next: shared_expert_gate).
+  bool shared_output_gate = false;
   int num_layers = 0;           // all transformer layers
   int num_dense_layers = 0;     // the first layers, with a dense FFN instead of MoE
   int dense_intermediate = 0;   // intermediate size of a dense layer's FFN (0 if none)
@@ -64,12 +67,13 @@ int64_t RoutedExpertBytes(const ModelConfig& model, WeightFormat format);
 Status ValidateModel(const ModelConfig& model, std::string_view source);
 
 // Loads a preset by name (see ListModelPresets) or a JSON file by path (anything ending in .json or
-// containing '/'), or a folder's config.json. Every field must be present except gpt-oss's
-// (router_bias, activation, swiglu_limit, expert_bias: absent, a model has none of them); errors
-// name the file and the field.
+// containing '/'), or a folder's config.json. Every field must be present except those added for
+// gpt-oss (router_bias, activation, swiglu_limit, expert_bias) and Qwen2-MoE (shared_output_gate):
+// absent, a model has none of them. Errors name the file and the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
 // Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
-// "model_type": qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3, kimi_k2 or glm4_moe) is read too: its MoE
+// "model_type": qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek_v3, kimi_k2 or
+// glm4_moe) is read too: its MoE
 // sizes and the routing that model type's transformers code applies; the name is its
 // "_name_or_path", else its model_type.
 Result<ModelConfig> ParseModel(std::string_view json_text, std::string_view source);

@@ -26,10 +26,11 @@ enum class TensorKind : uint32_t {
   kSharedGate,  // index = shared expert
   kSharedUp,
   kSharedDown,
-  kRows,            // input rows, index = step
-  kExpertGateBias,  // [1 x intermediate] (ModelConfig::expert_bias), index = logical expert
-  kExpertUpBias,    // [1 x intermediate]
-  kExpertDownBias,  // [1 x hidden]
+  kRows,              // input rows, index = step
+  kExpertGateBias,    // [1 x intermediate] (ModelConfig::expert_bias), index = logical expert
+  kExpertUpBias,      // [1 x intermediate]
+  kExpertDownBias,    // [1 x hidden]
+  kSharedOutputGate,  // [1 x hidden] (ModelConfig::shared_output_gate)
 };
 
 struct SyntheticTensor {

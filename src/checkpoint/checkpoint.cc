@@ -52,11 +52,13 @@ enum Projection { kGate = 0, kUp = 1, kDown = 2 };
 struct LayerNames {
   CheckpointNaming naming;
   std::string prefix;  // "model.layers.N."
+  // Qwen2-MoE's one gated shared expert: mlp.shared_expert (singular) and mlp.shared_expert_gate.
+  bool gated_shared = false;
 
   LayerNames(CheckpointNaming naming_in, const ModelConfig& model, int layer)
-      : LayerNames(naming_in, layer + model.num_dense_layers) {}
-  LayerNames(CheckpointNaming naming_in, int transformer_layer)
-      : naming(naming_in), prefix(fmt::format("model.layers.{}.", transformer_layer)) {}
+      : LayerNames(naming_in, layer + model.num_dense_layers, model.shared_output_gate) {}
+  LayerNames(CheckpointNaming naming_in, int transformer_layer, bool gated_shared_in = false)
+      : naming(naming_in), prefix(fmt::format("model.layers.{}.", transformer_layer)), gated_shared(gated_shared_in) {}
 
   std::string Router() const {
     switch (naming) {
@@ -82,8 +84,10 @@ struct LayerNames {
   // The shared experts, as one MLP (kMlpExperts only).
   std::string Shared(Projection projection) const {
     static const char* const kMlp[] = {"gate_proj", "up_proj", "down_proj"};
-    return fmt::format("{}mlp.shared_experts.{}.weight", prefix, kMlp[projection]);
+    return fmt::format("{}mlp.{}.{}.weight", prefix, gated_shared ? "shared_expert" : "shared_experts",
+                       kMlp[projection]);
   }
+  std::string SharedOutputGate() const { return prefix + "mlp.shared_expert_gate.weight"; }
 };
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
@@ -537,6 +541,7 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path, co
       EPMOE_RETURN_IF_ERROR(state->Check(names.Shared(kUp), {shared, h}));
       EPMOE_RETURN_IF_ERROR(state->Check(names.Shared(kDown), {h, shared}));
     }
+    if (model.shared_output_gate) EPMOE_RETURN_IF_ERROR(state->Check(names.SharedOutputGate(), {1, h}));
   }
   return std::unique_ptr<Checkpoint>(new Checkpoint(std::move(state)));
 }
@@ -571,6 +576,10 @@ Result<MoeLayerWeights> Checkpoint::Routing(int layer, ThreadPool* /*pool*/) con
     w.router_bias.resize(model.num_experts);
     EPMOE_RETURN_IF_ERROR(state_->Read(model.router_bias ? names.RouterBias() : names.CorrectionBias(), 0, 1, 0,
                                        model.num_experts, w.router_bias.data()));
+  }
+  if (model.shared_output_gate) {
+    w.shared_output_gate.resize(model.hidden);
+    EPMOE_RETURN_IF_ERROR(state_->Read(names.SharedOutputGate(), 0, 1, 0, model.hidden, w.shared_output_gate.data()));
   }
   return w;
 }
@@ -665,7 +674,9 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
     summary.hidden = nvfp4 ? 2 * gate.shape[1] : gate.shape[1];
   }
   if (summary.naming == CheckpointNaming::kMlpExperts) {
-    const auto* shared = state.Find(first.Shared(kGate));
+    summary.shared_output_gate = state.Find(first.SharedOutputGate()) != nullptr;
+    const LayerNames shared_names(summary.naming, summary.moe_layers[0], summary.shared_output_gate);
+    const auto* shared = state.Find(shared_names.Shared(kGate));
     if (shared != nullptr && !shared->info->shape.empty()) summary.shared_intermediate = shared->info->shape[0];
     summary.correction_bias = state.Find(first.CorrectionBias()) != nullptr;
   }
@@ -680,7 +691,8 @@ bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& s) {
          model.expert_intermediate == s.expert_intermediate &&
          static_cast<int64_t>(model.num_shared_experts) * model.shared_intermediate == s.shared_intermediate &&
          model.correction_bias == s.correction_bias && model.router_bias == s.router_bias &&
-         model.expert_bias == s.expert_bias && model.num_dense_layers == first && contiguous &&
+         model.expert_bias == s.expert_bias && model.shared_output_gate == s.shared_output_gate &&
+         model.num_dense_layers == first && contiguous &&
          model.num_moe_layers() <= static_cast<int>(s.moe_layers.size());
 }
 
@@ -893,6 +905,8 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
       EPMOE_RETURN_IF_ERROR(shard.Add(names.Shared(kUp), {all, h}, up.data, dtype));
       EPMOE_RETURN_IF_ERROR(shard.Add(names.Shared(kDown), {h, all}, down.data, dtype));
     }
+    if (model.shared_output_gate)
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.SharedOutputGate(), {1, h}, routing.shared_output_gate, dtype));
     // Experts are made and encoded in parallel, a file's worth at a time.
     const int64_t expert_bytes = 3 * h * inter * TensorDtypeBytes(dtype);
     const int per_file = static_cast<int>(std::max<int64_t>(1, kShardBytes / expert_bytes));

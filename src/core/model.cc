@@ -151,6 +151,8 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
   if (m.activation == Activation::kSwiGlu && m.swiglu_limit != 0)
     return InvalidArgument(
         fmt::format("{}: field 'swiglu_limit' = {} is for activation 'swiglu_oai' only", source, m.swiglu_limit));
+  if (m.shared_output_gate && m.num_shared_experts == 0)
+    return InvalidArgument(fmt::format("{}: field 'shared_output_gate' without shared experts", source));
   if (m.expert_bias && m.num_shared_experts > 0)
     return InvalidArgument(
         fmt::format("{}: field 'expert_bias' with shared experts (biases are read for routed experts only)", source));
@@ -171,8 +173,9 @@ Status ReadOptionalField(const json& j, const char* key, std::string_view source
   return ReadField(j, key, source, out);
 }
 
-// The MoE part of a transformers config.json (model_type qwen3_moe, olmoe, mixtral, gpt_oss,
-// deepseek_v3, kimi_k2 or glm4_moe), with the routing each model type's code applies.
+// The MoE part of a transformers config.json (model_type qwen3_moe, qwen2_moe, qwen3_next, olmoe,
+// mixtral, gpt_oss, deepseek_v3, kimi_k2 or glm4_moe), with the routing each model type's code
+// applies.
 Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
   std::string type;
   EPMOE_RETURN_IF_ERROR(ReadField(j, "model_type", source, &type));
@@ -183,7 +186,8 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
           : type;
   EPMOE_RETURN_IF_ERROR(ReadField(j, "hidden_size", source, &m.hidden));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "num_hidden_layers", source, &m.num_layers));
-  if (type == "qwen3_moe" || type == "olmoe") {
+  const bool qwen2 = type == "qwen2_moe" || type == "qwen3_next";
+  if (type == "qwen3_moe" || type == "olmoe" || qwen2) {
     // Softmax over all experts, then the top k, renormalized when norm_topk_prob says so.
     EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts", source, &m.num_experts));
     EPMOE_RETURN_IF_ERROR(
@@ -191,6 +195,12 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
     EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(false)));
     m.scoring = Scoring::kSoftmax;
+    if (qwen2) {
+      // One shared expert, its output scaled by sigmoid(shared_expert_gate . x) (Qwen2MoeSparseMoeBlock).
+      EPMOE_RETURN_IF_ERROR(ReadField(j, "shared_expert_intermediate_size", source, &m.shared_intermediate));
+      m.num_shared_experts = m.shared_intermediate > 0 ? 1 : 0;
+      m.shared_output_gate = m.num_shared_experts > 0;
+    }
     int sparse_step = 1;
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "decoder_sparse_step", source, &sparse_step, std::optional<int>(1)));
     const bool dense_layers = j.contains("mlp_only_layers") && !j["mlp_only_layers"].empty();
@@ -247,8 +257,8 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
           "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
   } else {
     return InvalidArgument(fmt::format(
-        "{}: model_type '{}' is not read (qwen3_moe, olmoe, mixtral, gpt_oss, deepseek_v3, kimi_k2, glm4_moe are; or "
-        "write an epmoe model .json, see `epmoe model show`)",
+        "{}: model_type '{}' is not read (qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek_v3, "
+        "kimi_k2, glm4_moe are; or write an epmoe model .json, see `epmoe model show`)",
         source, type));
   }
   EPMOE_RETURN_IF_ERROR(ValidateModel(m, source));
@@ -284,12 +294,14 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(ReadField(j, "topk_groups", source, &m.topk_groups));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "renormalize", source, &m.renormalize));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "routed_scaling", source, &m.routed_scaling));
-  // Fields added later (gpt-oss's), optional: absent, a model has none of them.
+  // Fields added later (gpt-oss's, Qwen2-MoE's), optional: absent, a model has none of them.
   std::string activation = "swiglu";
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "router_bias", source, &m.router_bias, std::optional<bool>(false)));
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "activation", source, &activation, std::optional<std::string>("swiglu")));
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "swiglu_limit", source, &m.swiglu_limit, std::optional<double>(0.0)));
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "expert_bias", source, &m.expert_bias, std::optional<bool>(false)));
+  EPMOE_RETURN_IF_ERROR(
+      ReadOptionalField(j, "shared_output_gate", source, &m.shared_output_gate, std::optional<bool>(false)));
   auto parsed_scoring = ParseScoring(scoring);
   if (!parsed_scoring.ok()) return parsed_scoring.status().WithContext(fmt::format("{}: field 'scoring'", source));
   m.scoring = *parsed_scoring;
@@ -318,6 +330,7 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
                                    "activation",
                                    "swiglu_limit",
                                    "expert_bias",
+                                   "shared_output_gate",
                                    "description"};
     if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return it.key() == k; }) ==
         std::end(kKnown))
@@ -347,7 +360,8 @@ std::string ModelToJson(const ModelConfig& m) {
             {"router_bias", m.router_bias},
             {"activation", ActivationName(m.activation)},
             {"swiglu_limit", m.swiglu_limit},
-            {"expert_bias", m.expert_bias}};
+            {"expert_bias", m.expert_bias},
+            {"shared_output_gate", m.shared_output_gate}};
   return j.dump(2);
 }
 
@@ -361,10 +375,19 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
   const bool plain = m.num_shared_experts == 0 && m.num_dense_layers == 0 && m.num_expert_groups == 1 &&
                      m.routed_scaling == 1.0 && !m.correction_bias && !m.router_bias && !m.expert_bias &&
                      m.activation == Activation::kSwiGlu;
+  const bool qwen2 = m.scoring == Scoring::kSoftmax && m.shared_output_gate && m.num_shared_experts == 1 &&
+                     m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && !m.router_bias &&
+                     !m.expert_bias && m.activation == Activation::kSwiGlu;
   const bool gpt_oss = m.router_bias && m.expert_bias && m.activation == Activation::kSwiGluOai &&
                        m.scoring == Scoring::kSoftmaxTopk && !m.renormalize && m.num_shared_experts == 0 &&
                        m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0;
-  if (gpt_oss) {
+  if (qwen2) {
+    j["model_type"] = "qwen2_moe";
+    j["num_experts"] = m.num_experts;
+    j["moe_intermediate_size"] = m.expert_intermediate;
+    j["shared_expert_intermediate_size"] = m.shared_intermediate;
+    j["norm_topk_prob"] = m.renormalize;
+  } else if (gpt_oss) {
     j["model_type"] = "gpt_oss";
     j["num_local_experts"] = m.num_experts;
     j["intermediate_size"] = m.expert_intermediate;
@@ -378,7 +401,7 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["model_type"] = "mixtral";
     j["num_local_experts"] = m.num_experts;
     j["intermediate_size"] = m.expert_intermediate;
-  } else if (m.scoring == Scoring::kSigmoid && m.correction_bias && !m.expert_bias &&
+  } else if (m.scoring == Scoring::kSigmoid && m.correction_bias && !m.expert_bias && !m.shared_output_gate &&
              m.activation == Activation::kSwiGlu &&
              (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate)) {
     j["model_type"] = "deepseek_v3";
@@ -395,7 +418,8 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["topk_method"] = "noaux_tc";
   } else {
     return InvalidArgument(fmt::format(
-        "{}: its routing and experts are none of qwen3_moe's, mixtral's, gpt_oss's or deepseek_v3's", m.name));
+        "{}: its routing and experts are none of qwen3_moe's, qwen2_moe's, mixtral's, gpt_oss's or deepseek_v3's",
+        m.name));
   }
   return j.dump(2);
 }

@@ -52,6 +52,7 @@ class A2aExecutor : public MoeExecutor {
     EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(p, me, options_.dispatch_seed));
     dispatch_ = std::make_unique<DispatchTable>(std::move(table));
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
+    EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
     target_ = std::make_unique<SlotStoresTarget>(me, &placement_, &stores_, [this](PlacementPtr next) -> Status {
       EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*next, comm_.rank(), options_.dispatch_seed));
       dispatch_ = std::make_unique<DispatchTable>(std::move(table));
@@ -535,7 +536,7 @@ class A2aExecutor : public MoeExecutor {
       }
     }
     st.unpack_us += watch.Lap();
-    st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), rows, out, pool_);
+    st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, out, pool_);
     st.shared_us += watch.Lap();
     if (stats != nullptr) *stats = st;
     return Status::Ok();
@@ -558,6 +559,7 @@ class A2aExecutor : public MoeExecutor {
   std::unique_ptr<DispatchTable> dispatch_;            // this rank's picks -> slots
   std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ and placement_
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
+  std::vector<std::vector<float>> shared_gates_;       // per layer; empty without a shared output gate
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
   int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;

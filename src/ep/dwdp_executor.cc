@@ -139,6 +139,7 @@ class DwdpExecutor : public MoeExecutor {
       }
     }
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
+    EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
     threaded_ = comm_.concurrent_windows();
     return Status::Ok();
   }
@@ -239,7 +240,7 @@ class DwdpExecutor : public MoeExecutor {
     Matrix my_out;
     CombinePermutedRows(expert_out, permuted, relabeled, &my_out);
     st.unpack_us += watch.Lap();
-    st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), mine, &my_out, pool_);
+    st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), shared_gates_[layer], mine, &my_out, pool_);
     st.shared_us += watch.Lap();
 
     if (tensor_parallel) {
@@ -334,6 +335,7 @@ class DwdpExecutor : public MoeExecutor {
   std::vector<std::unique_ptr<ExpertStore>> owned_;   // per layer; null when a rank owns none
   Buffer buffers_[2];
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
+  std::vector<std::vector<float>> shared_gates_;      // per layer; empty without a shared output gate
 };
 
 }  // namespace

@@ -179,7 +179,19 @@ Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelCo
   return stores;
 }
 
-int64_t AddSharedExperts(const ExpertStore* shared, const Matrix& rows, Matrix* out, ThreadPool& pool) {
+Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& model, const ExecutorOptions& options) {
+  std::vector<std::vector<float>> gates(options.num_layers);
+  if (!model.shared_output_gate) return gates;
+  const std::shared_ptr<const WeightSource> source = Weights(model, options);
+  for (int layer = 0; layer < options.num_layers; ++layer) {
+    EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, source->Routing(layer, nullptr));
+    gates[layer] = std::move(routing.shared_output_gate);
+  }
+  return gates;
+}
+
+int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
+                         ThreadPool& pool) {
   if (shared == nullptr || rows.rows == 0) return 0;
   const int count = shared->num_experts();
   const int64_t n = rows.rows, h = rows.cols;
@@ -188,10 +200,15 @@ int64_t AddSharedExperts(const ExpertStore* shared, const Matrix& rows, Matrix* 
   for (int s = 0; s <= count; ++s) offsets[s] = s * n;
   for (int s = 0; s < count; ++s) std::copy(rows.data.begin(), rows.data.end(), in.row(s * n));
   shared->Run(in.data.data(), offsets, result.data.data(), pool);
+  std::vector<float> scales;
+  SharedOutputScales(output_gate, rows, &scales);
   int64_t bytes = 0;
   for (int s = 0; s < count; ++s) {
-    const float* add = result.row(s * n);
-    for (int64_t i = 0; i < n * h; ++i) out->data[i] += add[i];
+    for (int64_t r = 0; r < n; ++r) {
+      const float* add = result.row(s * n + r);
+      float* y = out->row(r);
+      for (int64_t i = 0; i < h; ++i) y[i] += scales[r] * add[i];
+    }
     bytes += shared->expert_bytes(s);
   }
   return bytes;

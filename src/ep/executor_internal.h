@@ -44,9 +44,15 @@ std::shared_ptr<const WeightSource> Weights(const ModelConfig& model, const Exec
 Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelConfig& model,
                                                                    const ExecutorOptions& options);
 
-// out[r] += shared_s(rows[r]) for every shared expert s of the store, in order s = 0, 1, ...
-// Returns the bytes of shared weights read (0 when there are no rows or no store).
-int64_t AddSharedExperts(const ExpertStore* shared, const Matrix& rows, Matrix* out, ThreadPool& pool);
+// The shared output gate of every layer (MoeLayerWeights::shared_output_gate; empty ones when the
+// model has none).
+Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& model, const ExecutorOptions& options);
+
+// out[r] += scale_r * shared_s(rows[r]) for every shared expert s of the store, in order s = 0, 1,
+// ..., scale_r from the layer's shared output gate (SharedOutputScales: 1 without one). Returns the
+// bytes of shared weights read (0 when there are no rows or no store).
+int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
+                         ThreadPool& pool);
 
 // Checks rows and picks given to Forward.
 Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, const Matrix& rows, const Picks& picks);

@@ -103,6 +103,7 @@ class GatherExecutor : public MoeExecutor {
     } else {
       shared_.resize(options_.num_layers);
     }
+    EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
     if (options_.option == EpOption::kWhole) {
       target_ = std::make_unique<SlotStoresTarget>(me, &placement_, &stores_, [this](PlacementPtr next) -> Status {
         std::vector<DispatchTable> tables;
@@ -331,7 +332,8 @@ class GatherExecutor : public MoeExecutor {
       }
       st.unpack_us += watch.Lap();
       if (!shared_copied_) {
-        st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), gathered_rows, &partial, pool_);
+        st.expert_bytes_read +=
+            AddSharedExperts(shared_[layer].get(), shared_gates_[layer], gathered_rows, &partial, pool_);
         st.shared_us += watch.Lap();
       }
       buffer_bytes += static_cast<int64_t>(gathered_rows.data.size() + partial.data.size() + work_out.data.size()) * 4 +
@@ -360,7 +362,7 @@ class GatherExecutor : public MoeExecutor {
       st.peak_buffer_bytes = std::max(st.peak_buffer_bytes, buffer_bytes);
     }
     if (shared_copied_) {
-      st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), rows, out, pool_);
+      st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, out, pool_);
       st.shared_us += watch.Lap();
     }
     if (stats != nullptr) *stats = st;
@@ -379,6 +381,7 @@ class GatherExecutor : public MoeExecutor {
   std::vector<std::vector<int32_t>> local_of_;  // sliced, hybrid
   bool shared_copied_ = false;
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
+  std::vector<std::vector<float>> shared_gates_;      // per layer; empty without a shared output gate
   std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_ and placement_
   struct Scratch {
     std::vector<uint8_t> send, recv;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 
 #include "epmoe/synthetic.h"
@@ -64,6 +65,10 @@ MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64
     const Matrix bias = SyntheticMatrix(seed, {TensorKind::kRouterBias, layer, 0, 1, model.num_experts});
     w.router_bias.assign(bias.data.begin(), bias.data.end());
   }
+  if (model.shared_output_gate) {
+    const Matrix gate = SyntheticMatrix(seed, {TensorKind::kSharedOutputGate, layer, 0, 1, model.hidden});
+    w.shared_output_gate.assign(gate.data.begin(), gate.data.end());
+  }
   return w;
 }
 
@@ -81,6 +86,16 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
   FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
              model.shared_intermediate, layer, index, seed, begin, end, false, &w);
   return w;
+}
+
+void SharedOutputScales(std::span<const float> gate, const Matrix& rows, std::vector<float>* scales) {
+  scales->assign(rows.rows, 1.0f);
+  if (gate.empty()) return;
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    double logit = 0;
+    for (int64_t c = 0; c < rows.cols; ++c) logit += static_cast<double>(gate[c]) * rows.at(r, c);
+    (*scales)[r] = static_cast<float>(1.0 / (1.0 + std::exp(-logit)));
+  }
 }
 
 GatedActivation ActivationOf(const ModelConfig& model) {
@@ -177,9 +192,16 @@ Status ReferenceMoeForward(const ModelConfig& model, const MoeLayerWeights& weig
       ReferenceExpertFfn(weights.experts[picks.expert(r, j)], activation, rows.row_span(r), y);
       for (int h = 0; h < model.hidden; ++h) acc[h] += static_cast<double>(picks.weight(r, j)) * y[h];
     }
+    double shared_scale = 1.0;
+    if (model.shared_output_gate) {
+      double logit = 0;
+      for (int h = 0; h < model.hidden; ++h)
+        logit += static_cast<double>(weights.shared_output_gate[h]) * rows.at(r, h);
+      shared_scale = 1.0 / (1.0 + std::exp(-logit));
+    }
     for (const ExpertWeights& shared : weights.shared) {
       ReferenceExpertFfn(shared, activation, rows.row_span(r), y);
-      for (int h = 0; h < model.hidden; ++h) acc[h] += y[h];
+      for (int h = 0; h < model.hidden; ++h) acc[h] += shared_scale * y[h];
     }
     for (int h = 0; h < model.hidden; ++h) out->at(r, h) = static_cast<float>(acc[h]);
   }
@@ -248,6 +270,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
   layer->model_ = model;
   layer->router_ = weights.router;
   layer->router_bias_ = weights.router_bias;
+  layer->shared_output_gate_ = weights.shared_output_gate;
   std::vector<const ExpertWeights*> routed;
   for (const auto& e : weights.experts) routed.push_back(&e);
   EPMOE_ASSIGN_OR_RETURN(layer->routed_, PackExperts(routed, options));
@@ -267,6 +290,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
   layer->model_ = model;
   layer->router_ = std::move(routing.router);
   layer->router_bias_ = std::move(routing.router_bias);
+  layer->shared_output_gate_ = std::move(routing.shared_output_gate);
   auto routed = [&](int e, ExpertWeights* out) { return source.ReadExpert(layer_index, e, 0, -1, out); };
   EPMOE_ASSIGN_OR_RETURN(layer->routed_,
                          PackExperts(model.num_experts, model.hidden, model.expert_intermediate, routed, options));
@@ -319,11 +343,16 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
     }
     shared_out.Reshape(rows.rows * shared_count, model_.hidden);
     shared_->Run(shared_rows, offsets, shared_out.data.data(), pool);
+    std::vector<float> scales;
+    SharedOutputScales(shared_output_gate_, rows, &scales);
     const int64_t hidden = model_.hidden;
     ForRows(rows.rows, &pool, [&](int64_t begin, int64_t end) {
-      for (int s = 0; s < shared_count; ++s) {
-        const float* add = shared_out.row(s * rows.rows);
-        for (int64_t i = begin * hidden; i < end * hidden; ++i) out->data[i] += add[i];
+      for (int64_t r = begin; r < end; ++r) {
+        float* y = out->row(r);
+        for (int s = 0; s < shared_count; ++s) {
+          const float* add = shared_out.row(s * rows.rows + r);
+          for (int64_t h = 0; h < hidden; ++h) y[h] += scales[r] * add[h];
+        }
       }
     });
     local.shared_us = MicrosSince(t0);

@@ -106,6 +106,7 @@ Status Show(const ShowOptions& o, nlohmann::json* report) {
   (*report)["correction_bias"] = s.correction_bias;
   (*report)["router_bias"] = s.router_bias;
   (*report)["expert_bias"] = s.expert_bias;
+  (*report)["shared_output_gate"] = s.shared_output_gate;
   (*report)["presets"] = fitting;
   // A downloaded folder's config.json is a model too (`--model FOLDER`).
   if (std::filesystem::exists(std::filesystem::path(o.path) / "config.json")) {
@@ -130,11 +131,12 @@ void PrintShow(const nlohmann::json& r) {
   }
   std::printf(
       "MoE: %s naming, %d layers from transformer layer %d, %d experts of hidden %lld x intermediate %lld "
-      "(%s), shared experts' intermediate %lld, correction bias %s%s\n",
+      "(%s), shared experts' intermediate %lld%s, correction bias %s%s\n",
       r["naming"].get<std::string>().c_str(), r["moe_layers"].get<int>(), r["first_moe_layer"].get<int>(),
       r["num_experts"].get<int>(), static_cast<long long>(r["hidden"].get<int64_t>()),
       static_cast<long long>(r["expert_intermediate"].get<int64_t>()), r["expert_dtype"].get<std::string>().c_str(),
-      static_cast<long long>(r["shared_intermediate"].get<int64_t>()), r["correction_bias"].get<bool>() ? "yes" : "no",
+      static_cast<long long>(r["shared_intermediate"].get<int64_t>()),
+      r["shared_output_gate"].get<bool>() ? " (its output gated)" : "", r["correction_bias"].get<bool>() ? "yes" : "no",
       r["expert_bias"].get<bool>() ? ", router and expert biases" : "");
   for (const auto& name : r["presets"]) std::printf("fits --model %s\n", name.get<std::string>().c_str());
   if (r.contains("config_json")) {
