@@ -17,6 +17,26 @@ using epmoe::testing::RunCommand;
 
 const std::string kShape = " --model deepseek-v3 --hidden 64 --intermediate 32 --layers 2";
 
+// `epmoe run --option all --check` with `args` on two ranks: every option runs and matches the
+// single-process layer. Returns the report (empty when the run failed).
+nlohmann::json RunEveryOptionOnTwoRanks(const std::string& args) {
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 2 ";
+  const CommandResult run = RunCommand(
+      mpirun + EpmoeBinary() + " run --option all --check --tokens 9 --steps 2 --no-progress --format json" + args,
+      false);
+  EXPECT_EQ(run.exit_code, 0) << run.out;
+  if (run.exit_code != 0) return {};
+  const auto j = nlohmann::json::parse(run.out);
+  EXPECT_EQ(j["options"].size(), 5u);
+  for (const auto& o : j["options"]) {
+    EXPECT_FALSE(o.contains("refused")) << o.dump();
+    EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2) << o["option"];
+  }
+  return j;
+}
+
 class CheckpointCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -69,22 +89,8 @@ TEST_F(CheckpointCli, LayerReadsTheSameWeights) {
 // Every option's ranks read their experts from the checkpoint: the reference (the single-process
 // layer packed from it) would differ from synthetic weights of the run's seed, 5.
 TEST_F(CheckpointCli, RunOnTwoRanksReadsEachRanksExperts) {
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
-      "mpirun --oversubscribe --bind-to none -np 2 ";
-  const CommandResult run = RunCommand(mpirun + EpmoeBinary() +
-                                           " run --option all --check --tokens 9 --steps 2 --no-progress --seed 5 "
-                                           "--format json --weights " +
-                                           dir_ + kShape,
-                                       false);
-  ASSERT_EQ(run.exit_code, 0) << run.out;
-  const auto j = nlohmann::json::parse(run.out);
+  const auto j = RunEveryOptionOnTwoRanks(" --seed 5 --weights " + dir_ + kShape);
   EXPECT_EQ(j["weights"]["source"], "checkpoint");
-  ASSERT_EQ(j["options"].size(), 5u);
-  for (const auto& o : j["options"]) {
-    ASSERT_FALSE(o.contains("refused")) << o.dump();
-    EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2) << o["option"];
-  }
 }
 
 // gpt-oss as it ships (MXFP4 experts, router and expert biases, its clamped SwiGLU), its folder the
@@ -101,21 +107,7 @@ TEST(CheckpointCliGptOss, Mxfp4CheckpointRunsEveryOption) {
                  false);
   ASSERT_EQ(write.exit_code, 0) << write.out;
   EXPECT_EQ(nlohmann::json::parse(write.out)["naming"], "gpt_oss");
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
-      "mpirun --oversubscribe --bind-to none -np 2 ";
-  const CommandResult run = RunCommand(mpirun + EpmoeBinary() +
-                                           " run --option all --check --tokens 9 --steps 2 --no-progress --routing "
-                                           "scores --weight-format mxfp4 --format json --model " +
-                                           dir + " --weights " + dir,
-                                       false);
-  ASSERT_EQ(run.exit_code, 0) << run.out;
-  const auto j = nlohmann::json::parse(run.out);
-  ASSERT_EQ(j["options"].size(), 5u);
-  for (const auto& o : j["options"]) {
-    ASSERT_FALSE(o.contains("refused")) << o.dump();
-    EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2) << o["option"];
-  }
+  RunEveryOptionOnTwoRanks(" --routing scores --weight-format mxfp4 --model " + dir + " --weights " + dir);
   const CommandResult layer = RunCommand(
       EpmoeBinary() + " layer --tokens 16 --steps 1 --weight-format mxfp4 --check --model " + dir + " --weights " + dir,
       false);
