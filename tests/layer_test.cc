@@ -116,6 +116,21 @@ TEST(GptOss, ClampedActivationAndBiasesMatchTheNaiveLoop) {
   }
 }
 
+// A shared output gate the model does not have, or none where it has one, is refused.
+TEST(SharedOutputGate, OfTheWrongLengthIsRefused) {
+  const ModelConfig m = ScaledModel(*LoadModel("qwen3-next-80b-a3b"), 64, 32);
+  MoeLayerWeights w = MakeSyntheticLayer(m, 0, 3);
+  ASSERT_EQ(w.shared_output_gate.size(), 64u);
+  w.shared_output_gate.pop_back();
+  auto layer = MoeLayer::Create(m, w, PackOptions{});
+  ASSERT_FALSE(layer.ok());
+  EXPECT_NE(layer.status().message().find("a shared output gate of 63 values"), std::string::npos);
+  ModelConfig ungated = m;
+  ungated.shared_output_gate = false;
+  w.shared_output_gate.push_back(0.0f);
+  EXPECT_FALSE(MoeLayer::Create(ungated, w, PackOptions{}).ok());
+}
+
 // Packed expert by expert, on a pool, the synthetic layer routes and computes exactly as the layer
 // packed from MakeSyntheticLayer's weights (shared experts and correction bias included).
 TEST_P(EveryPreset, SyntheticLayerPackedAsMadeIsTheSameLayer) {

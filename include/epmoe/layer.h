@@ -41,6 +41,9 @@ struct MoeLayerWeights {
 // scales[r] = sigmoid(rows.row(r) . gate), into *scales (rows.rows values). Without one (gate
 // empty), every factor is 1.
 void SharedOutputScales(std::span<const float> gate, const Matrix& rows, std::vector<float>* scales);
+// Refuses a layer's shared output gate of another length than the model's (hidden values when the
+// model has one, none otherwise).
+Status CheckSharedOutputGate(const ModelConfig& model, const MoeLayerWeights& routing);
 
 // Synthetic weights for MoE layer `layer` (see synthetic.h): deterministic from the seed.
 MoeLayerWeights MakeSyntheticLayer(const ModelConfig& model, int layer, uint64_t seed, ThreadPool* pool = nullptr);

@@ -110,9 +110,9 @@ struct Located {
   // first); `scale` is F8_E4M3 [rows x cols / 16] and global_scale the tensor's weight_scale_2.
   bool nvfp4 = false;
   float global_scale = 1.0f;
-  // MXFP4 as gpt-oss stores it: U8 blocks [..., rows, cols / 32, 16], two E2M1 values a byte (low
-  // nibble first); `scale` is U8 [..., rows, cols / 32], E8M0 codes (2^(code - 127)).
-  bool mxfp4 = false;
+  // gpt-oss's MXFP4 blocks (CheckMxfp4) keep their `scale` here too: U8 [experts, rows, cols / 32]
+  // E8M0 codes beside U8 [experts, rows, cols / 32, 16] codes, two E2M1 values a byte (low nibble
+  // first); ReadMxfp4Row reads them.
 };
 
 // The mapped files of a checkpoint and its tensors by name; Open checks the ones a model needs.
@@ -237,7 +237,6 @@ struct Index {
     if (scales == nullptr || scales->info->dtype != TensorDtype::kU8 || scales->info->shape != scale_shape)
       return InvalidArgument(
           fmt::format("{} is MXFP4 but its \"{}\" is not U8 {}", where, scales_name, ShapeText(scale_shape)));
-    t.mxfp4 = true;
     t.scale_file = scales->file;
     t.scale = scales->info;
     return Status::Ok();
@@ -906,7 +905,7 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
       EPMOE_RETURN_IF_ERROR(shard.Add(names.Shared(kDown), {h, all}, down.data, dtype));
     }
     if (model.shared_output_gate)
-      EPMOE_RETURN_IF_ERROR(shard.Add(names.SharedOutputGate(), {1, h}, routing.shared_output_gate, dtype));
+      EPMOE_RETURN_IF_ERROR(shard.Add(names.SharedOutputGate(), {1, h}, routing.shared_output_gate, value_dtype));
     // Experts are made and encoded in parallel, a file's worth at a time.
     const int64_t expert_bytes = 3 * h * inter * TensorDtypeBytes(dtype);
     const int per_file = static_cast<int>(std::max<int64_t>(1, kShardBytes / expert_bytes));

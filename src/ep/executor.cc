@@ -185,6 +185,7 @@ Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& mod
   const std::shared_ptr<const WeightSource> source = Weights(model, options);
   for (int layer = 0; layer < options.num_layers; ++layer) {
     EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, source->Routing(layer, nullptr));
+    EPMOE_RETURN_IF_ERROR(CheckSharedOutputGate(model, routing));
     gates[layer] = std::move(routing.shared_output_gate);
   }
   return gates;

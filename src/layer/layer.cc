@@ -98,6 +98,14 @@ void SharedOutputScales(std::span<const float> gate, const Matrix& rows, std::ve
   }
 }
 
+Status CheckSharedOutputGate(const ModelConfig& model, const MoeLayerWeights& routing) {
+  const size_t expected = model.shared_output_gate ? static_cast<size_t>(model.hidden) : 0;
+  if (routing.shared_output_gate.size() != expected)
+    return InvalidArgument(fmt::format("layer {}: a shared output gate of {} values, {} has {}", routing.layer,
+                                       routing.shared_output_gate.size(), model.name, expected));
+  return Status::Ok();
+}
+
 GatedActivation ActivationOf(const ModelConfig& model) {
   GatedActivation activation;
   if (model.activation == Activation::kSwiGluOai) {
@@ -263,6 +271,7 @@ void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted
 Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, const MoeLayerWeights& weights,
                                                    const PackOptions& given) {
   const PackOptions options = ForModel(model, given);
+  EPMOE_RETURN_IF_ERROR(CheckSharedOutputGate(model, weights));
   if (static_cast<int>(weights.experts.size()) != model.num_experts)
     return InvalidArgument(
         fmt::format("layer: {} experts given, the model has {}", weights.experts.size(), model.num_experts));
@@ -286,6 +295,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
                                                    int layer_index, const PackOptions& given) {
   const PackOptions options = ForModel(model, given);
   EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, source.Routing(layer_index, options.pool));
+  EPMOE_RETURN_IF_ERROR(CheckSharedOutputGate(model, routing));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
   layer->router_ = std::move(routing.router);
