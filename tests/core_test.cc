@@ -25,7 +25,7 @@ namespace {
 
 TEST(ModelPresets, EveryPresetLoadsAndValidates) {
   const auto names = ListModelPresets();
-  EXPECT_EQ(names.size(), 8u);
+  EXPECT_EQ(names.size(), 9u);
   for (const auto& name : names) {
     auto m = LoadModel(name);
     ASSERT_TRUE(m.ok()) << name << ": " << m.status().ToString();
@@ -155,6 +155,12 @@ TEST(HfConfig, ReadsAsThePresetOfTheSameModel) {
            "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
            "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": true, "decoder_sparse_step": 1,
            "mlp_only_layers": [], "num_hidden_layers": 48})"},
+      {"deepseek-v2-lite",
+       R"({"model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+           "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+           "num_hidden_layers": 27, "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy",
+           "n_group": 1, "topk_group": 1, "norm_topk_prob": false, "routed_scaling_factor": 1.0,
+           "scoring_func": "softmax"})"},
       {"deepseek-v3",
        R"({"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
            "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
@@ -222,6 +228,46 @@ TEST(HfConfig, EveryPresetRoundTrips) {
   ModelConfig grouped_softmax = *LoadModel("qwen3-30b-a3b");
   grouped_softmax.num_expert_groups = 4;  // no model type has group-limited softmax routing
   EXPECT_FALSE(ModelToHfConfig(grouped_softmax).ok());
+}
+
+// DeepSeek-V2 (236B): group-limited greedy, groups ranked by their best score; not renormalized, so
+// scaled by routed_scaling_factor. It writes back as deepseek_v2 and reads the same again.
+TEST(HfConfig, DeepSeekV2GroupLimitedGreedy) {
+  auto v2 = ParseModel(
+      R"({"model_type": "deepseek_v2", "hidden_size": 5120, "intermediate_size": 12288,
+          "moe_intermediate_size": 1536, "n_routed_experts": 160, "n_shared_experts": 2, "num_experts_per_tok": 6,
+          "num_hidden_layers": 60, "first_k_dense_replace": 1, "topk_method": "group_limited_greedy",
+          "n_group": 8, "topk_group": 3, "norm_topk_prob": false, "routed_scaling_factor": 16.0,
+          "scoring_func": "softmax"})",
+      "config.json");
+  ASSERT_TRUE(v2.ok()) << v2.status().ToString();
+  EXPECT_EQ(v2->num_expert_groups, 8);
+  EXPECT_EQ(v2->topk_groups, 3);
+  EXPECT_EQ(v2->group_rank_experts, 1);
+  EXPECT_EQ(v2->scoring, Scoring::kSoftmax);
+  EXPECT_FALSE(v2->renormalize);
+  EXPECT_DOUBLE_EQ(v2->routed_scaling, 16.0);
+  EXPECT_EQ(v2->num_shared_experts, 2);
+  EXPECT_EQ(v2->shared_intermediate, 1536);
+  auto written = ModelToHfConfig(*v2);
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  EXPECT_EQ(ModelToJson(*ParseModel(*written, "written")), ModelToJson(*v2));
+  // Renormalized, DeepSeek-V2 does not scale (DeepseekV2MoEGate), whatever the factor says.
+  auto normalized = ParseModel(
+      R"({"model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
+          "n_routed_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "norm_topk_prob": true,
+          "routed_scaling_factor": 2.5})",
+      "config.json");
+  ASSERT_TRUE(normalized.ok()) << normalized.status().ToString();
+  EXPECT_DOUBLE_EQ(normalized->routed_scaling, 1.0);
+  EXPECT_NE(ParseModel(R"({"model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 64,
+                            "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                            "num_hidden_layers": 2, "scoring_func": "sigmoid"})",
+                       "config.json")
+                .status()
+                .message()
+                .find("scoring_func 'sigmoid' with topk_method 'greedy' is not modelled"),
+            std::string::npos);
 }
 
 // Kimi K2's config.json: DeepSeek-V3's architecture and fields under model_type kimi_k2.

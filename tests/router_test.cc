@@ -116,6 +116,24 @@ TEST(Router, GroupLimitedTopkRanksGroupsByTheirTwoBestScores) {
   EXPECT_EQ(picks.expert(0, 0), 0);
 }
 
+// DeepSeek-V2's group-limited greedy ranks groups by their best score alone: a group with one high
+// score beats a group with two middling ones, which the sum of the best two would prefer.
+TEST(Router, GroupsRankedByTheirBestScore) {
+  ModelConfig m = TinyModel(Scoring::kSoftmaxTopk, 8, 2);
+  m.num_expert_groups = 2;
+  m.topk_groups = 1;
+  const Matrix logits = Logits({{3.0f, 0, 0, 0, 2.5f, 2.5f, 0, 0}});  // group 0: best 3; group 1: 2.5 + 2.5
+  Picks picks;
+  m.group_rank_experts = 1;
+  ASSERT_TRUE(Router(m).RouteLogits(logits, {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 0);  // group 0 chosen: expert 0, then a 0-logit expert of group 0
+  EXPECT_EQ(picks.expert(0, 1), 1);
+  m.group_rank_experts = 2;
+  ASSERT_TRUE(Router(m).RouteLogits(logits, {}, &picks).ok());
+  EXPECT_EQ(picks.expert(0, 0), 4);  // group 1 chosen
+  EXPECT_EQ(picks.expert(0, 1), 5);
+}
+
 TEST(Router, TiesBreakTowardTheLowerExpertId) {
   const ModelConfig m = TinyModel(Scoring::kSoftmax, 6, 3);
   Picks picks;

@@ -49,6 +49,8 @@ struct ModelConfig {
   bool correction_bias = false;  // sigmoid only: a bias added to scores for choosing
   int num_expert_groups = 1;     // experts split into this many groups (1: no group limit)
   int topk_groups = 1;           // groups a row may choose from
+  int group_rank_experts = 2;    // groups are ranked by the sum of their best this many scores
+                                 // (DeepSeek-V3: 2; DeepSeek-V2's group-limited greedy: 1, the max)
   bool renormalize = false;      // scale the k weights of a row to sum to 1
   double routed_scaling = 1.0;   // routed experts' weighted sum is multiplied by this
   bool router_bias = false;      // the router's logits have a bias of their own (gpt-oss)
@@ -68,12 +70,13 @@ Status ValidateModel(const ModelConfig& model, std::string_view source);
 
 // Loads a preset by name (see ListModelPresets) or a JSON file by path (anything ending in .json or
 // containing '/'), or a folder's config.json. Every field must be present except those added for
-// gpt-oss (router_bias, activation, swiglu_limit, expert_bias) and Qwen2-MoE (shared_output_gate):
-// absent, a model has none of them. Errors name the file and the field.
+// gpt-oss (router_bias, activation, swiglu_limit, expert_bias), Qwen2-MoE (shared_output_gate) and
+// DeepSeek-V2 (group_rank_experts, 2 when absent): absent, a model has none of them. Errors name the
+// file and the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
 // Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
-// "model_type": qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek_v3, kimi_k2 or
-// glm4_moe) is read too: its MoE
+// "model_type": qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek_v2, deepseek_v3,
+// kimi_k2 or glm4_moe) is read too: its MoE
 // sizes and the routing that model type's transformers code applies; the name is its
 // "_name_or_path", else its model_type.
 Result<ModelConfig> ParseModel(std::string_view json_text, std::string_view source);

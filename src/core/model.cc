@@ -130,11 +130,14 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
     return InvalidArgument(fmt::format("{}: field 'topk_groups' = {} exceeds num_expert_groups = {}", source,
                                        m.topk_groups, m.num_expert_groups));
   const int per_group = m.num_experts / m.num_expert_groups;
-  if (m.num_expert_groups > 1 && per_group < 2)
+  if (m.group_rank_experts < 1 || m.group_rank_experts > 2)
     return InvalidArgument(
-        fmt::format("{}: field 'num_expert_groups' = {} leaves fewer than 2 experts per group "
-                    "(groups are ranked by their two best scores)",
-                    source, m.num_expert_groups));
+        fmt::format("{}: field 'group_rank_experts' = {} (1 or 2 are modelled)", source, m.group_rank_experts));
+  if (m.num_expert_groups > 1 && per_group < m.group_rank_experts)
+    return InvalidArgument(
+        fmt::format("{}: field 'num_expert_groups' = {} leaves fewer than {} experts per group "
+                    "(groups are ranked by their best {} scores)",
+                    source, m.num_expert_groups, m.group_rank_experts, m.group_rank_experts));
   if (m.topk_groups * per_group < m.top_k)
     return InvalidArgument(fmt::format("{}: field 'topk_groups' = {} allows only {} experts, fewer than top_k = {}",
                                        source, m.topk_groups, m.topk_groups * per_group, m.top_k));
@@ -174,8 +177,8 @@ Status ReadOptionalField(const json& j, const char* key, std::string_view source
 }
 
 // The MoE part of a transformers config.json (model_type qwen3_moe, qwen2_moe, qwen3_next, olmoe,
-// mixtral, gpt_oss, deepseek_v3, kimi_k2 or glm4_moe), with the routing each model type's code
-// applies.
+// mixtral, gpt_oss, deepseek_v2, deepseek_v3, kimi_k2 or glm4_moe), with the routing each model
+// type's code applies.
 Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
   std::string type;
   EPMOE_RETURN_IF_ERROR(ReadField(j, "model_type", source, &type));
@@ -224,6 +227,45 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
       m.activation = Activation::kSwiGluOai;
       EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "swiglu_limit", source, &m.swiglu_limit, std::optional<double>(7.0)));
     }
+  } else if (type == "deepseek_v2" || type == "deepseek") {
+    // DeepSeek-V2, V2-Lite, V2.5 (DeepseekV2MoEGate) and DeepSeekMoE (deepseek, greedy): softmax
+    // over all experts; topk_method
+    // greedy, or group_limited_greedy (groups ranked by their best score); renormalized when
+    // norm_topk_prob says so, and only then not scaled by routed_scaling_factor.
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
+    m.shared_intermediate = m.num_shared_experts > 0 ? m.expert_intermediate : 0;
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
+    EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.dense_intermediate));
+    if (m.num_dense_layers == 0) m.dense_intermediate = 0;
+    std::string method = "greedy", scoring = "softmax";
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "topk_method", source, &method, std::optional<std::string>("greedy")));
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "scoring_func", source, &scoring, std::optional<std::string>("softmax")));
+    if (scoring != "softmax" || (method != "greedy" && method != "group_limited_greedy"))
+      return InvalidArgument(
+          fmt::format("{}: scoring_func '{}' with topk_method '{}' is not modelled for {} "
+                      "(softmax with greedy or group_limited_greedy is)",
+                      source, scoring, method, type));
+    if (method == "group_limited_greedy") {
+      EPMOE_RETURN_IF_ERROR(ReadField(j, "n_group", source, &m.num_expert_groups));
+      EPMOE_RETURN_IF_ERROR(ReadField(j, "topk_group", source, &m.topk_groups));
+      m.group_rank_experts = 1;
+    }
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(false)));
+    EPMOE_RETURN_IF_ERROR(
+        ReadOptionalField(j, "routed_scaling_factor", source, &m.routed_scaling, std::optional<double>(1.0)));
+    if (m.renormalize && m.top_k > 1) m.routed_scaling = 1.0;
+    m.scoring = Scoring::kSoftmax;
+    int layer_freq = 1;
+    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
+    if (layer_freq != 1)
+      return InvalidArgument(fmt::format(
+          "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
   } else if (type == "deepseek_v3" || type == "kimi_k2" || type == "glm4_moe") {
     // Kimi K2 is DeepSeek-V3's architecture under its own model_type.
     // Sigmoid scores with a correction bias for choosing, group-limited, renormalized and scaled.
@@ -257,8 +299,8 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
           "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
   } else {
     return InvalidArgument(fmt::format(
-        "{}: model_type '{}' is not read (qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek_v3, "
-        "kimi_k2, glm4_moe are; or write an epmoe model .json, see `epmoe model show`)",
+        "{}: model_type '{}' is not read (qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek, "
+        "deepseek_v2, deepseek_v3, kimi_k2, glm4_moe are; or write an epmoe model .json, see `epmoe model show`)",
         source, type));
   }
   EPMOE_RETURN_IF_ERROR(ValidateModel(m, source));
@@ -294,7 +336,8 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(ReadField(j, "topk_groups", source, &m.topk_groups));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "renormalize", source, &m.renormalize));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "routed_scaling", source, &m.routed_scaling));
-  // Fields added later (gpt-oss's, Qwen2-MoE's), optional: absent, a model has none of them.
+  // Fields added later (gpt-oss's, Qwen2-MoE's, DeepSeek-V2's), optional: absent, a model has none of
+  // them (DeepSeek-V3's group ranking).
   std::string activation = "swiglu";
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "router_bias", source, &m.router_bias, std::optional<bool>(false)));
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "activation", source, &activation, std::optional<std::string>("swiglu")));
@@ -302,6 +345,8 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "expert_bias", source, &m.expert_bias, std::optional<bool>(false)));
   EPMOE_RETURN_IF_ERROR(
       ReadOptionalField(j, "shared_output_gate", source, &m.shared_output_gate, std::optional<bool>(false)));
+  EPMOE_RETURN_IF_ERROR(
+      ReadOptionalField(j, "group_rank_experts", source, &m.group_rank_experts, std::optional<int>(2)));
   auto parsed_scoring = ParseScoring(scoring);
   if (!parsed_scoring.ok()) return parsed_scoring.status().WithContext(fmt::format("{}: field 'scoring'", source));
   m.scoring = *parsed_scoring;
@@ -331,6 +376,7 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
                                    "swiglu_limit",
                                    "expert_bias",
                                    "shared_output_gate",
+                                   "group_rank_experts",
                                    "description"};
     if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return it.key() == k; }) ==
         std::end(kKnown))
@@ -361,7 +407,8 @@ std::string ModelToJson(const ModelConfig& m) {
             {"activation", ActivationName(m.activation)},
             {"swiglu_limit", m.swiglu_limit},
             {"expert_bias", m.expert_bias},
-            {"shared_output_gate", m.shared_output_gate}};
+            {"shared_output_gate", m.shared_output_gate},
+            {"group_rank_experts", m.group_rank_experts}};
   return j.dump(2);
 }
 
@@ -372,15 +419,24 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
             {"hidden_size", m.hidden},
             {"num_hidden_layers", m.num_layers},
             {"num_experts_per_tok", m.top_k}};
+  // Every type but deepseek_v2 ranks expert groups by their best two (or has none).
+  const bool two_best = m.group_rank_experts == 2;
   const bool plain = m.num_shared_experts == 0 && m.num_dense_layers == 0 && m.num_expert_groups == 1 &&
                      m.routed_scaling == 1.0 && !m.correction_bias && !m.router_bias && !m.expert_bias &&
-                     m.activation == Activation::kSwiGlu;
+                     m.activation == Activation::kSwiGlu && two_best;
   const bool qwen2 = m.scoring == Scoring::kSoftmax && m.shared_output_gate && m.num_shared_experts == 1 &&
                      m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && !m.router_bias &&
-                     !m.expert_bias && m.activation == Activation::kSwiGlu;
+                     !m.expert_bias && m.activation == Activation::kSwiGlu && two_best;
   const bool gpt_oss = m.router_bias && m.expert_bias && m.activation == Activation::kSwiGluOai &&
                        m.scoring == Scoring::kSoftmaxTopk && !m.renormalize && m.num_shared_experts == 0 &&
-                       m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0;
+                       m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && two_best;
+  // DeepSeek-V2's gate: greedy (no groups), or groups ranked by their best score; scaled only when
+  // not renormalized.
+  const bool deepseek_v2 = m.scoring == Scoring::kSoftmax && !m.correction_bias && !m.router_bias && !m.expert_bias &&
+                           !m.shared_output_gate && m.activation == Activation::kSwiGlu &&
+                           (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate) &&
+                           (m.num_expert_groups == 1 ? two_best : m.group_rank_experts == 1) &&
+                           !(m.renormalize && m.top_k > 1 && m.routed_scaling != 1.0);
   if (qwen2) {
     j["model_type"] = "qwen2_moe";
     j["num_experts"] = m.num_experts;
@@ -401,8 +457,21 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["model_type"] = "mixtral";
     j["num_local_experts"] = m.num_experts;
     j["intermediate_size"] = m.expert_intermediate;
+  } else if (deepseek_v2) {
+    j["model_type"] = "deepseek_v2";
+    j["n_routed_experts"] = m.num_experts;
+    j["moe_intermediate_size"] = m.expert_intermediate;
+    j["n_shared_experts"] = m.num_shared_experts;
+    j["first_k_dense_replace"] = m.num_dense_layers;
+    j["intermediate_size"] = m.dense_intermediate;
+    j["topk_method"] = m.num_expert_groups == 1 ? "greedy" : "group_limited_greedy";
+    j["n_group"] = m.num_expert_groups;
+    j["topk_group"] = m.topk_groups;
+    j["norm_topk_prob"] = m.renormalize;
+    j["routed_scaling_factor"] = m.routed_scaling;
+    j["scoring_func"] = "softmax";
   } else if (m.scoring == Scoring::kSigmoid && m.correction_bias && !m.expert_bias && !m.shared_output_gate &&
-             m.activation == Activation::kSwiGlu &&
+             m.activation == Activation::kSwiGlu && two_best &&
              (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate)) {
     j["model_type"] = "deepseek_v3";
     j["n_routed_experts"] = m.num_experts;
@@ -418,7 +487,8 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["topk_method"] = "noaux_tc";
   } else {
     return InvalidArgument(fmt::format(
-        "{}: its routing and experts are none of qwen3_moe's, qwen2_moe's, mixtral's, gpt_oss's or deepseek_v3's",
+        "{}: its routing and experts are none of qwen3_moe's, qwen2_moe's, mixtral's, gpt_oss's, deepseek_v2's or "
+        "deepseek_v3's",
         m.name));
   }
   return j.dump(2);

@@ -216,8 +216,9 @@ Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Pi
     const std::vector<char>* mask = nullptr;
     if (groups > 1) {
       for (int g = 0; g < groups; ++g) {
-        TopK(choose.data() + g * per_group, per_group, 2, nullptr, ids);
-        group_score[g] = choose[g * per_group + ids[0]] + choose[g * per_group + ids[1]];
+        TopK(choose.data() + g * per_group, per_group, model_.group_rank_experts, nullptr, ids);
+        group_score[g] = 0;
+        for (int id : ids) group_score[g] += choose[g * per_group + id];
       }
       TopK(group_score.data(), groups, model_.topk_groups, nullptr, group_ids);
       std::fill(allowed.begin(), allowed.end(), 0);
