@@ -75,8 +75,8 @@ Status ValidateModel(const ModelConfig& model, std::string_view source);
 // file and the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
 // Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
-// "model_type": qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek_v2, deepseek_v3,
-// kimi_k2 or glm4_moe) is read too: its MoE
+// "model_type": qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek, deepseek_v2,
+// deepseek_v3, kimi_k2 or glm4_moe) is read too: its MoE
 // sizes and the routing that model type's transformers code applies; the name is its
 // "_name_or_path", else its model_type.
 Result<ModelConfig> ParseModel(std::string_view json_text, std::string_view source);

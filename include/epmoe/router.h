@@ -1,10 +1,10 @@
 // Router (gating): which k experts each row meets, and with what weight.
 //
 // Scoring follows the model preset (softmax, softmax over the chosen, or sigmoid with a correction
-// bias used for choosing only, as DeepSeek-V3 does); then grouped top-k when the preset limits
-// groups (groups ranked by the sum of their best group_rank_experts scores, the best topk_groups
-// kept), optional
-// renormalization, and the routed scaling factor. Ties break toward the lower expert id. Rows or
+// bias used for choosing only, as DeepSeek-V3 does; gpt-oss adds a bias to the logits first); then
+// grouped top-k when the preset limits groups (groups ranked by the sum of their best
+// group_rank_experts scores, the best topk_groups kept), optional renormalization, and the routed
+// scaling factor. Ties break toward the lower expert id. Rows or
 // scores holding NaN or Inf are refused with the row and column named.
 // Simulated routing (round robin, uniform) and replayed picks produce the same Picks type.
 // Router is immutable after construction and thread-safe.

@@ -842,12 +842,14 @@ Status WriteWhole(const fs::path& path, const std::string& text) {
 Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
                        TensorDtype dtype, CheckpointNaming naming, ThreadPool* pool) {
   const bool mxfp4 = dtype == TensorDtype::kU8;
-  if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16 &&
-      !(mxfp4 && naming == CheckpointNaming::kGptOss))
+  if (mxfp4 && naming != CheckpointNaming::kGptOss)
     return InvalidArgument(
-        fmt::format("checkpoint: writes F32, BF16 or F16 (or U8, MXFP4 experts, with the gpt_oss "
-                    "naming), not {} with the {} naming",
-                    TensorDtypeName(dtype), CheckpointNamingName(naming)));
+        fmt::format("checkpoint: MXFP4 experts (U8 blocks) are written in the gpt_oss naming "
+                    "only, not {}",
+                    CheckpointNamingName(naming)));
+  if (dtype != TensorDtype::kF32 && dtype != TensorDtype::kBf16 && dtype != TensorDtype::kF16 && !mxfp4)
+    return InvalidArgument(
+        fmt::format("checkpoint: writes F32, BF16 or F16 (or U8: MXFP4 experts), not {}", TensorDtypeName(dtype)));
   EPMOE_RETURN_IF_ERROR(CheckLayers(model, num_layers, "checkpoint"));
   EPMOE_RETURN_IF_ERROR(CheckNaming(model, naming, "checkpoint"));
   if (mxfp4 && (model.hidden % 32 != 0 || model.expert_intermediate % 32 != 0))

@@ -177,8 +177,8 @@ Status ReadOptionalField(const json& j, const char* key, std::string_view source
 }
 
 // The MoE part of a transformers config.json (model_type qwen3_moe, qwen2_moe, qwen3_next, olmoe,
-// mixtral, gpt_oss, deepseek_v2, deepseek_v3, kimi_k2 or glm4_moe), with the routing each model
-// type's code applies.
+// mixtral, gpt_oss, deepseek, deepseek_v2, deepseek_v3, kimi_k2 or glm4_moe), with the routing each
+// model type's code applies.
 Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
   std::string type;
   EPMOE_RETURN_IF_ERROR(ReadField(j, "model_type", source, &type));

@@ -59,7 +59,7 @@ Status Write(const WriteOptions& o, nlohmann::json* report) {
              {"expert_intermediate", model.expert_intermediate},
              {"layers", o.layers},
              {"seed", o.seed},
-             {"dtype", TensorDtypeName(dtype)},
+             {"dtype", dtype == TensorDtype::kU8 ? "MXFP4" : TensorDtypeName(dtype)},
              {"naming", CheckpointNamingName(naming)},
              {"files", written->num_files()},
              {"file_bytes", written->file_bytes()},
