@@ -397,11 +397,12 @@ TEST_F(CheckpointTest, RefusesBrokenFolders) {
   { std::ofstream(Dir("model.safetensors.index.json")) << "{\"weight_map\": {\"a\": \"../x.safetensors\"}}"; }
   ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "is not a file in its folder");
   fs::remove(Dir("model.safetensors.index.json"));
-  // A file of a model whose naming is not read: the names looked for are given.
+  // A file of a model whose naming is not read (Llama 4's fused experts): the names looked for are
+  // given.
   std::vector<std::byte> bytes;
   ASSERT_TRUE(EncodeFloats(std::vector<float>(4, 1.0f), TensorDtype::kF32, &bytes).ok());
   const std::vector<TensorToWrite> other = {
-      {"model.layers.0.feed_forward.experts.gate_up_proj", TensorDtype::kF32, {4}, bytes}};  // Llama 4's
+      {"model.layers.0.feed_forward.experts.gate_up_proj", TensorDtype::kF32, {4}, bytes}};
   ASSERT_TRUE(WriteSafetensors(Dir("a.safetensors"), other).ok());
   ExpectError(Checkpoint::Open(Dir(), Scaled("qwen3-30b-a3b"), 1), "block_sparse_moe.experts.0.w1.weight");
   // The same tensor in two files.
@@ -431,8 +432,8 @@ TEST_F(CheckpointTest, RefusesWeightsItCannotRead) {
 
 // gpt-oss's layout written by hand, from transformers' dequantization (convert_moe_packed_tensors
 // then GptOssExperts): a [E, 2I, H/32, 16] block tensor is E x 2I rows of H values, the low nibble
-// value 2j of byte j, scaled by 2^(scale - 127) per 32; as [E, H, 2I] (transposed), gate is the even
-// columns and up the odd ones. Nothing here uses the writer.
+// value 2j of byte j, scaled by 2^(scale - 127) per 32; as [E, H, 2I] (transposed), gate is the
+// even columns and up the odd ones. Nothing here uses the writer.
 TEST_F(CheckpointTest, GptOssMxfp4LayoutReadsAsTransformersDequantizesIt) {
   ModelConfig model = Scaled("gpt-oss-20b", 64, 32);
   model.num_experts = 2;
@@ -561,15 +562,16 @@ TEST_F(CheckpointTest, GptOssWrittenInBothFormsReadsBack) {
   Matrix out, reference;
   ASSERT_TRUE((*layer)->Forward(rows, picks, &out, pool, nullptr).ok());
   ASSERT_TRUE(ReferenceMoeForward(model, *weights, rows, picks, &reference).ok());
-  EXPECT_LT(NormalizedMaxError(out, reference), 5e-2);  // int8 activations only: the weights are exact
+  // int8 activations are the only error: the weights read are exact.
+  EXPECT_LT(NormalizedMaxError(out, reference), 5e-2);
   // The MXFP4 form is for the gpt_oss naming only.
   EXPECT_FALSE(WriteCheckpoint(Dir("bad"), Scaled("qwen3-30b-a3b"), *synthetic, 1, TensorDtype::kU8,
                                CheckpointNaming::kMlpExperts)
                    .ok());
 }
 
-// Qwen2-MoE and Qwen3-Next: one shared expert named mlp.shared_expert (singular) and the gate on its
-// output, mlp.shared_expert_gate.weight [1 x hidden], read back exactly.
+// Qwen2-MoE and Qwen3-Next: one shared expert named mlp.shared_expert (singular) and the gate on
+// its output, mlp.shared_expert_gate.weight [1 x hidden], read back exactly.
 TEST_F(CheckpointTest, GatedSharedExpertOfQwenNext) {
   ModelConfig model = Scaled("qwen3-next-80b-a3b", 64, 32);
   model.num_experts = 16;

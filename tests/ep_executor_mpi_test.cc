@@ -40,9 +40,9 @@ ModelConfig TinyModel(int shared) {
   return m;
 }
 
-// gpt-oss's kind of layer: a router bias added to the logits, expert biases (sliced options carry the
-// down bias on the first slice only) and the clamped activation, its limit low enough to bite. The
-// intermediate size leaves mxfp4 whole blocks of 32 in each of 8 slices.
+// gpt-oss's kind of layer: a router bias added to the logits, expert biases (sliced options carry
+// the down bias on the first slice only) and the clamped activation, its limit low enough to bite.
+// The intermediate size leaves mxfp4 whole blocks of 32 in each of 8 slices.
 ModelConfig TinyGptOss() {
   ModelConfig m = TinyModel(0);
   m.expert_intermediate = 256;

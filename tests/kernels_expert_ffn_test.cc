@@ -165,8 +165,9 @@ TEST_P(KernelHarness, MatchesReferenceForEveryRowCount) {
   EXPECT_EQ(single.data, actual.data);
 }
 
-// gpt-oss's experts: a bias after each projection and the clamped activation (GatedActivation), with
-// a limit that the gate and up values often pass. Both paths; biases count in the stored bytes.
+// gpt-oss's experts: a bias after each projection and the clamped activation (GatedActivation),
+// with a limit that the gate and up values often pass. Both paths; biases count in the stored
+// bytes.
 TEST_P(KernelHarness, BiasesAndClampedActivationMatchReference) {
   const auto [format, isa] = GetParam();
   constexpr int64_t kHidden = 256, kInter = 192;

@@ -13,8 +13,8 @@ namespace {
 
 // Plain restatement of the layer, independent of the production code: for each row, for each pick,
 // the expert written out inline (SwiGLU, or gpt-oss's clamped form and biases as transformers'
-// GptOssExperts computes them); then the shared experts (scaled by their output gate where the model
-// has one, as transformers' Qwen2MoeSparseMoeBlock does).
+// GptOssExperts computes them); then the shared experts (scaled by their output gate where the
+// model has one, as transformers' Qwen2MoeSparseMoeBlock does).
 Matrix NaiveLayer(const ModelConfig& m, const MoeLayerWeights& w, const Matrix& rows, const Picks& picks) {
   Matrix out(rows.rows, m.hidden);
   const bool oai = m.activation == Activation::kSwiGluOai;

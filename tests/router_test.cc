@@ -122,7 +122,8 @@ TEST(Router, GroupsRankedByTheirBestScore) {
   ModelConfig m = TinyModel(Scoring::kSoftmaxTopk, 8, 2);
   m.num_expert_groups = 2;
   m.topk_groups = 1;
-  const Matrix logits = Logits({{3.0f, 0, 0, 0, 2.5f, 2.5f, 0, 0}});  // group 0: best 3; group 1: 2.5 + 2.5
+  // Group 0: best 3; group 1: 2.5 + 2.5.
+  const Matrix logits = Logits({{3.0f, 0, 0, 0, 2.5f, 2.5f, 0, 0}});
   Picks picks;
   m.group_rank_experts = 1;
   ASSERT_TRUE(Router(m).RouteLogits(logits, {}, &picks).ok());
@@ -200,8 +201,9 @@ TEST(Router, RouterBiasIsAddedToTheLogits) {
   ModelConfig m = TinyModel(Scoring::kSoftmaxTopk, 4, 2);
   m.router_bias = true;
   const Matrix rows = Logits({{1, 0, 0, 0}});
-  const Matrix weight = Logits({{3, 0, 0, 0}, {2, 0, 0, 0}, {1, 0, 0, 0}, {0, 0, 0, 0}});  // logits 3, 2, 1, 0
-  const std::vector<float> bias = {0, 0, 1.5f, 0};                                         // -> 3, 2, 2.5, 0
+  // Logits 3, 2, 1, 0; with the bias 3, 2, 2.5, 0.
+  const Matrix weight = Logits({{3, 0, 0, 0}, {2, 0, 0, 0}, {1, 0, 0, 0}, {0, 0, 0, 0}});
+  const std::vector<float> bias = {0, 0, 1.5f, 0};
   Picks picks;
   ASSERT_TRUE(Router(m).Route(rows, weight, bias, &picks).ok());
   EXPECT_EQ(picks.expert(0, 0), 0);

@@ -30,16 +30,18 @@ class ThreadPool;
 //                    mlp.shared_expert_gate.weight [1 x hidden]
 //   kBlockSparseMoe  Mixtral: model.layers.N.block_sparse_moe.gate.weight,
 //                    block_sparse_moe.experts.E.{w1,w3,w2}.weight (gate, up, down)
-//   kGptOss          gpt-oss: model.layers.N.mlp.router.{weight,bias}, and every expert of the layer
-//                    in mlp.experts.gate_up_proj_{blocks,scales,bias} (gate and up rows interleaved,
-//                    MXFP4: [E, 2I, H/32, 16] U8 codes, [E, 2I, H/32] U8 E8M0 scales) and
-//                    mlp.experts.down_proj_{blocks,scales,bias}; or, dequantized, gate_up_proj
-//                    [E, H, 2I] and down_proj [E, I, H] in a float dtype, as transformers holds them
+//   kGptOss          gpt-oss: model.layers.N.mlp.router.{weight,bias}, and every expert of
+//                    the layer in mlp.experts.gate_up_proj_{blocks,scales,bias} (gate and up
+//                    rows interleaved; MXFP4: [E, 2I, H/32, 16] U8 codes, [E, 2I, H/32] U8
+//                    E8M0 scales) and mlp.experts.down_proj_{blocks,scales,bias}; or,
+//                    dequantized, gate_up_proj [E, H, 2I] and down_proj [E, I, H] in a float
+//                    dtype, as transformers holds them
 // The shared experts of a model are one MLP of num_shared_experts x shared_intermediate rows in a
 // checkpoint; shared expert s is its slice [s x shared_intermediate, (s + 1) x
 // shared_intermediate).
 enum class CheckpointNaming { kMlpExperts, kBlockSparseMoe, kGptOss };
-const char* CheckpointNamingName(CheckpointNaming naming);  // "mlp.experts", "block_sparse_moe", "gpt_oss"
+// "mlp.experts", "block_sparse_moe", "gpt_oss"
+const char* CheckpointNamingName(CheckpointNaming naming);
 Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name);
 
 class Checkpoint final : public WeightSource {
@@ -99,8 +101,8 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path);
 bool CheckpointFits(const ModelConfig& model, const CheckpointSummary& summary);
 
 // Writes MoE layers 0 .. num_layers - 1 of `source` (router and its bias, experts, shared experts)
-// into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32, BF16 or F16;
-// or U8 with the gpt_oss naming: its experts in MXFP4 as gpt-oss ships them, the rest BF16):
+// into folder `dir` as a checkpoint named as `naming` says, its values in `dtype` (F32, BF16 or
+// F16; or U8 with the gpt_oss naming: its experts in MXFP4 as gpt-oss ships them, the rest BF16):
 // safetensors files of whole experts (gpt_oss: of whole layers), up to about 1 GB each, the
 // model.safetensors.index.json that names each tensor's file, and a config.json of the model with
 // the layers written (ModelToHfConfig; none for routing it cannot express). Files are written whole

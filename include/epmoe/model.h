@@ -56,7 +56,8 @@ struct ModelConfig {
   bool router_bias = false;      // the router's logits have a bias of their own (gpt-oss)
   Activation activation = Activation::kSwiGlu;
   double swiglu_limit = 0;   // kSwiGluOai: the clamp L (gpt-oss: 7); 0 otherwise
-  bool expert_bias = false;  // every routed expert projection (gate, up, down) adds a bias (gpt-oss)
+  // Every routed expert projection (gate, up, down) adds a bias (gpt-oss).
+  bool expert_bias = false;
 
   int num_moe_layers() const { return num_layers - num_dense_layers; }
 };
@@ -71,8 +72,8 @@ Status ValidateModel(const ModelConfig& model, std::string_view source);
 // Loads a preset by name (see ListModelPresets) or a JSON file by path (anything ending in .json or
 // containing '/'), or a folder's config.json. Every field must be present except those added for
 // gpt-oss (router_bias, activation, swiglu_limit, expert_bias), Qwen2-MoE (shared_output_gate) and
-// DeepSeek-V2 (group_rank_experts, 2 when absent): absent, a model has none of them. Errors name the
-// file and the field.
+// DeepSeek-V2 (group_rank_experts, 2 when absent): absent, a model has none of them. Errors name
+// the file and the field.
 Result<ModelConfig> LoadModel(std::string_view name_or_path);
 // Parses preset JSON text; `source` names it in errors. A Hugging Face config.json (it has a
 // "model_type": qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek, deepseek_v2,

@@ -70,8 +70,9 @@ struct LayerNames {
   }
   std::string CorrectionBias() const { return prefix + "mlp.gate.e_score_correction_bias"; }
   std::string RouterBias() const { return prefix + "mlp.router.bias"; }
-  // gpt-oss: every expert's gate and up projections in one tensor (rows interleaved: gate, up, gate,
-  // ...), and their down projections in another; `suffix` is "_blocks", "_scales", "_bias" or "".
+  // gpt-oss: every expert's gate and up projections in one tensor (rows interleaved: gate, up,
+  // gate, ...), and their down projections in another; `suffix` is "_blocks", "_scales", "_bias" or
+  // "".
   std::string GateUp(const char* suffix) const { return fmt::format("{}mlp.experts.gate_up_proj{}", prefix, suffix); }
   std::string Down(const char* suffix) const { return fmt::format("{}mlp.experts.down_proj{}", prefix, suffix); }
   std::string Expert(int expert, Projection projection) const {
@@ -726,9 +727,9 @@ struct Shard {
   }
 };
 
-// gpt-oss's experts of one layer, each tensor [experts, ...] of every expert in turn, encoded expert
-// by expert (on the pool's threads) into place: MXFP4 blocks and scales when dtype is U8, else
-// gate_up [E, H, 2I] and down [E, I, H] in dtype; the biases in BF16 (U8) or dtype.
+// gpt-oss's experts of one layer, each tensor [experts, ...] of every expert in turn, encoded
+// expert by expert (on the pool's threads) into place: MXFP4 blocks and scales when dtype is U8,
+// else gate_up [E, H, 2I] and down [E, I, H] in dtype; the biases in BF16 (U8) or dtype.
 Status AddGptOssExperts(const ModelConfig& model, const WeightSource& source, int layer, const LayerNames& names,
                         TensorDtype dtype, ThreadPool* pool, Shard* shard) {
   const int64_t e_count = model.num_experts, h = model.hidden, inter = model.expert_intermediate;
@@ -770,7 +771,8 @@ Status AddGptOssExperts(const ModelConfig& model, const WeightSource& source, in
       }
       std::copy(w.down_bias.begin(), w.down_bias.end(), down_bias.begin() + e * h);
       if (mxfp4) {
-        // Rows 2i and 2i + 1: gate and up row i; down row by row; h / 32 and inter / 32 blocks each.
+        // Rows 2i and 2i + 1: gate and up row i; down row by row; h / 32 and inter / 32 blocks
+        // each.
         for (int64_t i = 0; i < inter; ++i) {
           for (int half = 0; half < 2; ++half) {
             const int64_t row = e * 2 * inter + 2 * i + half;

@@ -199,7 +199,8 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(false)));
     m.scoring = Scoring::kSoftmax;
     if (qwen2) {
-      // One shared expert, its output scaled by sigmoid(shared_expert_gate . x) (Qwen2MoeSparseMoeBlock).
+      // One shared expert, its output scaled by sigmoid(shared_expert_gate . x)
+      // (Qwen2MoeSparseMoeBlock).
       EPMOE_RETURN_IF_ERROR(ReadField(j, "shared_expert_intermediate_size", source, &m.shared_intermediate));
       m.num_shared_experts = m.shared_intermediate > 0 ? 1 : 0;
       m.shared_output_gate = m.num_shared_experts > 0;
@@ -336,8 +337,8 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(ReadField(j, "topk_groups", source, &m.topk_groups));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "renormalize", source, &m.renormalize));
   EPMOE_RETURN_IF_ERROR(ReadField(j, "routed_scaling", source, &m.routed_scaling));
-  // Fields added later (gpt-oss's, Qwen2-MoE's, DeepSeek-V2's), optional: absent, a model has none of
-  // them (DeepSeek-V3's group ranking).
+  // Fields added later (gpt-oss's, Qwen2-MoE's, DeepSeek-V2's), optional: absent, a model has none
+  // of them (DeepSeek-V3's group ranking).
   std::string activation = "swiglu";
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "router_bias", source, &m.router_bias, std::optional<bool>(false)));
   EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "activation", source, &activation, std::optional<std::string>("swiglu")));

@@ -559,7 +559,8 @@ class A2aExecutor : public MoeExecutor {
   std::unique_ptr<DispatchTable> dispatch_;            // this rank's picks -> slots
   std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ and placement_
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
-  std::vector<std::vector<float>> shared_gates_;       // per layer; empty without a shared output gate
+  // Per layer; empty without a shared output gate.
+  std::vector<std::vector<float>> shared_gates_;
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
   int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;

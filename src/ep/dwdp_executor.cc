@@ -335,7 +335,8 @@ class DwdpExecutor : public MoeExecutor {
   std::vector<std::unique_ptr<ExpertStore>> owned_;   // per layer; null when a rank owns none
   Buffer buffers_[2];
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
-  std::vector<std::vector<float>> shared_gates_;      // per layer; empty without a shared output gate
+  // Per layer; empty without a shared output gate.
+  std::vector<std::vector<float>> shared_gates_;
 };
 
 }  // namespace

@@ -381,7 +381,8 @@ class GatherExecutor : public MoeExecutor {
   std::vector<std::vector<int32_t>> local_of_;  // sliced, hybrid
   bool shared_copied_ = false;
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
-  std::vector<std::vector<float>> shared_gates_;      // per layer; empty without a shared output gate
+  // Per layer; empty without a shared output gate.
+  std::vector<std::vector<float>> shared_gates_;
   std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_ and placement_
   struct Scratch {
     std::vector<uint8_t> send, recv;

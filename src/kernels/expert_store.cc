@@ -111,8 +111,8 @@ void QuantizeActivationRows(const MatrixKernel& kernel, const float* rows, int64
 
 // An expert's stored bytes as contiguous ranges (empty ones left out), in the one order that
 // export, import and MutableExpertParts share: per matrix (gate, up, down) its values, its scales
-// and, for nvfp4, its tensor scale; then the biases it has. Byte is std::byte, or const std::byte for
-// a const expert.
+// and, for nvfp4, its tensor scale; then the biases it has. Byte is std::byte, or const std::byte
+// for a const expert.
 template <class Byte, class Expert>
 std::vector<std::span<Byte>> PartsOf(Expert& expert) {
   std::vector<std::span<Byte>> parts;
@@ -326,7 +326,8 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
       float* rows_out = out + (first + r0) * hidden_ + item.n_begin;
       kernel.MatMul(expert.down, item.n_begin, item.n_end, mid_acts.data() + (first + r0) * mid_stride, n_rows,
                     rows_out, hidden_, down_writes);
-      // The bias after the product (streamed outputs are then read back: only models with biases pay).
+      // The bias after the product (streamed outputs are then read back: only models with biases
+      // pay).
       if (!expert.down_bias.empty()) {
         const float* bias = expert.down_bias.data() + item.n_begin;
         for (int64_t r = 0; r < n_rows; ++r)

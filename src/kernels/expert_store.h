@@ -1,14 +1,15 @@
 // KernelExpertStore: the ExpertStore of every weight format and instruction set. Packs each
 // expert's three matrices once into its matrix kernel's layout, and its biases in fp32; Run is the
 // grouped gated FFN over all local experts, in four parallel phases (quantize input rows, gate + up
-// + activation, quantize the intermediate rows, down). Two paths by rows per expert: decode (up to kDecodeMaxRows rows:
-// one pass over the expert's weights, split into small channel blocks so few experts still spread over every thread; a
-// thread takes runs of one expert's consecutive blocks and runs each run as one block, so that its weight reads stay
-// one sequential stream per matrix) and prefill (more rows: cache-blocked, row blocks sized for L2 and weight blocks
-// re-read from L2, register tiles inside). Immutable after construction; Run is thread-safe. Run keeps its scratch (the
-// step's rows in the kernel's format, the intermediate rows in fp32 and in the kernel's format) per calling thread
-// between calls, sized by the largest step that thread ran: a serving loop's steady state then
-// takes no page faults.
+// + activation, quantize the intermediate rows, down). Two paths by rows per expert: decode (up to
+// kDecodeMaxRows rows: one pass over the expert's weights, split into small channel blocks so few
+// experts still spread over every thread; a thread takes runs of one expert's consecutive blocks
+// and runs each run as one block, so that its weight reads stay one sequential stream per matrix)
+// and prefill (more rows: cache-blocked, row blocks sized for L2 and weight blocks re-read from L2,
+// register tiles inside). Immutable after construction; Run is thread-safe. Run keeps its scratch
+// (the step's rows in the kernel's format, the intermediate rows in fp32 and in the kernel's
+// format) per calling thread between calls, sized by the largest step that thread ran: a serving
+// loop's steady state then takes no page faults.
 #pragma once
 
 #include <functional>

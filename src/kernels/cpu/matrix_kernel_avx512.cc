@@ -428,8 +428,8 @@ inline __m512 ExpNonPositive(__m512 x) {
 }
 
 // GatedActivation over whole vectors of 16 only: returns how many values it did. The sigmoid comes
-// from exp(-|a|), a = alpha * g, so that nothing overflows. The clamps take the limit as their first
-// operand: MINPS / MAXPS return the second when either is NaN, so a NaN passes through.
+// from exp(-|a|), a = alpha * g, so that nothing overflows. The clamps take the limit as their
+// first operand: MINPS / MAXPS return the second when either is NaN, so a NaN passes through.
 int64_t ActivateAvx512(const float* gate, const float* up, const float* gate_bias, const float* up_bias, int64_t count,
                        const GatedActivation& activation, float* out) {
   const __m512 one = _mm512_set1_ps(1.0f), alpha = _mm512_set1_ps(activation.alpha);
