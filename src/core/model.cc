@@ -176,6 +176,28 @@ Status ReadOptionalField(const json& j, const char* key, std::string_view source
   return ReadField(j, key, source, out);
 }
 
+// The expert counts and sizes, shared experts and dense layers of a DeepSeek-style config.json
+// (deepseek, deepseek_v2, deepseek_v3, kimi_k2, glm4_moe); MoE layers interleaved with dense ones
+// (moe_layer_freq) are refused.
+Status ReadDeepSeekShape(const json& j, std::string_view source, ModelConfig* out) {
+  ModelConfig& m = *out;
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
+  EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
+  m.shared_intermediate = m.num_shared_experts > 0 ? m.expert_intermediate : 0;
+  EPMOE_RETURN_IF_ERROR(
+      ReadOptionalField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
+  EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.dense_intermediate));
+  if (m.num_dense_layers == 0) m.dense_intermediate = 0;
+  int layer_freq = 1;
+  EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
+  if (layer_freq != 1)
+    return InvalidArgument(fmt::format("{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled",
+                                       source, layer_freq));
+  return Status::Ok();
+}
+
 // The MoE part of a transformers config.json (model_type qwen3_moe, qwen2_moe, qwen3_next, olmoe,
 // mixtral, gpt_oss, deepseek, deepseek_v2, deepseek_v3, kimi_k2 or glm4_moe), with the routing each
 // model type's code applies.
@@ -230,19 +252,10 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
     }
   } else if (type == "deepseek_v2" || type == "deepseek") {
     // DeepSeek-V2, V2-Lite, V2.5 (DeepseekV2MoEGate) and DeepSeekMoE (deepseek, greedy): softmax
-    // over all experts; topk_method
-    // greedy, or group_limited_greedy (groups ranked by their best score); renormalized when
-    // norm_topk_prob says so, and only then not scaled by routed_scaling_factor.
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
-    EPMOE_RETURN_IF_ERROR(
-        ReadOptionalField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
-    m.shared_intermediate = m.num_shared_experts > 0 ? m.expert_intermediate : 0;
-    EPMOE_RETURN_IF_ERROR(
-        ReadOptionalField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.dense_intermediate));
-    if (m.num_dense_layers == 0) m.dense_intermediate = 0;
+    // over all experts; topk_method greedy, or group_limited_greedy (groups ranked by their best
+    // score); renormalized when norm_topk_prob says so, and only then not scaled by
+    // routed_scaling_factor.
+    EPMOE_RETURN_IF_ERROR(ReadDeepSeekShape(j, source, &m));
     std::string method = "greedy", scoring = "softmax";
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "topk_method", source, &method, std::optional<std::string>("greedy")));
     EPMOE_RETURN_IF_ERROR(
@@ -262,24 +275,10 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
         ReadOptionalField(j, "routed_scaling_factor", source, &m.routed_scaling, std::optional<double>(1.0)));
     if (m.renormalize && m.top_k > 1) m.routed_scaling = 1.0;
     m.scoring = Scoring::kSoftmax;
-    int layer_freq = 1;
-    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
-    if (layer_freq != 1)
-      return InvalidArgument(fmt::format(
-          "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
   } else if (type == "deepseek_v3" || type == "kimi_k2" || type == "glm4_moe") {
     // Kimi K2 is DeepSeek-V3's architecture under its own model_type.
     // Sigmoid scores with a correction bias for choosing, group-limited, renormalized and scaled.
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "n_routed_experts", source, &m.num_experts));
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "moe_intermediate_size", source, &m.expert_intermediate));
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "num_experts_per_tok", source, &m.top_k));
-    EPMOE_RETURN_IF_ERROR(
-        ReadOptionalField(j, "n_shared_experts", source, &m.num_shared_experts, std::optional<int>(0)));
-    m.shared_intermediate = m.num_shared_experts > 0 ? m.expert_intermediate : 0;
-    EPMOE_RETURN_IF_ERROR(
-        ReadOptionalField(j, "first_k_dense_replace", source, &m.num_dense_layers, std::optional<int>(0)));
-    EPMOE_RETURN_IF_ERROR(ReadField(j, "intermediate_size", source, &m.dense_intermediate));
-    if (m.num_dense_layers == 0) m.dense_intermediate = 0;
+    EPMOE_RETURN_IF_ERROR(ReadDeepSeekShape(j, source, &m));
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "n_group", source, &m.num_expert_groups, std::optional<int>(1)));
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "topk_group", source, &m.topk_groups, std::optional<int>(1)));
     EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "norm_topk_prob", source, &m.renormalize, std::optional<bool>(true)));
@@ -293,11 +292,6 @@ Result<ModelConfig> ParseHfConfig(const json& j, std::string_view source) {
           fmt::format("{}: scoring_func '{}' is not modelled for {} (sigmoid is)", source, scoring, type));
     m.scoring = Scoring::kSigmoid;
     m.correction_bias = true;
-    int layer_freq = 1;
-    EPMOE_RETURN_IF_ERROR(ReadOptionalField(j, "moe_layer_freq", source, &layer_freq, std::optional<int>(1)));
-    if (layer_freq != 1)
-      return InvalidArgument(fmt::format(
-          "{}: moe_layer_freq {}: MoE layers interleaved with dense ones are not modelled", source, layer_freq));
   } else {
     return InvalidArgument(fmt::format(
         "{}: model_type '{}' is not read (qwen3_moe, qwen2_moe, qwen3_next, olmoe, mixtral, gpt_oss, deepseek, "
