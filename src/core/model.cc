@@ -409,6 +409,24 @@ std::string ModelToJson(const ModelConfig& m) {
 
 std::vector<std::string> ListModelPresets() { return BuiltinConfigNames(embedded::kModelPresets); }
 
+namespace {
+
+// What DeepSeek-V2's and V3's config.json share, as ReadDeepSeekShape and their routing read it.
+void WriteDeepSeekFields(const ModelConfig& m, const char* model_type, json* j) {
+  (*j)["model_type"] = model_type;
+  (*j)["n_routed_experts"] = m.num_experts;
+  (*j)["moe_intermediate_size"] = m.expert_intermediate;
+  (*j)["n_shared_experts"] = m.num_shared_experts;
+  (*j)["first_k_dense_replace"] = m.num_dense_layers;
+  (*j)["intermediate_size"] = m.dense_intermediate;
+  (*j)["n_group"] = m.num_expert_groups;
+  (*j)["topk_group"] = m.topk_groups;
+  (*j)["norm_topk_prob"] = m.renormalize;
+  (*j)["routed_scaling_factor"] = m.routed_scaling;
+}
+
+}  // namespace
+
 Result<std::string> ModelToHfConfig(const ModelConfig& m) {
   json j = {{"_name_or_path", m.name},
             {"hidden_size", m.hidden},
@@ -453,31 +471,13 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     j["num_local_experts"] = m.num_experts;
     j["intermediate_size"] = m.expert_intermediate;
   } else if (deepseek_v2) {
-    j["model_type"] = "deepseek_v2";
-    j["n_routed_experts"] = m.num_experts;
-    j["moe_intermediate_size"] = m.expert_intermediate;
-    j["n_shared_experts"] = m.num_shared_experts;
-    j["first_k_dense_replace"] = m.num_dense_layers;
-    j["intermediate_size"] = m.dense_intermediate;
+    WriteDeepSeekFields(m, "deepseek_v2", &j);
     j["topk_method"] = m.num_expert_groups == 1 ? "greedy" : "group_limited_greedy";
-    j["n_group"] = m.num_expert_groups;
-    j["topk_group"] = m.topk_groups;
-    j["norm_topk_prob"] = m.renormalize;
-    j["routed_scaling_factor"] = m.routed_scaling;
     j["scoring_func"] = "softmax";
   } else if (m.scoring == Scoring::kSigmoid && m.correction_bias && !m.expert_bias && !m.shared_output_gate &&
              m.activation == Activation::kSwiGlu && two_best &&
              (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate)) {
-    j["model_type"] = "deepseek_v3";
-    j["n_routed_experts"] = m.num_experts;
-    j["moe_intermediate_size"] = m.expert_intermediate;
-    j["n_shared_experts"] = m.num_shared_experts;
-    j["first_k_dense_replace"] = m.num_dense_layers;
-    j["intermediate_size"] = m.dense_intermediate;
-    j["n_group"] = m.num_expert_groups;
-    j["topk_group"] = m.topk_groups;
-    j["norm_topk_prob"] = m.renormalize;
-    j["routed_scaling_factor"] = m.routed_scaling;
+    WriteDeepSeekFields(m, "deepseek_v3", &j);
     j["scoring_func"] = "sigmoid";
     j["topk_method"] = "noaux_tc";
   } else {
