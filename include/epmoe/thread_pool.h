@@ -56,4 +56,8 @@ class ThreadPool {
   bool poll_ = false;                               // threads <= cores
 };
 
+// pool->ParallelFor(n, grain, body) when a pool is given, else body(0, n) on the calling thread:
+// for the functions whose pool is optional.
+void ParallelFor(ThreadPool* pool, int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
+
 }  // namespace epmoe

@@ -804,11 +804,7 @@ Status AddGptOssExperts(const ModelConfig& model, const WeightSource& source, in
       failed[e] = status;
     }
   };
-  if (pool != nullptr) {
-    pool->ParallelFor(e_count, 1, encode);
-  } else {
-    encode(0, e_count);
-  }
+  ParallelFor(pool, e_count, 1, encode);
   for (const Status& status : failed) EPMOE_RETURN_IF_ERROR(status);
   if (mxfp4) {
     shard->AddEncoded(names.GateUp("_blocks"), TensorDtype::kU8, {e_count, 2 * inter, h / 32, 16}, std::move(gate_up));
@@ -928,11 +924,7 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
           failed[i] = status;
         }
       };
-      if (pool != nullptr) {
-        pool->ParallelFor(count, 1, encode);
-      } else {
-        encode(0, count);
-      }
+      ParallelFor(pool, count, 1, encode);
       for (int i = 0; i < count; ++i) {
         EPMOE_RETURN_IF_ERROR(failed[i]);
         if (shard.size > 0 && shard.size + experts[i].size > kShardBytes) EPMOE_RETURN_IF_ERROR(write(shard));

@@ -63,11 +63,7 @@ Matrix SyntheticMatrix(uint64_t seed, const SyntheticTensor& tensor, ThreadPool*
   auto fill = [&](int64_t begin, int64_t end) {
     FillSynthetic(seed, tensor, begin, end - begin, 0, tensor.cols, m.row(begin));
   };
-  if (pool != nullptr) {
-    pool->ParallelFor(tensor.rows, 64, fill);
-  } else {
-    fill(0, tensor.rows);
-  }
+  ParallelFor(pool, tensor.rows, 64, fill);
   return m;
 }
 

@@ -130,4 +130,12 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(
   });
 }
 
+void ParallelFor(ThreadPool* pool, int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  if (pool != nullptr) {
+    pool->ParallelFor(n, grain, body);
+  } else {
+    body(0, n);
+  }
+}
+
 }  // namespace epmoe

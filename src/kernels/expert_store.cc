@@ -180,11 +180,7 @@ Result<std::unique_ptr<KernelExpertStore>> KernelExpertStore::Create(int count, 
       packed.down_bias = (*weights)->down_bias;
     }
   };
-  if (pool != nullptr) {
-    pool->ParallelFor(count, 1, pack_one);
-  } else {
-    pack_one(0, count);
-  }
+  ParallelFor(pool, count, 1, pack_one);
   for (const Status& s : errors) EPMOE_RETURN_IF_ERROR(s);
   return store;
 }

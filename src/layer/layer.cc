@@ -172,11 +172,7 @@ Result<MoeLayerWeights> LoadLayerWeights(const ModelConfig& model, const WeightS
     for (int64_t e = begin; e < end; ++e)
       failed[e] = source.ReadExpert(layer, static_cast<int>(e), 0, -1, &w.experts[e]);
   };
-  if (pool != nullptr) {
-    pool->ParallelFor(model.num_experts, 1, load);
-  } else {
-    load(0, model.num_experts);
-  }
+  ParallelFor(pool, model.num_experts, 1, load);
   for (const Status& status : failed) EPMOE_RETURN_IF_ERROR(status);
   w.shared.resize(model.num_shared_experts);
   for (int s = 0; s < model.num_shared_experts; ++s)

@@ -94,11 +94,7 @@ void ComputeLogits(const Matrix& rows, const Matrix& weight, Matrix* logits, Thr
       }
     }
   };
-  if (pool != nullptr) {
-    pool->ParallelFor(row_tiles * expert_tiles, 1, run);
-  } else {
-    run(0, row_tiles * expert_tiles);
-  }
+  ParallelFor(pool, row_tiles * expert_tiles, 1, run);
 }
 
 // The k best ids of `score` (length n) among those allowed, best first.
