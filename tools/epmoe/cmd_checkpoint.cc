@@ -162,9 +162,7 @@ void AddCheckpointCommand(CLI::App& app, int* exit_code) {
       "write",
       "Write a model's synthetic MoE layers (routers, experts, shared experts) as a checkpoint folder that "
       "`epmoe layer|run --weights` read");
-  cmd->add_option("--model", o->model,
-                  "Model: a preset name, a .json path, or a Hugging Face model folder (its config.json)")
-      ->capture_default_str();
+  cmd->add_option("--model", o->model, kModelOptionHelp)->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);

@@ -216,9 +216,7 @@ void PrintText(const nlohmann::json& r) {
 void AddLayerCommand(CLI::App& app, int* exit_code) {
   auto o = std::make_shared<LayerOptions>();
   auto* cmd = app.add_subcommand("layer", "Run T rows through N MoE layers in one process and report per layer");
-  cmd->add_option("--model", o->model,
-                  "Model: a preset name, a .json path, or a Hugging Face model folder (its config.json)")
-      ->capture_default_str();
+  cmd->add_option("--model", o->model, kModelOptionHelp)->capture_default_str();
   cmd->add_option("--tokens,-t", o->tokens, "Rows per step (T)")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--layers", o->layers, "MoE layers to run")->check(kPositive)->capture_default_str();
   cmd->add_option("--steps", o->steps, "Steps (each with new rows); times are medians over steps")

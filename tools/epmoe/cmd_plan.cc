@@ -1,16 +1,16 @@
 // `epmoe plan`: predicted kernel, communication and step time per option and EP size on a hardware
 // profile, from a trace or an even router, with the derived sizes of the model; `epmoe hardware`
 // lists and shows the profiles; AddPlanCommand also registers `epmoe calibrate`.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "epmoe/hardware.h"
@@ -18,6 +18,7 @@
 #include "epmoe/plan.h"
 #include "epmoe/trace.h"
 #include "output.h"
+#include "weights_option.h"
 
 namespace epmoe::cli {
 
@@ -580,9 +581,7 @@ int RunPlanCommand(const PlanFlags& f) {
 void AddPlanCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<PlanFlags>();
   auto* cmd = app.add_subcommand("plan", "Predict each option's kernel, communication and step time on a hardware profile");
-  cmd->add_option("--model", f->model,
-                  "Model: a preset name, a .json path, or a Hugging Face model folder (its config.json)")
-      ->required();
+  cmd->add_option("--model", f->model, kModelOptionHelp)->required();
   cmd->add_option("--hidden", f->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", f->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);

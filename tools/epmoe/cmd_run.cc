@@ -608,9 +608,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   auto o = std::make_shared<RunOptions>();
   auto* cmd = app.add_subcommand(
       "run", "Run MoE layers across MPI ranks (start under mpirun) with one option or all of them side by side");
-  cmd->add_option("--model", o->model,
-                  "Model: a preset name, a .json path, or a Hugging Face model folder (its config.json)")
-      ->capture_default_str();
+  cmd->add_option("--model", o->model, kModelOptionHelp)->capture_default_str();
   cmd->add_option("--option", o->options, "How rows meet experts: one, several comma separated (run in that order), or all")
       ->delimiter(',')
       ->check(CLI::IsMember({"sliced", "whole", "hybrid", "a2a", "dwdp", "all"}))

@@ -14,6 +14,10 @@
 
 namespace epmoe::cli {
 
+// The help of `--model`, in every command that takes one as LoadModel reads it.
+inline constexpr char kModelOptionHelp[] =
+    "Model: a preset name, a .json path, or a Hugging Face model folder (its config.json)";
+
 // The model of `--model` (a preset, a .json file or a checkpoint folder's config.json) with the
 // sizes of `--hidden` / `--intermediate` (0 keeps them), refused when it has fewer MoE layers than
 // `--layers`.
