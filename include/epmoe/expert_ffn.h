@@ -20,6 +20,7 @@
 
 #include "epmoe/matrix.h"
 #include "epmoe/status.h"
+#include "epmoe/synthetic.h"
 #include "epmoe/weight_format.h"
 
 namespace epmoe {
@@ -50,6 +51,13 @@ struct GatedActivation {
   float limit = std::numeric_limits<float>::infinity();
   float up_offset = 0.0f;
 };
+
+// The synthetic weights (synthetic.h) of expert `index` of a layer, or of the slice [begin, end) of
+// its intermediate dimension (end -1: to the end), written into *out as an ExpertMaker writes: its
+// gate, up and down of the given tensor kinds and, when `biased`, its biases (ExpertWeights: a
+// slice carries the down bias only when it starts at 0).
+void FillSyntheticExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer,
+                         int index, uint64_t seed, int64_t begin, int64_t end, bool biased, ExpertWeights* out);
 
 // Plain per-row expert FFN in fp32 with double accumulation: the reference every kernel is tested
 // against.

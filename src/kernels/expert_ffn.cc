@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "epmoe/cpu.h"
+#include "epmoe/synthetic.h"
 #include "kernels/expert_store.h"
 
 namespace epmoe {
@@ -33,6 +34,26 @@ void ReferenceExpertFfn(const ExpertWeights& expert, const GatedActivation& acti
     for (int64_t i = 0; i < inter; ++i) acc += static_cast<double>(expert.down.at(h, i)) * act[i];
     out[h] = static_cast<float>(acc);
   }
+}
+
+void FillSyntheticExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer, int index,
+                uint64_t seed, int64_t begin, int64_t end, bool biased, ExpertWeights* out) {
+  if (end < 0) end = inter;
+  const int64_t width = end - begin;
+  out->gate.Reshape(width, hidden);
+  out->up.Reshape(width, hidden);
+  out->down.Reshape(hidden, width);
+  FillSynthetic(seed, {gate, layer, index, inter, hidden}, begin, width, 0, hidden, out->gate.data.data());
+  FillSynthetic(seed, {up, layer, index, inter, hidden}, begin, width, 0, hidden, out->up.data.data());
+  FillSynthetic(seed, {down, layer, index, hidden, inter}, 0, hidden, begin, width, out->down.data.data());
+  out->gate_bias.resize(biased ? width : 0);
+  out->up_bias.resize(biased ? width : 0);
+  out->down_bias.resize(biased && begin == 0 ? hidden : 0);
+  if (!biased) return;
+  FillSynthetic(seed, {TensorKind::kExpertGateBias, layer, index, 1, inter}, 0, 1, begin, width, out->gate_bias.data());
+  FillSynthetic(seed, {TensorKind::kExpertUpBias, layer, index, 1, inter}, 0, 1, begin, width, out->up_bias.data());
+  if (begin == 0)
+    FillSynthetic(seed, {TensorKind::kExpertDownBias, layer, index, 1, hidden}, 0, 1, 0, hidden, out->down_bias.data());
 }
 
 namespace {

@@ -226,25 +226,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   // Each format packs the synthetic experts as they are made, one per thread at a time, so that the
   // whole layer never exists in fp32 (DeepSeek-V3's 256 experts: 45 GB).
   const ExpertMaker make_expert = [&o](int e, ExpertWeights* w) {
-    w->gate.Reshape(o.intermediate, o.hidden);
-    w->up.Reshape(o.intermediate, o.hidden);
-    w->down.Reshape(o.hidden, o.intermediate);
-    FillSynthetic(o.seed, {TensorKind::kExpertGate, 0, e, o.intermediate, o.hidden}, 0, o.intermediate, 0, o.hidden,
-                  w->gate.data.data());
-    FillSynthetic(o.seed, {TensorKind::kExpertUp, 0, e, o.intermediate, o.hidden}, 0, o.intermediate, 0, o.hidden,
-                  w->up.data.data());
-    FillSynthetic(o.seed, {TensorKind::kExpertDown, 0, e, o.hidden, o.intermediate}, 0, o.hidden, 0, o.intermediate,
-                  w->down.data.data());
-    w->gate_bias.resize(o.expert_bias ? o.intermediate : 0);
-    w->up_bias.resize(o.expert_bias ? o.intermediate : 0);
-    w->down_bias.resize(o.expert_bias ? o.hidden : 0);
-    if (o.expert_bias) {
-      FillSynthetic(o.seed, {TensorKind::kExpertGateBias, 0, e, 1, o.intermediate}, 0, 1, 0, o.intermediate,
-                    w->gate_bias.data());
-      FillSynthetic(o.seed, {TensorKind::kExpertUpBias, 0, e, 1, o.intermediate}, 0, 1, 0, o.intermediate,
-                    w->up_bias.data());
-      FillSynthetic(o.seed, {TensorKind::kExpertDownBias, 0, e, 1, o.hidden}, 0, 1, 0, o.hidden, w->down_bias.data());
-    }
+    FillSyntheticExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, o.hidden,
+                        o.intermediate, 0, e, o.seed, 0, -1, o.expert_bias, w);
     return Status::Ok();
   };
 

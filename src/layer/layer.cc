@@ -17,28 +17,6 @@ double MicrosSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Fills *out with the synthetic expert (or slice [begin, end)) of the given tensor kinds, with
-// biases when `biased` (ExpertWeights: a slice carries the down bias only when it starts at 0).
-void FillExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer, int index,
-                uint64_t seed, int64_t begin, int64_t end, bool biased, ExpertWeights* out) {
-  if (end < 0) end = inter;
-  const int64_t width = end - begin;
-  out->gate.Reshape(width, hidden);
-  out->up.Reshape(width, hidden);
-  out->down.Reshape(hidden, width);
-  FillSynthetic(seed, {gate, layer, index, inter, hidden}, begin, width, 0, hidden, out->gate.data.data());
-  FillSynthetic(seed, {up, layer, index, inter, hidden}, begin, width, 0, hidden, out->up.data.data());
-  FillSynthetic(seed, {down, layer, index, hidden, inter}, 0, hidden, begin, width, out->down.data.data());
-  out->gate_bias.resize(biased ? width : 0);
-  out->up_bias.resize(biased ? width : 0);
-  out->down_bias.resize(biased && begin == 0 ? hidden : 0);
-  if (!biased) return;
-  FillSynthetic(seed, {TensorKind::kExpertGateBias, layer, index, 1, inter}, 0, 1, begin, width, out->gate_bias.data());
-  FillSynthetic(seed, {TensorKind::kExpertUpBias, layer, index, 1, inter}, 0, 1, begin, width, out->up_bias.data());
-  if (begin == 0)
-    FillSynthetic(seed, {TensorKind::kExpertDownBias, layer, index, 1, hidden}, 0, 1, 0, hidden, out->down_bias.data());
-}
-
 Status CheckRows(const ModelConfig& model, const Matrix& rows, const Picks& picks) {
   if (rows.cols != model.hidden)
     return InvalidArgument(
@@ -75,7 +53,7 @@ MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64
 ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int expert, uint64_t seed, int64_t begin,
                                   int64_t end) {
   ExpertWeights w;
-  FillExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
+  FillSyntheticExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
              model.expert_intermediate, layer, expert, seed, begin, end, model.expert_bias, &w);
   return w;
 }
@@ -83,7 +61,7 @@ ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int exper
 ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int index, uint64_t seed, int64_t begin,
                                         int64_t end) {
   ExpertWeights w;
-  FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
+  FillSyntheticExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
              model.shared_intermediate, layer, index, seed, begin, end, false, &w);
   return w;
 }
@@ -142,12 +120,12 @@ class SyntheticSource final : public WeightSource {
     return MakeSyntheticRouting(model_, layer, seed_, pool);
   }
   Status ReadExpert(int layer, int expert, int64_t begin, int64_t end, ExpertWeights* out) const override {
-    FillExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model_.hidden,
+    FillSyntheticExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model_.hidden,
                model_.expert_intermediate, layer, expert, seed_, begin, end, model_.expert_bias, out);
     return Status::Ok();
   }
   Status ReadSharedExpert(int layer, int index, int64_t begin, int64_t end, ExpertWeights* out) const override {
-    FillExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model_.hidden,
+    FillSyntheticExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model_.hidden,
                model_.shared_intermediate, layer, index, seed_, begin, end, false, out);
     return Status::Ok();
   }
