@@ -434,20 +434,20 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
             {"num_experts_per_tok", m.top_k}};
   // Every type but deepseek_v2 ranks expert groups by their best two (or has none).
   const bool two_best = m.group_rank_experts == 2;
-  const bool plain = m.num_shared_experts == 0 && m.num_dense_layers == 0 && m.num_expert_groups == 1 &&
-                     m.routed_scaling == 1.0 && !m.correction_bias && !m.router_bias && !m.expert_bias &&
-                     m.activation == Activation::kSwiGlu && two_best;
-  const bool qwen2 = m.scoring == Scoring::kSoftmax && m.shared_output_gate && m.num_shared_experts == 1 &&
-                     m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && !m.router_bias &&
-                     !m.expert_bias && m.activation == Activation::kSwiGlu && two_best;
-  const bool gpt_oss = m.router_bias && m.expert_bias && m.activation == Activation::kSwiGluOai &&
-                       m.scoring == Scoring::kSoftmaxTopk && !m.renormalize && m.num_shared_experts == 0 &&
-                       m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && two_best;
+  // SwiGLU experts without biases behind a router without a logit bias: every type but gpt_oss.
+  const bool swiglu = !m.router_bias && !m.expert_bias && m.activation == Activation::kSwiGlu;
+  // No dense layers, expert groups or routed scaling: every type but the DeepSeek ones.
+  const bool flat = m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && two_best;
+  const bool plain = swiglu && flat && m.num_shared_experts == 0 && !m.correction_bias;
+  const bool qwen2 = swiglu && flat && m.scoring == Scoring::kSoftmax && m.shared_output_gate && m.num_shared_experts == 1;
+  const bool gpt_oss = flat && m.router_bias && m.expert_bias && m.activation == Activation::kSwiGluOai &&
+                       m.scoring == Scoring::kSoftmaxTopk && !m.renormalize && m.num_shared_experts == 0;
+  // DeepSeek's experts: shared ones as wide as the routed.
+  const bool deepseek = swiglu && !m.shared_output_gate &&
+                        (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate);
   // DeepSeek-V2's gate: greedy (no groups), or groups ranked by their best score; scaled only when
   // not renormalized.
-  const bool deepseek_v2 = m.scoring == Scoring::kSoftmax && !m.correction_bias && !m.router_bias && !m.expert_bias &&
-                           !m.shared_output_gate && m.activation == Activation::kSwiGlu &&
-                           (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate) &&
+  const bool deepseek_v2 = deepseek && m.scoring == Scoring::kSoftmax && !m.correction_bias &&
                            (m.num_expert_groups == 1 ? two_best : m.group_rank_experts == 1) &&
                            !(m.renormalize && m.top_k > 1 && m.routed_scaling != 1.0);
   if (qwen2) {
@@ -474,9 +474,7 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
     WriteDeepSeekFields(m, "deepseek_v2", &j);
     j["topk_method"] = m.num_expert_groups == 1 ? "greedy" : "group_limited_greedy";
     j["scoring_func"] = "softmax";
-  } else if (m.scoring == Scoring::kSigmoid && m.correction_bias && !m.expert_bias && !m.shared_output_gate &&
-             m.activation == Activation::kSwiGlu && two_best &&
-             (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate)) {
+  } else if (deepseek && m.scoring == Scoring::kSigmoid && m.correction_bias && two_best) {
     WriteDeepSeekFields(m, "deepseek_v3", &j);
     j["scoring_func"] = "sigmoid";
     j["topk_method"] = "noaux_tc";
