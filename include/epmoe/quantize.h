@@ -23,20 +23,6 @@
 
 namespace epmoe {
 
-// Round to nearest, ties to even. Inline: rows are encoded value by value on the exchange path (a
-// call per value there tripled the time of a bf16 row). Bf16FromFiniteFloat leaves out the NaN
-// check, for values known finite (rows are checked before they travel; the check cost a third).
-inline uint16_t Bf16FromFiniteFloat(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-inline uint16_t Bf16FromFloat(float value) {
-  const uint16_t quiet_nan = static_cast<uint16_t>((std::bit_cast<uint32_t>(value) >> 16) | 0x40);
-  return value != value ? quiet_nan : Bf16FromFiniteFloat(value);
-}
-inline float FloatFromBf16(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
 // x rounded to the nearest integer, ties to even: std::nearbyint's value in the default rounding
 // mode for |x| < 2^22 (only the sign of a zero may differ; kernels_quantize_test checks every float
 // from 0.5 to 200), without a library call. Adding 1.5 x 2^23 leaves no bits below the units, and

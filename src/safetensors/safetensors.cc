@@ -20,6 +20,8 @@
 #include <tuple>
 #include <unordered_set>
 
+#include "epmoe/weight_format.h"
+
 namespace epmoe {
 namespace {
 
@@ -81,10 +83,6 @@ std::string WithArticle(const char* type_name) {
 
 // ---- Number formats ----
 
-float BFloat16ToFloat(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
-
 // Exact for every code: normals rebias the exponent, infinities and NaNs keep theirs at the top,
 // subnormals are renormalized by one float subtraction (exact, and on normal fp32 numbers only, so
 // it holds when a process flushes denormals). The cases are chosen with masks, not branches or
@@ -101,15 +99,6 @@ float HalfToFloat(uint16_t half) {
       std::bit_cast<uint32_t>(std::bit_cast<float>(rebiased + (1u << 23)) - std::bit_cast<float>(113u << 23));
   const uint32_t bits = (rebiased & ~if_subnormal) | (renormalized & if_subnormal);
   return std::bit_cast<float>(bits | (half & 0x8000u) << 16);
-}
-
-uint16_t FloatToBFloat16(float value) {
-  uint32_t bits = std::bit_cast<uint32_t>(value);
-  // A NaN stays a NaN (made quiet, so that truncating its payload cannot turn it into infinity).
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  // Round to nearest even; a carry may reach infinity, as it should.
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 uint16_t FloatToHalf(float value) {
@@ -510,7 +499,7 @@ Status SafetensorsFile::ReadFloat(const TensorInfo& tensor, int64_t row_begin, i
     case TensorDtype::kF64: ConvertBlock<double>(block, cast); break;
     // Lambdas, not function pointers, so that the conversion inlines into the loop and vectorizes.
     case TensorDtype::kF16: ConvertBlock<uint16_t>(block, [](uint16_t half) { return HalfToFloat(half); }); break;
-    case TensorDtype::kBf16: ConvertBlock<uint16_t>(block, [](uint16_t bits) { return BFloat16ToFloat(bits); }); break;
+    case TensorDtype::kBf16: ConvertBlock<uint16_t>(block, [](uint16_t bits) { return FloatFromBf16(bits); }); break;
     case TensorDtype::kF8E4M3: {
       const std::array<float, 256>& values = E4M3Values();
       ConvertBlock<uint8_t>(block, [&](uint8_t code) { return values[code]; });
@@ -596,7 +585,7 @@ Status EncodeFloats(std::span<const float> values, TensorDtype dtype, std::vecto
       AppendEncoded<float>(
           values, [](float value) { return value; }, out);
       break;
-    case TensorDtype::kBf16: AppendEncoded<uint16_t>(values, FloatToBFloat16, out); break;
+    case TensorDtype::kBf16: AppendEncoded<uint16_t>(values, Bf16FromFloat, out); break;
     case TensorDtype::kF16: AppendEncoded<uint16_t>(values, FloatToHalf, out); break;
     default:
       return InvalidArgument(
