@@ -94,7 +94,7 @@ TEST(GptOss, ClampedActivationAndBiasesMatchTheNaiveLoop) {
   const MoeLayerWeights w = MakeSyntheticLayer(m, 0, 5, &pool);
   const Matrix rows = SyntheticRows(5, m, 0, 0, 40);
   Picks picks;
-  ASSERT_TRUE(Router(m).Route(rows, w.router, w.router_bias, &picks).ok());
+  ASSERT_TRUE(Router(m).Route(rows, *RouterWeights::Pack(w.router), w.router_bias, &picks).ok());
   const Matrix naive = NaiveLayer(m, w, rows, picks);
   ModelConfig unclamped = m;
   unclamped.swiglu_limit = 100;

@@ -1,11 +1,14 @@
 #include "epmoe/router.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
 
 #include "epmoe/thread_pool.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe {
 namespace {
@@ -20,6 +23,13 @@ ModelConfig TinyModel(Scoring scoring, int experts, int k) {
   m.num_layers = 1;
   m.scoring = scoring;
   return m;
+}
+
+// The router's weights packed as the layer packs them.
+RouterWeights Packed(const Matrix& weight) {
+  Result<RouterWeights> packed = RouterWeights::Pack(weight);
+  EXPECT_TRUE(packed.ok()) << packed.status().ToString();
+  return packed.ok() ? std::move(packed).value() : RouterWeights();
 }
 
 Matrix Logits(std::vector<std::vector<float>> rows) {
@@ -172,7 +182,7 @@ TEST(Router, RefusesNonFiniteRows) {
   Matrix rows(2, 4), weight(4, 4);
   rows.at(1, 3) = NAN;
   Picks picks;
-  const Status s = Router(m).Route(rows, weight, {}, &picks);
+  const Status s = Router(m).Route(rows, Packed(weight), {}, &picks);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("row 1 column 3"), std::string::npos) << s.message();
 }
@@ -191,7 +201,7 @@ TEST(Router, RouteComputesLogitsFromTheRouterMatrix) {
   Matrix rows = Logits({{1, 0, 0, 0}, {0, 0, 0, 2}});
   Matrix weight = Logits({{0, 0, 0, 1}, {1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 1, 0}});
   Picks picks;
-  ASSERT_TRUE(Router(m).Route(rows, weight, {}, &picks).ok());
+  ASSERT_TRUE(Router(m).Route(rows, Packed(weight), {}, &picks).ok());
   EXPECT_EQ(picks.expert(0, 0), 1);  // row 0 = e0, expert 1's weight is e0
   EXPECT_EQ(picks.expert(1, 0), 0);  // row 1 = 2 e3, expert 0's weight is e3
 }
@@ -205,15 +215,15 @@ TEST(Router, RouterBiasIsAddedToTheLogits) {
   const Matrix weight = Logits({{3, 0, 0, 0}, {2, 0, 0, 0}, {1, 0, 0, 0}, {0, 0, 0, 0}});
   const std::vector<float> bias = {0, 0, 1.5f, 0};
   Picks picks;
-  ASSERT_TRUE(Router(m).Route(rows, weight, bias, &picks).ok());
+  ASSERT_TRUE(Router(m).Route(rows, Packed(weight), bias, &picks).ok());
   EXPECT_EQ(picks.expert(0, 0), 0);
   EXPECT_EQ(picks.expert(0, 1), 2);
   const double a = std::exp(3.0), b = std::exp(2.5);
   EXPECT_NEAR(picks.weight(0, 0), a / (a + b), 1e-6);
   EXPECT_NEAR(picks.weight(0, 1), b / (a + b), 1e-6);
   const std::vector<float> short_bias = {0.1f};
-  EXPECT_EQ(Router(m).Route(rows, weight, short_bias, &picks).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(Router(m).Route(rows, weight, {}, &picks).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Router(m).Route(rows, Packed(weight), short_bias, &picks).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Router(m).Route(rows, Packed(weight), {}, &picks).code(), StatusCode::kInvalidArgument);
 }
 
 // The logits are computed in tiles of rows x experts spread over threads; a row's picks must not
@@ -228,10 +238,11 @@ TEST(Router, RouteDoesNotDependOnBatchTilesOrThreads) {
   for (float& v : rows.data) v = normal(rng);
   for (float& v : weight.data) v = normal(rng) * 0.02f;
   const Router router(m);
+  const RouterWeights packed = Packed(weight);
   Picks alone, pooled;
   ThreadPool pool(2);
-  ASSERT_TRUE(router.Route(rows, weight, {}, &alone).ok());
-  ASSERT_TRUE(router.Route(rows, weight, {}, &pooled, &pool).ok());
+  ASSERT_TRUE(router.Route(rows, packed, {}, &alone).ok());
+  ASSERT_TRUE(router.Route(rows, packed, {}, &pooled, &pool).ok());
   EXPECT_EQ(alone.experts, pooled.experts);
   EXPECT_EQ(alone.weights, pooled.weights);
   Matrix exact(rows.rows, m.num_experts);
@@ -239,7 +250,7 @@ TEST(Router, RouteDoesNotDependOnBatchTilesOrThreads) {
     Matrix one(1, m.hidden);
     std::copy(rows.row(r), rows.row(r) + m.hidden, one.row(0));
     Picks single;
-    ASSERT_TRUE(router.Route(one, weight, {}, &single, &pool).ok());
+    ASSERT_TRUE(router.Route(one, packed, {}, &single, &pool).ok());
     for (int j = 0; j < m.top_k; ++j) {
       EXPECT_EQ(single.expert(0, j), alone.expert(r, j)) << "row " << r;
       EXPECT_EQ(single.weight(0, j), alone.weight(r, j)) << "row " << r;
@@ -254,6 +265,96 @@ TEST(Router, RouteDoesNotDependOnBatchTilesOrThreads) {
   ASSERT_TRUE(router.RouteLogits(exact, {}, &from_exact).ok());
   EXPECT_EQ(from_exact.experts, alone.experts);
   for (size_t i = 0; i < alone.weights.size(); ++i) EXPECT_NEAR(from_exact.weights[i], alone.weights[i], 1e-5);
+}
+
+// The logits as RouterWeights promises them: each the fp32 sum of its products in input order, one
+// fused multiply-add each, with no packing, tiling or vectors in the way.
+Matrix SequentialFmaLogits(const Matrix& rows, const Matrix& weight) {
+  Matrix logits(rows.rows, weight.rows);
+  for (int64_t r = 0; r < rows.rows; ++r)
+    for (int64_t e = 0; e < weight.rows; ++e) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < rows.cols; ++c) sum = std::fma(weight.at(e, c), rows.at(r, c), sum);
+      logits.at(r, e) = sum;
+    }
+  return logits;
+}
+
+Matrix NormalMatrix(int64_t rows, int64_t cols, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  Matrix m(rows, cols);
+  for (float& v : m.data) v = normal(rng);
+  return m;
+}
+
+Matrix RoundedToBf16(Matrix m) {
+  for (float& v : m.data) v = FloatFromBf16(Bf16FromFloat(v));
+  return m;
+}
+
+// Every instruction set's logits have the bits of the plain sequential loop, in bf16 and fp32 packing,
+// whatever the rows per call (partial row tiles and work items), the threads and the shape: experts
+// that leave a partial 16-expert block or 4-block group, hidden sizes odd (bf16's padded last step),
+// past one 512-step chunk, or under one vector.
+TEST(RouterWeights, LogitsHaveTheBitsOfTheSequentialSumOnEveryInstructionSet) {
+  ThreadPool pool(2);
+  const std::pair<int64_t, int64_t> shapes[] = {{13, 4100}, {72, 2049}, {8, 31}, {130, 64}, {16, 1}, {1, 7}};
+  for (const auto& [experts, hidden] : shapes) {
+    const Matrix rows = NormalMatrix(70, hidden, 1.0f, 7);
+    for (const bool bf16 : {false, true}) {
+      const Matrix fp32_weight = NormalMatrix(experts, hidden, 0.05f, 8);
+      const Matrix weight = bf16 ? RoundedToBf16(fp32_weight) : fp32_weight;
+      const Matrix expected = SequentialFmaLogits(rows, weight);
+      for (const Isa isa : AllIsas()) {
+        if (!IsaSupported(isa)) continue;
+        const std::string where = fmt::format("{}x{} {} {}", experts, hidden, bf16 ? "bf16" : "fp32", IsaName(isa));
+        Result<RouterWeights> packed = RouterWeights::Pack(weight, IsaName(isa));
+        ASSERT_TRUE(packed.ok()) << where << ": " << packed.status().ToString();
+        EXPECT_EQ(packed->bf16(), bf16) << where;
+        for (const int64_t count : {int64_t{1}, int64_t{3}, int64_t{5}, int64_t{37}, int64_t{70}}) {
+          Matrix part(count, hidden);
+          std::copy(rows.data.begin(), rows.data.begin() + count * hidden, part.data.begin());
+          for (ThreadPool* threads : {static_cast<ThreadPool*>(nullptr), &pool}) {
+            Matrix logits;
+            packed->Logits(part, &logits, threads);
+            ASSERT_EQ(logits.rows, count);
+            ASSERT_EQ(logits.cols, experts);
+            for (int64_t i = 0; i < count * experts; ++i)
+              ASSERT_EQ(std::bit_cast<uint32_t>(logits.data[i]), std::bit_cast<uint32_t>(expected.data[i]))
+                  << where << ", " << count << " rows: row " << i / experts << " expert " << i % experts;
+          }
+        }
+      }
+    }
+  }
+}
+
+// bf16 packing reads half the bytes (the experts padded to a multiple of 16); weights that are not all
+// bf16 values stay fp32.
+TEST(RouterWeights, KeepsBf16ValuesInBf16AndOthersInFp32) {
+  const Matrix weight = NormalMatrix(40, 33, 0.05f, 9);
+  const Result<RouterWeights> fp32 = RouterWeights::Pack(weight);
+  ASSERT_TRUE(fp32.ok());
+  EXPECT_FALSE(fp32->bf16());
+  EXPECT_EQ(fp32->bytes(), 48 * 33 * 4);
+  EXPECT_EQ(fp32->experts(), 40);
+  EXPECT_EQ(fp32->hidden(), 33);
+  const Result<RouterWeights> bf16 = RouterWeights::Pack(RoundedToBf16(weight));
+  ASSERT_TRUE(bf16.ok());
+  EXPECT_TRUE(bf16->bf16());
+  EXPECT_EQ(bf16->bytes(), 48 * 34 * 2);
+  Matrix one_off = RoundedToBf16(weight);
+  one_off.at(39, 32) = std::nextafter(one_off.at(39, 32), 1.0f);
+  EXPECT_FALSE(RouterWeights::Pack(one_off)->bf16());
+}
+
+TEST(RouterWeights, RefusesAnEmptyMatrixAndUnknownInstructionSets) {
+  EXPECT_EQ(RouterWeights::Pack(Matrix(0, 8)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RouterWeights::Pack(Matrix(8, 0)).status().code(), StatusCode::kInvalidArgument);
+  const Result<RouterWeights> unknown = RouterWeights::Pack(Matrix(8, 8), "fast");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("fast"), std::string::npos) << unknown.status().message();
 }
 
 TEST(Router, ZeroRowsGiveNoPicks) {

@@ -1,4 +1,5 @@
-// CPU feature detection and the choice of instruction set for the expert kernels.
+// CPU feature detection and the choice of instruction set for the expert kernels and the router's
+// logits (RouterWeights, router.h).
 //
 // Kernels exist for an ordered list of instruction sets, best first: avx512 (F, BW, VL, DQ and
 // VNNI, as on Intel Cascade Lake and later and AMD Zen 4; its 4-bit kernels also need VBMI, its

@@ -145,7 +145,7 @@ class MoeLayer {
  private:
   MoeLayer() = default;
   ModelConfig model_;
-  Matrix router_;
+  RouterWeights router_;
   std::vector<float> router_bias_;
   std::vector<float> shared_output_gate_;
   std::unique_ptr<ExpertStore> routed_;

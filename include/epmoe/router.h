@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "epmoe/cpu.h"
 #include "epmoe/matrix.h"
 #include "epmoe/model.h"
 #include "epmoe/status.h"
@@ -50,6 +51,38 @@ enum class RoutingMode {
 const char* RoutingModeName(RoutingMode mode);
 Result<RoutingMode> ParseRoutingMode(std::string_view name);
 
+// A router's weight matrix [E x hidden], packed once for the logits: 16 experts per 64-byte vector,
+// four such blocks interleaved input by input, so that a tile of rows reads one stream. Kept in bf16
+// when every weight is a bf16 value (checkpoints store routers so; synthetic routers are drawn so),
+// which halves what a decode step reads, else in fp32: exact either way. A logit is the fp32 sum of
+// its inputs' products in input order, one fused multiply-add each, so it has the same bits on every
+// instruction set and for any batch, tiling and thread count: ranks routing their own rows pick as
+// one process routing them all. Immutable after packing; thread-safe.
+class RouterWeights {
+ public:
+  RouterWeights() = default;
+  // `isa`: "auto" (the best this CPU has) or a named instruction set, lowered to EPMOE_ISA (cpu.h).
+  // Fails on an empty matrix or an instruction set that cannot run here.
+  static Result<RouterWeights> Pack(const Matrix& weight, std::string_view isa = "auto");
+
+  int64_t experts() const { return experts_; }
+  int64_t hidden() const { return hidden_; }
+  bool bf16() const { return bf16_; }
+  Isa isa() const { return isa_; }
+  // What computing logits reads of the weights (experts padded to a multiple of 16).
+  int64_t bytes() const { return static_cast<int64_t>(packed_.size()); }
+
+  // logits = rows x weight^T ([rows x E]; rows.cols must be hidden()), on the pool's threads when
+  // one is given: tiles of up to 32 rows x 64 experts handed out to them.
+  void Logits(const Matrix& rows, Matrix* logits, ThreadPool* pool = nullptr) const;
+
+ private:
+  int64_t experts_ = 0, hidden_ = 0;
+  bool bf16_ = false;
+  Isa isa_ = Isa::kReference;
+  std::vector<uint8_t, CacheLineAllocator<uint8_t>> packed_;
+};
+
 class Router {
  public:
   explicit Router(const ModelConfig& model);
@@ -58,11 +91,10 @@ class Router {
   // correction bias) or empty.
   Status RouteLogits(const Matrix& logits, std::span<const float> correction_bias, Picks* picks) const;
 
-  // rows: [T x hidden]; router_weight: [E x hidden]. Computes logits = rows * router_weight^T (on
-  // the pool's threads when one is given; the result does not depend on it). `bias` is the layer's
-  // router bias (MoeLayerWeights::router_bias): with model.router_bias added to the logits (E
-  // values), else RouteLogits' correction bias.
-  Status Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> bias, Picks* picks,
+  // rows: [T x hidden]; weights: the router's [E x hidden]. Computes the logits (RouterWeights::
+  // Logits) and routes them. `bias` is the layer's router bias (MoeLayerWeights::router_bias): with
+  // model.router_bias added to the logits (E values), else RouteLogits' correction bias.
+  Status Route(const Matrix& rows, const RouterWeights& weights, std::span<const float> bias, Picks* picks,
                ThreadPool* pool = nullptr) const;
 
  private:

@@ -9,6 +9,7 @@
 
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe {
 namespace {
@@ -39,6 +40,9 @@ MoeLayerWeights MakeSyntheticRouting(const ModelConfig& model, int layer, uint64
   MoeLayerWeights w;
   w.layer = layer;
   w.router = SyntheticMatrix(seed, {TensorKind::kRouter, layer, 0, model.num_experts, model.hidden}, pool);
+  // bf16 values, as checkpoints store routers: RouterWeights then keeps them in bf16, as it does
+  // a checkpoint's, and a synthetic step reads what a real one does.
+  for (float& value : w.router.data) value = FloatFromBf16(Bf16FromFloat(value));
   if (model.correction_bias || model.router_bias) {
     const Matrix bias = SyntheticMatrix(seed, {TensorKind::kRouterBias, layer, 0, 1, model.num_experts});
     w.router_bias.assign(bias.data.begin(), bias.data.end());
@@ -251,7 +255,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
         fmt::format("layer: {} experts given, the model has {}", weights.experts.size(), model.num_experts));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
-  layer->router_ = weights.router;
+  EPMOE_ASSIGN_OR_RETURN(layer->router_, RouterWeights::Pack(weights.router, options.isa));
   layer->router_bias_ = weights.router_bias;
   layer->shared_output_gate_ = weights.shared_output_gate;
   std::vector<const ExpertWeights*> routed;
@@ -272,7 +276,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::Create(const ModelConfig& model, con
   EPMOE_RETURN_IF_ERROR(CheckSharedOutputGate(model, routing));
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
   layer->model_ = model;
-  layer->router_ = std::move(routing.router);
+  EPMOE_ASSIGN_OR_RETURN(layer->router_, RouterWeights::Pack(routing.router, options.isa));
   layer->router_bias_ = std::move(routing.router_bias);
   layer->shared_output_gate_ = std::move(routing.shared_output_gate);
   auto routed = [&](int e, ExpertWeights* out) { return source.ReadExpert(layer_index, e, 0, -1, out); };

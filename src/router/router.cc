@@ -4,11 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <numeric>
 #include <random>
-
-#include "epmoe/thread_pool.h"
 
 namespace epmoe {
 namespace {
@@ -21,81 +18,6 @@ struct ByScoreThenId {
     return a < b;
   }
 };
-
-// Four floats as one value (GCC's vector extension: an SSE register on any x86-64).
-typedef float Float4 __attribute__((vector_size(16)));
-
-// out[j] = x . w[j] for kWays weight rows at once, each over n floats in 8 partial sums (two Float4,
-// lanes 0 - 3 and 4 - 7) combined in a fixed order: a row's logits do not depend on the batch, the
-// tiling or the thread count. One dot's additions form a chain (each waits for the one before), so
-// kWays independent dots keep the adders busy where one would leave them waiting.
-template <int kWays>
-void Dots(const float* x, const float* const (&w)[kWays], int64_t n, float (&out)[kWays]) {
-  Float4 low[kWays] = {}, high[kWays] = {};
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) {
-    Float4 x_low, x_high;
-    std::memcpy(&x_low, x + c, sizeof(Float4));
-    std::memcpy(&x_high, x + c + 4, sizeof(Float4));
-    for (int j = 0; j < kWays; ++j) {
-      Float4 w_low, w_high;
-      std::memcpy(&w_low, w[j] + c, sizeof(Float4));
-      std::memcpy(&w_high, w[j] + c + 4, sizeof(Float4));
-      low[j] += x_low * w_low;
-      high[j] += x_high * w_high;
-    }
-  }
-  for (int i = 0; c < n; ++c, ++i) {
-    for (int j = 0; j < kWays; ++j) {
-      if (i < 4) {
-        low[j][i] += x[c] * w[j][c];
-      } else {
-        high[j][i - 4] += x[c] * w[j][c];
-      }
-    }
-  }
-  for (int j = 0; j < kWays; ++j)
-    out[j] =
-        ((low[j][0] + low[j][1]) + (low[j][2] + low[j][3])) + ((high[j][0] + high[j][1]) + (high[j][2] + high[j][3]));
-}
-
-// One such dot.
-float Dot(const float* x, const float* w, int64_t n) {
-  const float* const ws[1] = {w};
-  float out[1];
-  Dots<1>(x, ws, n, out);
-  return out[0];
-}
-
-// Router logits in tiles of rows x experts whose rows and weights fit in L2 together, handed out to
-// the pool's threads: a few rows (a decode step) still spread over every thread, and each weight
-// row is read from memory once per tile of rows, not once per row.
-void ComputeLogits(const Matrix& rows, const Matrix& weight, Matrix* logits, ThreadPool* pool) {
-  constexpr int64_t kTileBytes = 256 * 1024;
-  constexpr int kWays = 4;
-  const int64_t n = rows.cols, experts = weight.rows;
-  const int64_t per_side = std::max<int64_t>(kWays, kTileBytes / 2 / (n * static_cast<int64_t>(sizeof(float))));
-  const int64_t row_tile = per_side, expert_tile = (per_side + kWays - 1) / kWays * kWays;
-  const int64_t row_tiles = (rows.rows + row_tile - 1) / row_tile;
-  const int64_t expert_tiles = (experts + expert_tile - 1) / expert_tile;
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t / expert_tiles * row_tile, e0 = t % expert_tiles * expert_tile;
-      const int64_t r1 = std::min(rows.rows, r0 + row_tile), e1 = std::min(experts, e0 + expert_tile);
-      for (int64_t r = r0; r < r1; ++r) {
-        int64_t e = e0;
-        for (; e + kWays <= e1; e += kWays) {
-          const float* const w[kWays] = {weight.row(e), weight.row(e + 1), weight.row(e + 2), weight.row(e + 3)};
-          float out[kWays];
-          Dots<kWays>(rows.row(r), w, n, out);
-          for (int j = 0; j < kWays; ++j) logits->at(r, e + j) = out[j];
-        }
-        for (; e < e1; ++e) logits->at(r, e) = Dot(rows.row(r), weight.row(e), n);
-      }
-    }
-  };
-  ParallelFor(pool, row_tiles * expert_tiles, 1, run);
-}
 
 // The k best ids of `score` (length n) among those allowed, best first.
 void TopK(const float* score, int n, int k, const std::vector<char>* allowed, std::vector<int>& ids) {
@@ -245,20 +167,20 @@ Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Pi
   return Status::Ok();
 }
 
-Status Router::Route(const Matrix& rows, const Matrix& router_weight, std::span<const float> bias, Picks* picks,
+Status Router::Route(const Matrix& rows, const RouterWeights& weights, std::span<const float> bias, Picks* picks,
                      ThreadPool* pool) const {
   if (rows.cols != model_.hidden)
     return InvalidArgument(
         fmt::format("router: rows have {} columns, the model's hidden size is {}", rows.cols, model_.hidden));
-  if (router_weight.rows != model_.num_experts || router_weight.cols != model_.hidden)
-    return InvalidArgument(fmt::format("router: weight is {}x{}, expected {}x{}", router_weight.rows,
-                                       router_weight.cols, model_.num_experts, model_.hidden));
+  if (weights.experts() != model_.num_experts || weights.hidden() != model_.hidden)
+    return InvalidArgument(fmt::format("router: weight is {}x{}, expected {}x{}", weights.experts(), weights.hidden(),
+                                       model_.num_experts, model_.hidden));
   const int64_t bad = FirstNonFinite(rows.data);
   if (bad >= 0)
     return InvalidArgument(
         fmt::format("router: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
-  Matrix logits(rows.rows, model_.num_experts);
-  ComputeLogits(rows, router_weight, &logits, pool);
+  Matrix logits;
+  weights.Logits(rows, &logits, pool);
   if (!model_.router_bias) return RouteLogits(logits, bias, picks);
   if (static_cast<int>(bias.size()) != model_.num_experts)
     return InvalidArgument(

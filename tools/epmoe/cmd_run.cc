@@ -184,7 +184,9 @@ class Inputs {
     } else if (o.routing == "scores") {
       for (int l = 0; l < o.layers; ++l) {
         EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, weights.Routing(l, &pool));
-        routing_.push_back(std::move(routing));
+        EPMOE_ASSIGN_OR_RETURN(RouterWeights router, RouterWeights::Pack(routing.router));
+        routers_.push_back(std::move(router));
+        router_biases_.push_back(std::move(routing.router_bias));
       }
     }
     return Status::Ok();
@@ -204,8 +206,7 @@ class Inputs {
       return Status::Ok();
     }
     if (o_.routing == "scores") {
-      const MoeLayerWeights& routing = routing_[layer];
-      return Router(model_).Route(rows, routing.router, routing.router_bias, picks);
+      return Router(model_).Route(rows, routers_[layer], router_biases_[layer], picks);
     }
     if (o_.routing == "round_robin") {
       *picks = RoundRobinPicks(model_, rows.rows, first);
@@ -220,7 +221,9 @@ class Inputs {
   RunOptions o_;
   std::unique_ptr<TraceReader> reader_;
   std::vector<StepPicks> steps_;
-  std::vector<MoeLayerWeights> routing_;  // "scores" routing: each layer's router and correction bias
+  // "scores" routing: each layer's router and its bias.
+  std::vector<RouterWeights> routers_;
+  std::vector<std::vector<float>> router_biases_;
 };
 
 struct OptionResult {
