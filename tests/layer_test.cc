@@ -65,7 +65,9 @@ TEST_P(EveryPreset, ProductionAndReferenceMatchTheNaiveLoop) {
   const MoeLayerWeights w = MakeSyntheticLayer(m, 1, 42, &pool);
   auto layer = MoeLayer::Create(m, w, PackOptions{});
   ASSERT_TRUE(layer.ok()) << layer.status().ToString();
-  for (int64_t tokens : {1, 3, 37}) {
+  // 200 rows: more than the 64 from which Forward's row steps (gather, combine, shared experts)
+  // split their rows over the pool's threads.
+  for (int64_t tokens : {1, 3, 37, 200}) {
     const Matrix rows = SyntheticRows(42, m, 0, 0, tokens);
     Picks picks;
     ASSERT_TRUE((*layer)->Route(rows, &picks).ok());

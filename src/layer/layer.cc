@@ -303,7 +303,13 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
   // The step's buffers, kept by the calling thread across calls (as ExpertStore::Run keeps its
   // own): fresh ones cost a page fault and zeroing per 4 KB on every step (qwen3-30b-a3b at T =
   // 1024: 38 of the 233 ms of a layer's step went to gathering the rows into a fresh matrix).
-  thread_local Matrix gathered, expert_out, shared_in, shared_out;
+  // Named through references: the pool's threads run the lambdas below, and a thread_local named
+  // there would be their own (empty) one.
+  thread_local Matrix gathered_scratch, expert_out_scratch, shared_in_scratch, shared_out_scratch;
+  Matrix& gathered = gathered_scratch;
+  Matrix& expert_out = expert_out_scratch;
+  Matrix& shared_in = shared_in_scratch;
+  Matrix& shared_out = shared_out_scratch;
   GatherPermutedRows(rows, permuted, picks.k, &gathered, &pool);
   local.permute_us = MicrosSince(t0);
 
