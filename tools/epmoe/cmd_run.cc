@@ -194,8 +194,9 @@ class Inputs {
   int steps() const { return steps_.empty() ? o_.steps : static_cast<int>(steps_.size()); }
   int64_t tokens(int step) const { return steps_.empty() ? o_.tokens : steps_[step].rows; }
 
-  // Picks of global rows [first, first + rows.rows) of `step`, layer `layer`.
-  Status PicksFor(int step, int layer, const Matrix& rows, int64_t first, Picks* picks) const {
+  // Picks of global rows [first, first + rows.rows) of `step`, layer `layer` (the router's logits on
+  // the pool's threads).
+  Status PicksFor(int step, int layer, const Matrix& rows, int64_t first, Picks* picks, ThreadPool& pool) const {
     if (!steps_.empty()) {
       const Picks& all = steps_[step].layers[layer];
       const int k = all.k;
@@ -206,7 +207,7 @@ class Inputs {
       return Status::Ok();
     }
     if (o_.routing == "scores") {
-      return Router(model_).Route(rows, routers_[layer], router_biases_[layer], picks);
+      return Router(model_).Route(rows, routers_[layer], router_biases_[layer], picks, &pool);
     }
     if (o_.routing == "round_robin") {
       *picks = RoundRobinPicks(model_, rows.rows, first);
@@ -289,7 +290,7 @@ class OptionRun {
     for (int layer = 0; layer < o_.layers; ++layer) {
       const auto t0 = std::chrono::steady_clock::now();
       Picks picks;
-      EPMOE_RETURN_IF_ERROR(inputs.PicksFor(step, layer, x, first, &picks));
+      EPMOE_RETURN_IF_ERROR(inputs.PicksFor(step, layer, x, first, &picks, pool_));
       const double route_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       if (eplb_) EPMOE_RETURN_IF_ERROR(eplb_->Record(layer, picks, tensor_parallel));
       Matrix out;
