@@ -177,6 +177,23 @@ TEST(Router, RefusesNonFiniteScoresNamingRowAndExpert) {
   EXPECT_FALSE(Router(m).RouteLogits(Logits({{INFINITY, 0, 0, 0}}), {}, &picks).ok());
 }
 
+// Rows are routed in chunks on the pool's threads; the error names the lowest bad row whichever
+// chunk finds it first.
+TEST(Router, RefusesNonFiniteScoresOfTheLowestRowOnThreads) {
+  const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
+  Matrix logits(100, 4);
+  logits.at(90, 2) = NAN;
+  logits.at(41, 3) = INFINITY;
+  logits.at(41, 1) = NAN;
+  ThreadPool pool(2);
+  for (int i = 0; i < 20; ++i) {
+    Picks picks;
+    const Status s = Router(m).RouteLogits(logits, {}, &picks, &pool);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("row 41 for expert 1 "), std::string::npos) << s.message();
+  }
+}
+
 TEST(Router, RefusesNonFiniteRows) {
   const ModelConfig m = TinyModel(Scoring::kSoftmax, 4, 2);
   Matrix rows(2, 4), weight(4, 4);

@@ -88,8 +88,10 @@ class Router {
   explicit Router(const ModelConfig& model);
 
   // logits: [rows x E] router outputs. correction_bias: E values (sigmoid presets with a
-  // correction bias) or empty.
-  Status RouteLogits(const Matrix& logits, std::span<const float> correction_bias, Picks* picks) const;
+  // correction bias) or empty. Rows are routed on the pool's threads when one is given (the picks
+  // do not depend on it).
+  Status RouteLogits(const Matrix& logits, std::span<const float> correction_bias, Picks* picks,
+                     ThreadPool* pool = nullptr) const;
 
   // rows: [T x hidden]; weights: the router's [E x hidden]. Computes the logits (RouterWeights::
   // Logits) and routes them. `bias` is the layer's router bias (MoeLayerWeights::router_bias): with

@@ -3,9 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <numeric>
 #include <random>
+
+#include "epmoe/thread_pool.h"
 
 namespace epmoe {
 namespace {
@@ -81,7 +84,7 @@ std::vector<int64_t> CountPicks(const Picks& picks, int num_experts) {
 
 Router::Router(const ModelConfig& model) : model_(model) {}
 
-Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Picks* picks) const {
+Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Picks* picks, ThreadPool* pool) const {
   const int n = model_.num_experts;
   const int k = model_.top_k;
   if (logits.cols != n)
@@ -100,69 +103,84 @@ Status Router::RouteLogits(const Matrix& logits, std::span<const float> bias, Pi
   picks->experts.assign(logits.rows * k, 0);
   picks->weights.assign(logits.rows * k, 0.0f);
 
-  const int groups = model_.num_expert_groups;
-  const int per_group = n / groups;
-  std::vector<float> prob(n), choose(n), group_score(groups);
-  std::vector<int> ids, group_ids;
-  std::vector<char> allowed(n);
-  for (int64_t r = 0; r < logits.rows; ++r) {
-    const float* x = logits.row(r);
-    const int64_t bad = FirstNonFinite({x, static_cast<size_t>(n)});
-    if (bad >= 0) return InvalidArgument(fmt::format("router: score of row {} for expert {} is {}", r, bad, x[bad]));
-
-    switch (model_.scoring) {
-      case Scoring::kSoftmax: {
-        const float max = *std::max_element(x, x + n);
-        double sum = 0;
-        for (int e = 0; e < n; ++e) sum += prob[e] = std::exp(x[e] - max);
-        for (int e = 0; e < n; ++e) prob[e] = static_cast<float>(prob[e] / sum);
-        choose = prob;
-        break;
-      }
-      case Scoring::kSoftmaxTopk:
-        std::copy(x, x + n, prob.begin());
-        choose = prob;
-        break;
-      case Scoring::kSigmoid:
-        for (int e = 0; e < n; ++e) {
-          prob[e] = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x[e]))));
-          choose[e] = use_bias ? prob[e] + bias[e] : prob[e];
+  // Rows are routed independently, in chunks on the pool's threads (softmax and top-k over 512
+  // experts take about 5 us a row); a chunk stops at its first row with a non-finite score, and the
+  // lowest such row is reported.
+  constexpr int64_t kChunkRows = 16;
+  std::atomic<int64_t> first_bad_row{logits.rows};
+  ParallelFor(pool, logits.rows, kChunkRows, [&](int64_t begin, int64_t end) {
+    const int groups = model_.num_expert_groups;
+    const int per_group = n / groups;
+    std::vector<float> prob(n), choose(n), group_score(groups);
+    std::vector<int> ids, group_ids;
+    std::vector<char> allowed(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = logits.row(r);
+      if (FirstNonFinite({x, static_cast<size_t>(n)}) >= 0) {
+        int64_t seen = first_bad_row.load();
+        while (r < seen && !first_bad_row.compare_exchange_weak(seen, r)) {
         }
-        break;
-    }
-
-    const std::vector<char>* mask = nullptr;
-    if (groups > 1) {
-      for (int g = 0; g < groups; ++g) {
-        TopK(choose.data() + g * per_group, per_group, model_.group_rank_experts, nullptr, ids);
-        group_score[g] = 0;
-        for (int id : ids) group_score[g] += choose[g * per_group + id];
+        return;
       }
-      TopK(group_score.data(), groups, model_.topk_groups, nullptr, group_ids);
-      std::fill(allowed.begin(), allowed.end(), 0);
-      for (int g : group_ids) std::fill(allowed.begin() + g * per_group, allowed.begin() + (g + 1) * per_group, 1);
-      mask = &allowed;
-    }
-    TopK(choose.data(), n, k, mask, ids);
 
-    int32_t* out_ids = &picks->experts[r * k];
-    float* out_w = &picks->weights[r * k];
-    double sum = 0;
-    if (model_.scoring == Scoring::kSoftmaxTopk) {
-      const float max = x[ids[0]];
-      for (int j = 0; j < k; ++j) sum += std::exp(static_cast<double>(x[ids[j]]) - max);
+      switch (model_.scoring) {
+        case Scoring::kSoftmax: {
+          const float max = *std::max_element(x, x + n);
+          double sum = 0;
+          for (int e = 0; e < n; ++e) sum += prob[e] = std::exp(x[e] - max);
+          for (int e = 0; e < n; ++e) prob[e] = static_cast<float>(prob[e] / sum);
+          choose = prob;
+          break;
+        }
+        case Scoring::kSoftmaxTopk:
+          std::copy(x, x + n, prob.begin());
+          choose = prob;
+          break;
+        case Scoring::kSigmoid:
+          for (int e = 0; e < n; ++e) {
+            prob[e] = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x[e]))));
+            choose[e] = use_bias ? prob[e] + bias[e] : prob[e];
+          }
+          break;
+      }
+
+      const std::vector<char>* mask = nullptr;
+      if (groups > 1) {
+        for (int g = 0; g < groups; ++g) {
+          TopK(choose.data() + g * per_group, per_group, model_.group_rank_experts, nullptr, ids);
+          group_score[g] = 0;
+          for (int id : ids) group_score[g] += choose[g * per_group + id];
+        }
+        TopK(group_score.data(), groups, model_.topk_groups, nullptr, group_ids);
+        std::fill(allowed.begin(), allowed.end(), 0);
+        for (int g : group_ids) std::fill(allowed.begin() + g * per_group, allowed.begin() + (g + 1) * per_group, 1);
+        mask = &allowed;
+      }
+      TopK(choose.data(), n, k, mask, ids);
+
+      int32_t* out_ids = &picks->experts[r * k];
+      float* out_w = &picks->weights[r * k];
+      double sum = 0;
+      if (model_.scoring == Scoring::kSoftmaxTopk) {
+        const float max = x[ids[0]];
+        for (int j = 0; j < k; ++j) sum += std::exp(static_cast<double>(x[ids[j]]) - max);
+        for (int j = 0; j < k; ++j) {
+          out_ids[j] = ids[j];
+          out_w[j] = static_cast<float>(std::exp(static_cast<double>(x[ids[j]]) - max) / sum * model_.routed_scaling);
+        }
+        continue;
+      }
+      for (int j = 0; j < k; ++j) sum += prob[ids[j]];
+      const double scale = (model_.renormalize ? 1.0 / sum : 1.0) * model_.routed_scaling;
       for (int j = 0; j < k; ++j) {
         out_ids[j] = ids[j];
-        out_w[j] = static_cast<float>(std::exp(static_cast<double>(x[ids[j]]) - max) / sum * model_.routed_scaling);
+        out_w[j] = static_cast<float>(prob[ids[j]] * scale);
       }
-      continue;
     }
-    for (int j = 0; j < k; ++j) sum += prob[ids[j]];
-    const double scale = (model_.renormalize ? 1.0 / sum : 1.0) * model_.routed_scaling;
-    for (int j = 0; j < k; ++j) {
-      out_ids[j] = ids[j];
-      out_w[j] = static_cast<float>(prob[ids[j]] * scale);
-    }
+  });
+  if (const int64_t r = first_bad_row.load(); r < logits.rows) {
+    const int64_t bad = FirstNonFinite({logits.row(r), static_cast<size_t>(n)});
+    return InvalidArgument(fmt::format("router: score of row {} for expert {} is {}", r, bad, logits.at(r, bad)));
   }
   return Status::Ok();
 }
@@ -181,7 +199,7 @@ Status Router::Route(const Matrix& rows, const RouterWeights& weights, std::span
         fmt::format("router: row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   Matrix logits;
   weights.Logits(rows, &logits, pool);
-  if (!model_.router_bias) return RouteLogits(logits, bias, picks);
+  if (!model_.router_bias) return RouteLogits(logits, bias, picks, pool);
   if (static_cast<int>(bias.size()) != model_.num_experts)
     return InvalidArgument(
         fmt::format("router: the router's bias has {} values, expected {}", bias.size(), model_.num_experts));
@@ -189,7 +207,7 @@ Status Router::Route(const Matrix& rows, const RouterWeights& weights, std::span
     float* x = logits.row(r);
     for (int e = 0; e < model_.num_experts; ++e) x[e] += bias[e];
   }
-  return RouteLogits(logits, {}, picks);
+  return RouteLogits(logits, {}, picks, pool);
 }
 
 Picks RoundRobinPicks(const ModelConfig& model, int64_t rows, int64_t first_row) {
