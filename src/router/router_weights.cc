@@ -28,7 +28,6 @@ namespace router_internal {
 
 void LogitsTileReference(const LogitsTile& t) {
   const int64_t step_bytes = t.blocks * kStepBytes;
-  const int64_t inputs_per_step = t.bf16 ? 2 : 1;
   for (int64_t r = 0; r < t.rows; ++r) {
     const float* x = t.x + r * t.x_stride;
     for (int64_t b = 0; b < t.blocks; ++b) {
@@ -43,8 +42,8 @@ void LogitsTileReference(const LogitsTile& t) {
             sum = std::fma(w, x[s], sum);
             continue;
           }
-          for (int64_t i = 0; i < inputs_per_step; ++i) {
-            if (t.odd_tail && s == t.steps - 1 && i == 1) break;
+          const int64_t inputs = t.odd_tail && s == t.steps - 1 ? 1 : 2;
+          for (int64_t i = 0; i < inputs; ++i) {
             uint16_t bits;
             std::memcpy(&bits, at + 2 * i, sizeof bits);
             sum = std::fma(FloatFromBf16(bits), x[2 * s + i], sum);
