@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 namespace epmoe {
 
@@ -35,7 +38,10 @@ const CpuFeatures& DetectCpuFeatures() {
     __builtin_cpu_init();
     f.avx2 = __builtin_cpu_supports("avx2");
     f.fma = __builtin_cpu_supports("fma");
-    f.f16c = __builtin_cpu_supports("f16c");
+    // F16C from CPUID leaf 1 (ECX bit 29): Clang's __builtin_cpu_supports does not know the name.
+    // It needs AVX's register state, which the avx2 check includes.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    f.f16c = f.avx2 && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
     f.avx512f = __builtin_cpu_supports("avx512f");
     f.avx512bw = __builtin_cpu_supports("avx512bw");
     f.avx512vl = __builtin_cpu_supports("avx512vl");
