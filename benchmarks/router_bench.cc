@@ -1,14 +1,15 @@
-// The router's logits (RouterWeights::Logits) for a model's router on every core, as a layer step
-// computes them: each timed run starts with the caches flushed by a read of a MemoryReadProbe, and is
-// followed by a flushed read of as many bytes as the packed weights (MeasureReadRate), so that each
-// run is judged against the memory's speed of that moment. Counters, medians over the runs:
+// The router's logits (RouterWeights::Logits) for a model's router on every core, as a layer
+// step computes them: each timed run starts with the caches flushed by a read of a
+// MemoryReadProbe, and is followed by a flushed read of as many bytes as the packed weights
+// (MeasureReadRate), so that each run is judged against the memory's speed of that moment.
+// Counters, medians over the runs:
 //   us              the logits' time
 //   read_fraction   read time / logits time: 1 is memory speed (decode)
 //   gflops          2 x rows x experts x hidden per second, and fma_fraction, its share of the fp32
 //                   FMA peak measured once at the start (the path the logits run on; prefill)
 // Args: model (kModels), rows, packing (0 fp32, 1 bf16: a checkpoint's router).
 //   build/benchmarks/router_bench
-//   build/benchmarks/router_bench --benchmark_filter='/1/'      (decode steps only)
+//   build/benchmarks/router_bench --benchmark_filter='Logits/./1/'      (decode steps only)
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 

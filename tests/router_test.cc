@@ -244,8 +244,8 @@ TEST(Router, RouterBiasIsAddedToTheLogits) {
 }
 
 // The logits are computed in tiles of rows x experts spread over threads; a row's picks must not
-// depend on that (nor on the batch it comes in), and must be what its exact logits give. Hidden 4100
-// (not a multiple of 8) and 13 experts leave partial tiles and a remainder of the 4-way dots.
+// depend on that (nor on the batch it comes in), and must be what its exact logits give. Hidden
+// 4100 and 13 experts leave a partial 512-step chunk and a partial 16-expert block.
 TEST(Router, RouteDoesNotDependOnBatchTilesOrThreads) {
   ModelConfig m = TinyModel(Scoring::kSoftmax, 13, 3);
   m.hidden = 4100;
@@ -310,10 +310,10 @@ Matrix RoundedToBf16(Matrix m) {
   return m;
 }
 
-// Every instruction set's logits have the bits of the plain sequential loop, in bf16 and fp32 packing,
-// whatever the rows per call (partial row tiles and work items), the threads and the shape: experts
-// that leave a partial 16-expert block or 4-block group, hidden sizes odd (bf16's padded last step),
-// past one 512-step chunk, or under one vector.
+// Every instruction set's logits have the bits of the plain sequential loop, in bf16 and fp32
+// packing, whatever the rows per call (partial row tiles and work items), the threads and the
+// shape: experts that leave a partial 16-expert block or 4-block group, hidden sizes odd (bf16's
+// padded last step), past one 512-step chunk, or under one vector.
 TEST(RouterWeights, LogitsHaveTheBitsOfTheSequentialSumOnEveryInstructionSet) {
   ThreadPool pool(2);
   const std::pair<int64_t, int64_t> shapes[] = {{13, 4100}, {72, 2049}, {8, 31}, {130, 64}, {16, 1}, {1, 7}};
@@ -347,8 +347,8 @@ TEST(RouterWeights, LogitsHaveTheBitsOfTheSequentialSumOnEveryInstructionSet) {
   }
 }
 
-// bf16 packing reads half the bytes (the experts padded to a multiple of 16); weights that are not all
-// bf16 values stay fp32.
+// bf16 packing reads half the bytes (the experts padded to a multiple of 16); weights that are not
+// all bf16 values stay fp32.
 TEST(RouterWeights, KeepsBf16ValuesInBf16AndOthersInFp32) {
   const Matrix weight = NormalMatrix(40, 33, 0.05f, 9);
   const Result<RouterWeights> fp32 = RouterWeights::Pack(weight);

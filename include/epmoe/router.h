@@ -52,12 +52,12 @@ const char* RoutingModeName(RoutingMode mode);
 Result<RoutingMode> ParseRoutingMode(std::string_view name);
 
 // A router's weight matrix [E x hidden], packed once for the logits: 16 experts per 64-byte vector,
-// four such blocks interleaved input by input, so that a tile of rows reads one stream. Kept in bf16
-// when every weight is a bf16 value (checkpoints store routers so; synthetic routers are drawn so),
-// which halves what a decode step reads, else in fp32: exact either way. A logit is the fp32 sum of
-// its inputs' products in input order, one fused multiply-add each, so it has the same bits on every
-// instruction set and for any batch, tiling and thread count: ranks routing their own rows pick as
-// one process routing them all. Immutable after packing; thread-safe.
+// four such blocks interleaved input by input, so that a tile of rows reads one stream. Kept in
+// bf16 when every weight is a bf16 value (checkpoints store routers so; synthetic routers are drawn
+// so), which halves what a decode step reads, else in fp32: exact either way. A logit is the fp32
+// sum of its inputs' products in input order, one fused multiply-add each, so it has the same bits
+// on every instruction set and for any batch, tiling and thread count: ranks routing their own rows
+// pick as one process routing them all. Immutable after packing; thread-safe.
 class RouterWeights {
  public:
   RouterWeights() = default;

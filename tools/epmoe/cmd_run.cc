@@ -194,8 +194,8 @@ class Inputs {
   int steps() const { return steps_.empty() ? o_.steps : static_cast<int>(steps_.size()); }
   int64_t tokens(int step) const { return steps_.empty() ? o_.tokens : steps_[step].rows; }
 
-  // Picks of global rows [first, first + rows.rows) of `step`, layer `layer` (the router's logits on
-  // the pool's threads).
+  // Picks of global rows [first, first + rows.rows) of `step`, layer `layer` (the router's logits
+  // on the pool's threads).
   Status PicksFor(int step, int layer, const Matrix& rows, int64_t first, Picks* picks, ThreadPool& pool) const {
     if (!steps_.empty()) {
       const Picks& all = steps_[step].layers[layer];

@@ -1,6 +1,6 @@
-// The router's logits on AVX-512 (logits_tile.h): a tile of R rows x B blocks keeps R x B vectors of
-// 16 sums in registers; per step it loads B weight vectors (bf16: widened to two fp32 vectors, the
-// low halves shifted up and the high halves masked) and broadcasts each row's input.
+// The router's logits on AVX-512 (logits_tile.h): a tile of R rows x B blocks keeps R x B vectors
+// of 16 sums in registers; per step it loads B weight vectors (bf16: widened to two fp32 vectors,
+// the low halves shifted up and the high halves masked) and broadcasts each row's input.
 // GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* in the broadcasts) as "used
 // uninitialized" once inlined at -O3; the values are never read. Silence only that check.
 #pragma GCC diagnostic ignored "-Wuninitialized"
