@@ -3,8 +3,10 @@
 // the low halves shifted up and the high halves masked) and broadcasts each row's input.
 // GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* in the broadcasts) as "used
 // uninitialized" once inlined at -O3; the values are never read. Silence only that check.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <array>
