@@ -233,7 +233,8 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
-  cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels (auto, or a lower one to force it)")
+  cmd->add_option("--isa", o->isa,
+                  "Highest instruction set for the kernels and the router (auto, or a lower one to force it)")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
       ->check(kNonNegative)

@@ -184,7 +184,7 @@ class Inputs {
     } else if (o.routing == "scores") {
       for (int l = 0; l < o.layers; ++l) {
         EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, weights.Routing(l, &pool));
-        EPMOE_ASSIGN_OR_RETURN(RouterWeights router, RouterWeights::Pack(routing.router));
+        EPMOE_ASSIGN_OR_RETURN(RouterWeights router, RouterWeights::Pack(routing.router, o.isa));
         routers_.push_back(std::move(router));
         router_biases_.push_back(std::move(routing.router_bias));
       }
@@ -647,7 +647,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
-  cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels")->capture_default_str();
+  cmd->add_option("--isa", o->isa, "Highest instruction set for the kernels and the router")->capture_default_str();
   AddWeightsOption(cmd, &o->weights);
   cmd->add_option("--shared", o->shared, "Shared expert under sliced/whole/hybrid (a2a and dwdp always copy it)")
       ->check(CLI::IsMember({"default", "sliced", "copied"}))
