@@ -41,6 +41,12 @@ struct MoeLayerWeights {
 // scales[r] = sigmoid(rows.row(r) . gate), into *scales (rows.rows values). Without one (gate
 // empty), every factor is 1.
 void SharedOutputScales(std::span<const float> gate, const Matrix& rows, std::vector<float>* scales);
+// out[r] += scale_r * shared_s(rows[r]) for every shared expert s of the store, in order s = 0, 1,
+// ..., scale_r from the layer's shared output gate (SharedOutputScales: 1 without one), on the
+// pool's threads (the single-process layer and the executors). Returns the bytes of shared weights
+// read (0 when there are no rows or no store). Keeps its buffers per calling thread.
+int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
+                         ThreadPool& pool);
 // Refuses a layer's shared output gate of another length than the model's (hidden values when the
 // model has one, none otherwise).
 Status CheckSharedOutputGate(const ModelConfig& model, const MoeLayerWeights& routing);

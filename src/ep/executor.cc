@@ -191,30 +191,6 @@ Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& mod
   return gates;
 }
 
-int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
-                         ThreadPool& pool) {
-  if (shared == nullptr || rows.rows == 0) return 0;
-  const int count = shared->num_experts();
-  const int64_t n = rows.rows, h = rows.cols;
-  Matrix in(n * count, h), result(n * count, h);
-  std::vector<int64_t> offsets(count + 1);
-  for (int s = 0; s <= count; ++s) offsets[s] = s * n;
-  for (int s = 0; s < count; ++s) std::copy(rows.data.begin(), rows.data.end(), in.row(s * n));
-  shared->Run(in.data.data(), offsets, result.data.data(), pool);
-  std::vector<float> scales;
-  SharedOutputScales(output_gate, rows, &scales);
-  int64_t bytes = 0;
-  for (int s = 0; s < count; ++s) {
-    for (int64_t r = 0; r < n; ++r) {
-      const float* add = result.row(s * n + r);
-      float* y = out->row(r);
-      for (int64_t i = 0; i < h; ++i) y[i] += scales[r] * add[i];
-    }
-    bytes += shared->expert_bytes(s);
-  }
-  return bytes;
-}
-
 Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, const Matrix& rows, const Picks& picks) {
   if (layer < 0 || layer >= num_layers)
     return InvalidArgument(fmt::format("layer {} is outside the executor's {} layers", layer, num_layers));

@@ -48,12 +48,6 @@ Result<std::vector<std::unique_ptr<ExpertStore>>> PackSharedCopies(const ModelCo
 // model has none).
 Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& model, const ExecutorOptions& options);
 
-// out[r] += scale_r * shared_s(rows[r]) for every shared expert s of the store, in order s = 0, 1,
-// ..., scale_r from the layer's shared output gate (SharedOutputScales: 1 without one). Returns the
-// bytes of shared weights read (0 when there are no rows or no store).
-int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
-                         ThreadPool& pool);
-
 // Checks rows and picks given to Forward.
 Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, const Matrix& rows, const Picks& picks);
 

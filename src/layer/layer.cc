@@ -227,6 +227,43 @@ void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k
   });
 }
 
+int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
+                         ThreadPool& pool) {
+  if (shared == nullptr || rows.rows == 0) return 0;
+  // Kept by the calling thread across calls, as Forward's step buffers, and named through
+  // references for the same reason: the pool's threads run the lambda below.
+  thread_local Matrix in_scratch, result_scratch;
+  Matrix& in = in_scratch;
+  Matrix& result = result_scratch;
+  const int count = shared->num_experts();
+  const int64_t n = rows.rows, h = rows.cols;
+  // Each shared expert sees every row: the rows once per shared expert, one group each.
+  std::vector<int64_t> offsets(count + 1);
+  for (int s = 0; s <= count; ++s) offsets[s] = s * n;
+  const float* shared_rows = rows.data.data();
+  if (count > 1) {
+    in.Reshape(n * count, h);
+    for (int s = 0; s < count; ++s) std::copy(rows.data.begin(), rows.data.end(), in.row(s * n));
+    shared_rows = in.data.data();
+  }
+  result.Reshape(n * count, h);
+  shared->Run(shared_rows, offsets, result.data.data(), pool);
+  std::vector<float> scales;
+  SharedOutputScales(output_gate, rows, &scales);
+  ForRows(n, &pool, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* y = out->row(r);
+      for (int s = 0; s < count; ++s) {
+        const float* add = result.row(s * n + r);
+        for (int64_t i = 0; i < h; ++i) y[i] += scales[r] * add[i];
+      }
+    }
+  });
+  int64_t bytes = 0;
+  for (int s = 0; s < count; ++s) bytes += shared->expert_bytes(s);
+  return bytes;
+}
+
 void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out,
                          ThreadPool* pool) {
   const int64_t n = static_cast<int64_t>(permuted.source_pick.size());
@@ -305,11 +342,9 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
   // 1024: 38 of the 233 ms of a layer's step went to gathering the rows into a fresh matrix).
   // Named through references: the pool's threads run the lambdas below, and a thread_local named
   // there would be their own (empty) one.
-  thread_local Matrix gathered_scratch, expert_out_scratch, shared_in_scratch, shared_out_scratch;
+  thread_local Matrix gathered_scratch, expert_out_scratch;
   Matrix& gathered = gathered_scratch;
   Matrix& expert_out = expert_out_scratch;
-  Matrix& shared_in = shared_in_scratch;
-  Matrix& shared_out = shared_out_scratch;
   GatherPermutedRows(rows, permuted, picks.k, &gathered, &pool);
   local.permute_us = MicrosSince(t0);
 
@@ -322,33 +357,10 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
   CombinePermutedRows(expert_out, permuted, picks, out, &pool);
   local.combine_us = MicrosSince(t0);
 
+  int64_t shared_bytes = 0;
   if (shared_ != nullptr) {
     t0 = std::chrono::steady_clock::now();
-    // Each shared expert sees every row: rows are already grouped, one group per shared expert.
-    const int shared_count = shared_->num_experts();
-    std::vector<int64_t> offsets(shared_count + 1);
-    for (int s = 0; s <= shared_count; ++s) offsets[s] = s * rows.rows;
-    const float* shared_rows = rows.data.data();
-    if (shared_count > 1) {
-      shared_in.Reshape(rows.rows * shared_count, model_.hidden);
-      for (int s = 0; s < shared_count; ++s)
-        std::copy(rows.data.begin(), rows.data.end(), shared_in.row(s * rows.rows));
-      shared_rows = shared_in.data.data();
-    }
-    shared_out.Reshape(rows.rows * shared_count, model_.hidden);
-    shared_->Run(shared_rows, offsets, shared_out.data.data(), pool);
-    std::vector<float> scales;
-    SharedOutputScales(shared_output_gate_, rows, &scales);
-    const int64_t hidden = model_.hidden;
-    ForRows(rows.rows, &pool, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        float* y = out->row(r);
-        for (int s = 0; s < shared_count; ++s) {
-          const float* add = shared_out.row(s * rows.rows + r);
-          for (int64_t h = 0; h < hidden; ++h) y[h] += scales[r] * add[h];
-        }
-      }
-    });
+    shared_bytes = AddSharedExperts(shared_.get(), shared_output_gate_, rows, out, pool);
     local.shared_us = MicrosSince(t0);
   }
 
@@ -361,9 +373,7 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
       local.max_picks_per_expert = std::max(local.max_picks_per_expert, count);
       local.expert_bytes_read += routed_->expert_bytes(e);
     }
-    if (shared_ != nullptr && rows.rows > 0) {
-      for (int s = 0; s < shared_->num_experts(); ++s) local.expert_bytes_read += shared_->expert_bytes(s);
-    }
+    local.expert_bytes_read += shared_bytes;
     local.mean_picks_per_touched_expert =
         local.experts_touched ? static_cast<double>(local.picks) / local.experts_touched : 0.0;
     local.route_us = stats->route_us;
