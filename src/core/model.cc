@@ -439,12 +439,13 @@ Result<std::string> ModelToHfConfig(const ModelConfig& m) {
   // No dense layers, expert groups or routed scaling: every type but the DeepSeek ones.
   const bool flat = m.num_dense_layers == 0 && m.num_expert_groups == 1 && m.routed_scaling == 1.0 && two_best;
   const bool plain = swiglu && flat && m.num_shared_experts == 0 && !m.correction_bias;
-  const bool qwen2 = swiglu && flat && m.scoring == Scoring::kSoftmax && m.shared_output_gate && m.num_shared_experts == 1;
+  const bool qwen2 =
+      swiglu && flat && m.scoring == Scoring::kSoftmax && m.shared_output_gate && m.num_shared_experts == 1;
   const bool gpt_oss = flat && m.router_bias && m.expert_bias && m.activation == Activation::kSwiGluOai &&
                        m.scoring == Scoring::kSoftmaxTopk && !m.renormalize && m.num_shared_experts == 0;
   // DeepSeek's experts: shared ones as wide as the routed.
-  const bool deepseek = swiglu && !m.shared_output_gate &&
-                        (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate);
+  const bool deepseek =
+      swiglu && !m.shared_output_gate && (m.num_shared_experts == 0 || m.shared_intermediate == m.expert_intermediate);
   // DeepSeek-V2's gate: greedy (no groups), or groups ranked by their best score; scaled only when
   // not renormalized.
   const bool deepseek_v2 = deepseek && m.scoring == Scoring::kSoftmax && !m.correction_bias &&

@@ -36,8 +36,8 @@ void ReferenceExpertFfn(const ExpertWeights& expert, const GatedActivation& acti
   }
 }
 
-void FillSyntheticExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer, int index,
-                uint64_t seed, int64_t begin, int64_t end, bool biased, ExpertWeights* out) {
+void FillSyntheticExpert(TensorKind gate, TensorKind up, TensorKind down, int64_t hidden, int64_t inter, int layer,
+                         int index, uint64_t seed, int64_t begin, int64_t end, bool biased, ExpertWeights* out) {
   if (end < 0) end = inter;
   const int64_t width = end - begin;
   out->gate.Reshape(width, hidden);

@@ -58,7 +58,7 @@ ExpertWeights MakeSyntheticExpert(const ModelConfig& model, int layer, int exper
                                   int64_t end) {
   ExpertWeights w;
   FillSyntheticExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model.hidden,
-             model.expert_intermediate, layer, expert, seed, begin, end, model.expert_bias, &w);
+                      model.expert_intermediate, layer, expert, seed, begin, end, model.expert_bias, &w);
   return w;
 }
 
@@ -66,7 +66,7 @@ ExpertWeights MakeSyntheticSharedExpert(const ModelConfig& model, int layer, int
                                         int64_t end) {
   ExpertWeights w;
   FillSyntheticExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model.hidden,
-             model.shared_intermediate, layer, index, seed, begin, end, false, &w);
+                      model.shared_intermediate, layer, index, seed, begin, end, false, &w);
   return w;
 }
 
@@ -125,12 +125,12 @@ class SyntheticSource final : public WeightSource {
   }
   Status ReadExpert(int layer, int expert, int64_t begin, int64_t end, ExpertWeights* out) const override {
     FillSyntheticExpert(TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown, model_.hidden,
-               model_.expert_intermediate, layer, expert, seed_, begin, end, model_.expert_bias, out);
+                        model_.expert_intermediate, layer, expert, seed_, begin, end, model_.expert_bias, out);
     return Status::Ok();
   }
   Status ReadSharedExpert(int layer, int index, int64_t begin, int64_t end, ExpertWeights* out) const override {
     FillSyntheticExpert(TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown, model_.hidden,
-               model_.shared_intermediate, layer, index, seed_, begin, end, false, out);
+                        model_.shared_intermediate, layer, index, seed_, begin, end, false, out);
     return Status::Ok();
   }
 
