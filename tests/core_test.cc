@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "epmoe/caches.h"
+#include "epmoe/cpu.h"
 #include "epmoe/load.h"
 #include "epmoe/matrix.h"
 #include "epmoe/model.h"
@@ -324,6 +325,45 @@ TEST(HfConfig, RefusesWhatIsNotModelled) {
     ASSERT_FALSE(m.ok()) << text;
     EXPECT_NE(m.status().message().find(message), std::string::npos) << m.status().message();
   }
+}
+
+TEST(CpuIdentity, GenerationFollowsFamilyAndModel) {
+  const auto generation = [](const char* vendor, int family, int model) {
+    CpuIdentity cpu;
+    cpu.vendor = vendor;
+    cpu.family = family;
+    cpu.model = model;
+    return CoreGeneration(cpu);
+  };
+  EXPECT_EQ(generation("AuthenticAMD", 0x17, 0x31), "Zen 2");  // Rome
+  EXPECT_EQ(generation("AuthenticAMD", 0x19, 0x01), "Zen 3");  // Milan
+  EXPECT_EQ(generation("AuthenticAMD", 0x19, 0x11), "Zen 4");  // Genoa
+  EXPECT_EQ(generation("AuthenticAMD", 0x19, 0xa0), "Zen 4");  // Bergamo
+  EXPECT_EQ(generation("AuthenticAMD", 0x19, 0x21), "Zen 3");  // Vermeer
+  EXPECT_EQ(generation("AuthenticAMD", 0x1a, 0x02), "Zen 5");  // Turin
+  EXPECT_EQ(generation("AuthenticAMD", 0x15, 0x01), "");
+  EXPECT_EQ(generation("GenuineIntel", 0x6, 0x8f), "");  // Sapphire Rapids: not named
+  EXPECT_EQ(DescribeCpu({.vendor = "AuthenticAMD", .name = "AMD EPYC", .family = 0x1a, .model = 2, .stepping = 1}),
+            "AMD EPYC (AuthenticAMD family 0x1a model 0x2 stepping 1, Zen 5)");
+  EXPECT_EQ(DescribeCpu({.vendor = "GenuineIntel", .name = "", .family = 6, .model = 0xcf, .stepping = 2}),
+            "unnamed CPU (GenuineIntel family 0x6 model 0xcf stepping 2)");
+  EXPECT_EQ(DescribeCpu({}), "unknown CPU");
+}
+
+TEST(CpuIdentity, ThisCpuIsDetected) {
+  const CpuIdentity& cpu = DetectCpuIdentity();
+#if defined(__x86_64__)
+  EXPECT_EQ(cpu.vendor.size(), 12u);
+  EXPECT_GT(cpu.family, 0);
+  // The brand string has no surrounding spaces left.
+  if (!cpu.name.empty()) {
+    EXPECT_NE(cpu.name.front(), ' ');
+    EXPECT_NE(cpu.name.back(), ' ');
+  }
+#else
+  EXPECT_TRUE(cpu.vendor.empty());
+#endif
+  EXPECT_EQ(&cpu, &DetectCpuIdentity());
 }
 
 TEST(WeightFormats, ExactBytesPerMatrix) {

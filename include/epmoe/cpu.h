@@ -9,6 +9,7 @@
 // can force a lower one, never a higher one. All functions are thread-safe.
 #pragma once
 
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -33,6 +34,27 @@ struct CpuFeatures {
 
 // What this CPU (and OS) supports, detected once.
 const CpuFeatures& DetectCpuFeatures();
+
+// Which CPU this is, as CPUID reports it, so that a benchmark's figures say what they were measured
+// on (a virtual machine may report only a generic name, e.g. "AMD EPYC", but keeps the family and
+// model). Empty vendor and zeros off x86.
+struct CpuIdentity {
+  std::string vendor;  // "AuthenticAMD", "GenuineIntel"
+  std::string name;    // the brand string, surrounding spaces removed
+  int family = 0;      // display family and model: the base fields plus the extended ones
+  int model = 0;
+  int stepping = 0;
+};
+
+// Detected once.
+const CpuIdentity& DetectCpuIdentity();
+
+// The AMD core generation a family and model belong to ("Zen 4", "Zen 5"), or "" where not known
+// (every other vendor: Intel's model numbers do not follow generations).
+std::string CoreGeneration(const CpuIdentity& cpu);
+
+// One line: "AMD EPYC (AuthenticAMD family 0x1a model 0x2 stepping 1, Zen 5)".
+std::string DescribeCpu(const CpuIdentity& cpu);
 
 // Whether a CPU with `features` can run the kernels of `isa` (at least one format's), and its kernel
 // for weights of `format`.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "epmoe/caches.h"
+#include "epmoe/cpu.h"
 #include "epmoe/expert_ffn.h"
 #include "epmoe/machine_limits.h"
 #include "epmoe/status.h"
@@ -163,10 +164,13 @@ struct DecodeExperiment {
 };
 
 struct KernelBenchReport {
+  CpuIdentity cpu;  // what the figures were measured on
   int threads = 0;
   std::string isa;
   int64_t probe_bytes = 0;             // the options' probe_bytes
-  int64_t last_level_cache_bytes = 0;  // LastLevelCacheBytes(): what the probe has to be well over
+  // LastLevelCacheBytes(): what the probe has to be well over; 0 where the system does not say
+  // (some virtual machines have no sysfs cache directory), and the probe is then its floor.
+  int64_t last_level_cache_bytes = 0;
   MachineFigures limits;
   std::vector<KernelBenchPoint> points;
   std::vector<DecodeExperiment> decode;

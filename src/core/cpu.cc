@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -53,6 +54,63 @@ const CpuFeatures& DetectCpuFeatures() {
     return f;
   }();
   return features;
+}
+
+const CpuIdentity& DetectCpuIdentity() {
+  static const CpuIdentity identity = [] {
+    CpuIdentity cpu;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return cpu;
+    char vendor[12];
+    std::memcpy(vendor, &ebx, 4);
+    std::memcpy(vendor + 4, &edx, 4);
+    std::memcpy(vendor + 8, &ecx, 4);
+    cpu.vendor.assign(vendor, 12);
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0) {
+      const int base_family = static_cast<int>((eax >> 8) & 0xf), base_model = static_cast<int>((eax >> 4) & 0xf);
+      // The extended fields count only for these families (Intel's and AMD's CPUID documentation).
+      cpu.family = base_family == 0xf ? base_family + static_cast<int>((eax >> 20) & 0xff) : base_family;
+      cpu.model = base_family == 0xf || base_family == 0x6 ? (static_cast<int>((eax >> 16) & 0xf) << 4) | base_model
+                                                           : base_model;
+      cpu.stepping = static_cast<int>(eax & 0xf);
+    }
+    if (__get_cpuid_max(0x80000000, nullptr) >= 0x80000004) {
+      char brand[48];
+      for (unsigned leaf = 0; leaf < 3; ++leaf) {
+        __get_cpuid(0x80000002 + leaf, &eax, &ebx, &ecx, &edx);
+        const unsigned words[4] = {eax, ebx, ecx, edx};
+        std::memcpy(brand + 16 * leaf, words, 16);
+      }
+      std::string name(brand, strnlen(brand, sizeof(brand)));
+      const size_t first = name.find_first_not_of(' ');
+      cpu.name = first == std::string::npos ? "" : name.substr(first, name.find_last_not_of(' ') - first + 1);
+    }
+#endif
+    return cpu;
+  }();
+  return identity;
+}
+
+std::string CoreGeneration(const CpuIdentity& cpu) {
+  if (cpu.vendor != "AuthenticAMD") return "";
+  const int m = cpu.model;
+  switch (cpu.family) {
+    case 0x17: return m >= 0x30 ? "Zen 2" : "Zen or Zen+";
+    case 0x19:
+      // Zen 4: Genoa (0x10 - 0x1f), Raphael and Phoenix (0x60 - 0x7f), Bergamo and Siena (0xa0 - 0xaf);
+      // the others Zen 3 (Milan 0x00 - 0x0f, the client parts).
+      return (m >= 0x10 && m <= 0x1f) || (m >= 0x60 && m <= 0x7f) || (m >= 0xa0 && m <= 0xaf) ? "Zen 4" : "Zen 3";
+    case 0x1a: return "Zen 5";
+    default: return "";
+  }
+}
+
+std::string DescribeCpu(const CpuIdentity& cpu) {
+  if (cpu.vendor.empty()) return "unknown CPU";
+  const std::string generation = CoreGeneration(cpu);
+  return fmt::format("{} ({} family {:#x} model {:#x} stepping {}{}{})", cpu.name.empty() ? "unnamed CPU" : cpu.name,
+                     cpu.vendor, cpu.family, cpu.model, cpu.stepping, generation.empty() ? "" : ", ", generation);
 }
 
 bool IsaSupportedBy(Isa isa, const CpuFeatures& f) {

@@ -200,6 +200,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   KernelBenchReport report;
   report.threads = pool.size();
   report.isa = IsaName(isa);
+  report.cpu = DetectCpuIdentity();
   report.probe_bytes = o.probe_bytes;
   report.last_level_cache_bytes = LastLevelCacheBytes();
   say("measuring memory read bandwidth and arithmetic peaks");

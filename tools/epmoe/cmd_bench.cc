@@ -88,7 +88,14 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                       {"samples_off_speed", d.samples_off_speed},
                       {"samples", samples}});
   }
-  return {{"model", model.name},
+  return {{"cpu",
+           {{"name", r.cpu.name},
+            {"vendor", r.cpu.vendor},
+            {"family", r.cpu.family},
+            {"model", r.cpu.model},
+            {"stepping", r.cpu.stepping},
+            {"generation", CoreGeneration(r.cpu)}}},
+          {"model", model.name},
           {"experts", model.num_experts},
           {"hidden", model.hidden},
           {"intermediate", model.expert_intermediate},
@@ -112,15 +119,17 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
 }
 
 void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
-  std::printf("%s layer: %d experts of %dx%d, top-%d; %d threads, isa %s\n", model.name.c_str(), model.num_experts,
-              model.expert_intermediate, model.hidden, model.top_k, r.threads, r.isa.c_str());
+  std::printf("%s layer: %d experts of %dx%d, top-%d; %d threads, isa %s; %s\n", model.name.c_str(), model.num_experts,
+              model.expert_intermediate, model.hidden, model.top_k, r.threads, r.isa.c_str(),
+              DescribeCpu(r.cpu).c_str());
   std::printf(
       "limits: read %.1f GB/s (5th - 95th percentile %.1f - %.1f; a %s buffer; last-level caches %s); fp32 FMA %.0f, "
       "bf16 dot %.0f GFLOP/s; "
       "int8 VNNI %.0f (with the block scales of nvfp4 %.0f, of mxfp4 %.0f), int8 multiply-add (AVX2) %.0f GOP/s\n",
       r.limits.read_gbps, r.limits.read_gbps_low, r.limits.read_gbps_high, HumanBytes(r.probe_bytes).c_str(),
-      HumanBytes(r.last_level_cache_bytes).c_str(), r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops,
-      r.limits.int8_scale16_gops, r.limits.int8_scale32_gops, r.limits.int8_madd_gops);
+      r.last_level_cache_bytes > 0 ? HumanBytes(r.last_level_cache_bytes).c_str() : "not reported by the system",
+      r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops, r.limits.int8_scale16_gops,
+      r.limits.int8_scale32_gops, r.limits.int8_madd_gops);
   std::printf(
       "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
       "and roof: medians over the runs of each run against that read; roof/e: against the bound taken expert by "
