@@ -75,7 +75,7 @@ const CpuIdentity& DetectCpuIdentity() {
                                                            : base_model;
       cpu.stepping = static_cast<int>(eax & 0xf);
     }
-    if (__get_cpuid_max(0x80000000, nullptr) >= 0x80000004) {
+    if (static_cast<unsigned>(__get_cpuid_max(0x80000000, nullptr)) >= 0x80000004u) {
       char brand[48];
       for (unsigned leaf = 0; leaf < 3; ++leaf) {
         __get_cpuid(0x80000002 + leaf, &eax, &ebx, &ecx, &edx);
