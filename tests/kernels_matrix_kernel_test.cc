@@ -10,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epmoe/cpu.h"
@@ -46,7 +47,7 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   std::vector<float> dequantized(kChannels * kCols);
   for (int64_t n = 0; n < kChannels; ++n) DequantizePackedRow(w, n, dequantized.data() + n * kCols);
   const int64_t stride = kernel->ActivationBytes(kCols);
-  for (int64_t rows : {0, 1, 2, 3, 5, 7, 9, 12, 13, 17, 33, 43}) {
+  for (int64_t rows : {0, 1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 33, 43}) {
     SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
     const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
     std::vector<uint8_t> acts(rows * stride);
@@ -71,27 +72,30 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
 
 // A channel range without the first and last channel block (for the AVX-512 dense kernels channels
 // 16 - 47 of an interleaved group of 64: tiles that do not cover a whole group, addressed block by
-// block) gives the same values, bit for bit, as those channels of the whole range, for every tile
-// height and both paths.
+// block), and one without the last only (3 blocks: a 2-block tile and a 1-block one), give the same
+// values, bit for bit, as those channels of the whole range, for every tile height and both paths.
 TEST_P(MatMulContract, InnerChannelRangeMatchesTheWholeRange) {
   const auto [format, isa] = GetParam();
   const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, kCols, kChannels);
-  const int64_t begin = kernel->channel_block(), end = kChannels - kernel->channel_block();
-  ASSERT_LT(begin, end);
+  const int64_t block = kernel->channel_block();
+  ASSERT_LT(block, kChannels - block);
   std::mt19937 rng(2);
   const PackedMatrix w = PackMatrix(*Quantize(format, RandomMatrix(kChannels, kCols, 0.05f, rng)), kernel->layout());
   const int64_t stride = kernel->ActivationBytes(kCols);
-  for (int64_t rows : {1, 3, 5, 8, 11, 16, 43, 64}) {
-    SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
+  for (int64_t rows : {1, 3, 5, 6, 8, 11, 16, 43, 64}) {
     const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
     std::vector<uint8_t> acts(rows * stride);
     for (int64_t r = 0; r < rows; ++r) kernel->QuantizeActivations(x.row(r), kCols, acts.data() + r * stride);
     std::vector<float> whole(rows * kChannels), part(rows * kChannels);
     kernel->MatMul(w, 0, kChannels, acts.data(), rows, whole.data(), kChannels, OutputWrites::kCached);
-    kernel->MatMul(w, begin, end, acts.data(), rows, part.data(), kChannels, OutputWrites::kCached);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t n = begin; n < end; ++n)
-        ASSERT_EQ(part[r * kChannels + n - begin], whole[r * kChannels + n]) << "row " << r << " channel " << n;
+    for (const auto& [begin, end] : {std::pair{block, kChannels - block}, std::pair{int64_t{0}, kChannels - block}}) {
+      SCOPED_TRACE(std::to_string(rows) + " rows, channels " + std::to_string(begin) + " - " + std::to_string(end) +
+                   ", " + IsaName(kernel->isa()));
+      kernel->MatMul(w, begin, end, acts.data(), rows, part.data(), kChannels, OutputWrites::kCached);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = begin; n < end; ++n)
+          ASSERT_EQ(part[r * kChannels + n - begin], whole[r * kChannels + n]) << "row " << r << " channel " << n;
+    }
   }
 }
 
