@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -126,6 +127,32 @@ TEST_P(MatMulContract, StreamedOutputsEqualCachedOnes) {
       for (int64_t i = 0; i < rows * kChannels; ++i) ASSERT_EQ(out[i], cached[i]) << "output " << i;
       for (int64_t n = 0; n < kChannels; ++n)
         ASSERT_TRUE(std::isnan(out[rows * kChannels + n])) << "wrote past the rows";
+    }
+  }
+}
+
+// The 4-bit vector kernels' activation row (kernels/kernel.h): the row's int8 values, then for each
+// scale block -12 x the sum of its values, the correction the kernels start that block's sums from.
+// The widths leave blocks past the last 64 (AVX-512) or 32 (AVX2) values the kernels sum at a time.
+TEST_P(MatMulContract, FourBitRowsCarryTheirBlocksCorrections) {
+  const auto [format, isa] = GetParam();
+  if (format != WeightFormat::kNvfp4 && format != WeightFormat::kMxfp4) GTEST_SKIP() << "not a 4-bit format";
+  const int block = format == WeightFormat::kNvfp4 ? 16 : 32;
+  std::mt19937 rng(4);
+  for (int64_t cols : {16, 48, 80, 96, 288, 2048}) {
+    if (cols % block != 0) continue;
+    const std::unique_ptr<MatrixKernel> kernel = ChooseKernel(format, isa, cols, kChannels);
+    if (kernel->isa() == Isa::kReference) continue;  // fp32 rows
+    SCOPED_TRACE(std::to_string(cols) + " columns, " + IsaName(kernel->isa()));
+    const Matrix x = RandomMatrix(1, cols, 1.0f, rng);
+    std::vector<uint8_t> row(kernel->ActivationBytes(cols));
+    kernel->QuantizeActivations(x.row(0), cols, row.data());
+    for (int64_t b = 0; b < cols / block; ++b) {
+      int32_t sum = 0;
+      for (int64_t c = b * block; c < (b + 1) * block; ++c) sum += static_cast<int8_t>(row[c]);
+      int32_t correction = 0;
+      std::memcpy(&correction, row.data() + FourBitCorrectionOffset(cols) + 4 * b, 4);
+      ASSERT_EQ(correction, -12 * sum) << "scale block " << b;
     }
   }
 }

@@ -215,12 +215,50 @@ float QuantizeRowInt8(const float* x, int64_t cols, int8_t* q) {
   return scale;
 }
 
-// Sum of `count` int8 values (count a multiple of 16).
+// Sum of `count` int8 values (count a multiple of 16). VPSADBW sums 8 bytes at a time, taken
+// unsigned (q + 128: the sign bit flipped).
 int32_t SumInt8(const int8_t* q, int64_t count) {
-  __m512i sum = _mm512_setzero_si512();
-  for (int64_t c = 0; c < count; c += 16)
-    sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c))));
-  return _mm512_reduce_add_epi32(sum);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i eights = _mm512_setzero_si512();
+  int64_t c = 0;
+  for (; c + 64 <= count; c += 64)
+    eights = _mm512_add_epi64(
+        eights, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + c), flip), _mm512_setzero_si512()));
+  int64_t sum = _mm512_reduce_add_epi64(eights);
+  for (; c < count; c += 16) {
+    const __m128i tail = _mm_sad_epu8(
+        _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c)), _mm512_castsi512_si128(flip)),
+        _mm_setzero_si128());
+    sum += _mm_cvtsi128_si64(tail) + _mm_extract_epi64(tail, 1);
+  }
+  return static_cast<int32_t>(sum - 128 * count);
+}
+
+// The 4-bit kernels' offset corrections: -12 x the sum of each `block` (16 or 32) values of q
+// (cols a multiple of block), written as int32 from `out` on. VPSADBW sums 8 bytes at a time, taken
+// unsigned, as SumInt8; the 16-byte sums are then gathered four to a vector.
+// Summed block by block (a widening, an add and a horizontal reduction each), nvfp4's row of 2,048
+// took as long as quantizing it (BM_QuantizeActivations: 418 ns a row against int8's 193).
+void FourBitCorrections(const int8_t* q, int64_t cols, int block, uint8_t* out) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m128i offset = _mm_set1_epi32(16 * 128), factor = _mm_set1_epi32(-12);
+  int64_t c = 0;
+  for (; c + 64 <= cols; c += 64) {
+    const __m512i eights = _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + c), flip), _mm512_setzero_si512());
+    // Each 16-byte sum in the low 32 bits of its 128-bit lane, then the four lanes' sums together.
+    const __m512i sixteens = _mm512_add_epi64(eights, _mm512_shuffle_epi32(eights, _MM_PERM_BADC));
+    __m128i sums = _mm_sub_epi32(_mm512_castsi512_si128(_mm512_maskz_compress_epi32(0x1111, sixteens)), offset);
+    if (block == 32) {
+      sums = _mm_hadd_epi32(sums, sums);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c / 8), _mm_mullo_epi32(sums, factor));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c / 4), _mm_mullo_epi32(sums, factor));
+    }
+  }
+  for (; c < cols; c += block) {
+    const int32_t correction = -12 * SumInt8(q + c, block);
+    std::memcpy(out + c / block * 4, &correction, 4);
+  }
 }
 
 // ---- fp32, bf16 and int8: one tile over all input groups ----
@@ -840,10 +878,7 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
   void QuantizeActivations(const float* x, int64_t cols, uint8_t* out) const override {
     int8_t* q = reinterpret_cast<int8_t*>(out);
     const float scale = QuantizeRowInt8(x, cols, q);
-    for (int64_t sb = 0; sb < cols / Ops::kScaleBlock; ++sb) {
-      const int32_t correction = -12 * SumInt8(q + sb * Ops::kScaleBlock, Ops::kScaleBlock);
-      std::memcpy(out + FourBitCorrectionOffset(cols) + 4 * sb, &correction, 4);
-    }
+    FourBitCorrections(q, cols, Ops::kScaleBlock, out + FourBitCorrectionOffset(cols));
     std::memcpy(out + Ops::ScaleOffset(cols), &scale, 4);
   }
   void MatMul(const PackedMatrix& w, int64_t n_begin, int64_t n_end, const uint8_t* acts, int64_t rows, float* out,
