@@ -278,11 +278,12 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
     const int64_t count = offsets[item.expert + 1] - first;
     const int64_t width = item.n_end - item.n_begin;
     const int64_t block = RowsPerBlock(count, hidden_stride);
-    // Per pool thread, kept across items and calls. A pair allocated per item was zeroed too, 2 x
-    // 25 - 32 KB in prefill (a row block of 99 - 124 rows x 64 channels, for 4-bit and int8
-    // weights), 1,536 items at T = 1024; kept instead, the layer (`epmoe bench kernels --tokens
-    // 256,1024 --no-decode`, the two builds alternated, medians of 8 runs) went from 0.499 / 0.564
-    // to 0.525 / 0.613 of the bound for nvfp4, 0.583 / 0.749 to 0.622 / 0.789 for int8.
+    // Per pool thread, kept across items and calls. Allocated per item (2 x 25 - 32 KB in prefill:
+    // a row block of 99 - 124 rows x 64 channels for 4-bit and int8 weights; 1,536 items at T =
+    // 1024) and zeroed, the pair cost the layer (`epmoe bench kernels --tokens 256,1024 --no-decode`,
+    // builds alternated, medians of 8 runs) nvfp4 0.517 / 0.624 -> 0.505 / 0.583 of the bound, int8
+    // 0.626 / 0.784 -> 0.597 / 0.748; allocated but not zeroed, 0.503 / 0.598 and 0.608 / 0.751:
+    // the fresh memory cost more than the zeroing.
     thread_local std::vector<float> gate, up;
     gate.resize(block * width);
     up.resize(block * width);
