@@ -280,9 +280,8 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
     const int64_t block = RowsPerBlock(count, hidden_stride);
     // Per pool thread, kept across items and calls. Allocated per item (2 x 25 - 32 KB in prefill:
     // a row block of 99 - 124 rows x 64 channels for 4-bit and int8 weights; 1,536 items at T =
-    // 1024) and zeroed, the pair cost the layer (`epmoe bench kernels --tokens 256,1024 --no-decode`,
-    // builds alternated, medians of 8 runs) nvfp4 0.517 / 0.624 -> 0.505 / 0.583 of the bound, int8
-    // 0.626 / 0.784 -> 0.597 / 0.748; allocated but not zeroed, 0.503 / 0.598 and 0.608 / 0.751.
+    // 1024), the pair cost nvfp4 and int8 T = 1024 0.02 - 0.05 of the bound in four sets of
+    // alternated runs of five, nothing in one (docs/performance.md, session 26).
     thread_local std::vector<float> gate, up;
     gate.resize(block * width);
     up.resize(block * width);
