@@ -89,8 +89,8 @@ int32_t SumInt8(const int8_t* q, int64_t count) {
 }
 
 // The 4-bit kernels' offset corrections: -12 x the sum of each `block` (16 or 32) values of q
-// (cols a multiple of block), written as int32 from `out` on; 32 values at a time as SumInt8 takes
-// them (summed block by block, nvfp4's row of 2,048 took longer than quantizing it).
+// (cols a multiple of block), written as int32 from `out` on; 32 values at a time, by VPSADBW as in
+// SumInt8 (summed block by block, nvfp4's row of 2,048 took longer than quantizing it).
 void FourBitCorrections(const int8_t* q, int64_t cols, int block, uint8_t* out) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   int64_t c = 0;
