@@ -137,7 +137,7 @@ TEST_P(MatMulContract, StreamedOutputsEqualCachedOnes) {
 TEST_P(MatMulContract, FourBitRowsCarryTheirBlocksCorrections) {
   const auto [format, isa] = GetParam();
   if (format != WeightFormat::kNvfp4 && format != WeightFormat::kMxfp4) GTEST_SKIP() << "not a 4-bit format";
-  const int block = format == WeightFormat::kNvfp4 ? 16 : 32;
+  const int block = BlockSize(format);
   std::mt19937 rng(4);
   for (int64_t cols : {16, 48, 80, 96, 288, 2048}) {
     if (cols % block != 0) continue;
