@@ -2,6 +2,7 @@
 // microbenchmarks' contracts. Timings themselves are not asserted (benchmarks, not timed tests).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -91,7 +92,8 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   o.decode_ranks = 4;
   o.decode_min_tokens = 2;
   o.decode_max_tokens = 4;
-  o.decode_repetitions = 1;
+  o.decode_repetitions = 2;
+  o.decode_seconds = 0;
   o.probe_bytes = int64_t{64} << 20;
   auto report = RunKernelBench(o, pool);
   ASSERT_TRUE(report.ok()) << report.status().message();
@@ -139,6 +141,7 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
       EXPECT_GT(s.read_gbps, 0);
     }
     EXPECT_GT(d.median_read_gbps, 0);
+    EXPECT_EQ(d.passes, 2);  // the runs asked for, with no time budget beyond them
     // Each sample's time comes from its runs at the experiment's memory speed (within
     // kDecodeSpeedTolerance of it), so the median of their reads lies within it too, unless the
     // sample never ran at that speed.
@@ -154,6 +157,46 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   }
   o.experts = 10;  // does not split into 4 ranks of whole experts
   EXPECT_FALSE(RunKernelBench(o, pool).ok());
+  o.experts = 16;
+  o.decode_seconds = -1;
+  EXPECT_FALSE(RunKernelBench(o, pool).ok());
+}
+
+// Past its runs asked for, the decode experiment makes passes over all samples until it has taken
+// its time budget.
+TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
+  ThreadPool pool(2);
+  KernelBenchOptions o;
+  o.formats = {WeightFormat::kInt8};
+  o.tokens = {1};
+  o.hidden = 256;
+  o.intermediate = 256;
+  o.experts = 8;
+  o.top_k = 2;
+  o.repetitions = 1;
+  o.decode_steps = 2;
+  o.decode_ranks = 2;
+  o.decode_min_tokens = 1;
+  o.decode_max_tokens = 2;
+  o.decode_repetitions = 1;
+  o.probe_bytes = int64_t{64} << 20;
+  o.decode_seconds = 0;
+  auto quick = RunKernelBench(o, pool);
+  ASSERT_TRUE(quick.ok()) << quick.status().message();
+  ASSERT_EQ(quick->decode.size(), 1u);
+  EXPECT_EQ(quick->decode[0].passes, 1);
+
+  o.decode_seconds = 0.5;
+  const auto start = std::chrono::steady_clock::now();
+  auto budgeted = RunKernelBench(o, pool);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(budgeted.ok()) << budgeted.status().message();
+  EXPECT_GE(seconds, 0.5);
+  // A pass here (4 samples of a few hundred KB of weights, each after a 64 MB probe read) takes tens
+  // of milliseconds.
+  EXPECT_GE(budgeted->decode[0].passes, 2);
+  // Every sample took part in every pass (before any run at another speed is run again).
+  for (const auto& s : budgeted->decode[0].samples) EXPECT_GT(s.us, 0);
 }
 
 // The memory estimate grows with what the bench holds, and a budget below it refuses the formats

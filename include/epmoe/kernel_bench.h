@@ -43,10 +43,17 @@ struct KernelBenchOptions {
   int decode_min_tokens = 8;
   int decode_max_tokens = 16;
   int decode_ranks = 8;
-  // Timed runs per decode sample (median); 5 until session 17. nvfp4's experiment here, three of
-  // each alternated: r(bytes) 0.933 / 0.986 / 0.991 with 5, 0.984 / 0.993 / 0.994 with 9 (single
-  // runs spread by about 7% between quartiles).
+  // Passes of the decode experiment over all of its samples, each a timed run of every sample (a
+  // sample's time is the median of its runs): at least decode_repetitions, then more until the
+  // experiment has taken decode_seconds. The shortest samples need the most runs: on a Zen 5 VM
+  // whose memory's speed wandered between 28 and 56 GB/s from run to run, a 4-bit sample's runs
+  // (0.3 - 0.7 ms) spread by 11 - 13% (their coefficient of variation), fp32's (4 - 6 ms) by 7%, and
+  // r(bytes) of nvfp4 / mxfp4 / int8 went 0.895 / 0.932 / 0.935 with 9 runs a sample, 0.982 / 0.981
+  // / 0.989 with 21, 0.987 / 0.987 / 0.991 with 32 (session 27). A budget in seconds gives the short
+  // samples those runs at the cost of their own length: in 30 s here 4-bit samples get about 24
+  // runs, fp32's about 10. (9 runs and no budget in sessions 17 - 26, 5 before.)
   int decode_repetitions = 9;
+  double decode_seconds = 30;
   // The MemoryReadProbe read before each timed run and before each read of the run's weights: it
   // flushes the caches (so that both come from memory) and samples the machine's bandwidth: 128 MB,
   // or 4 x the last-level caches where they are larger than 32 MB.
@@ -159,6 +166,7 @@ struct DecodeExperiment {
   // left out of the samples' times; samples short of runs at this speed are run again, up to twice
   // as many runs.
   double median_read_gbps = 0;
+  int passes = 0;  // timed runs of every sample (before the runs at another speed are left out)
   int runs_left_out = 0;
   int samples_off_speed = 0;  // samples with no run at that speed: all of their runs count
 };

@@ -174,6 +174,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   if (o.decode && (o.decode_min_tokens <= 0 || o.decode_max_tokens < o.decode_min_tokens))
     return InvalidArgument(
         fmt::format("bench: decode tokens {}..{} is not a range", o.decode_min_tokens, o.decode_max_tokens));
+  // At most a day: a budget is a measurement's length, and one far beyond that is a mistake.
+  if (o.decode && !(o.decode_seconds >= 0 && o.decode_seconds <= 86400))
+    return InvalidArgument(fmt::format("bench: decode seconds {} out of 0..86400", o.decode_seconds));
   for (int64_t t : o.tokens) {
     if (t <= 0 || t > (int64_t{1} << 20))
       return InvalidArgument(fmt::format("bench: token count {} out of 1..2^20", t));
@@ -406,7 +409,6 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
                              {}});
         }
       }
-      const int repetitions = std::max(1, o.decode_repetitions);
       auto run_pass = [&](auto&& wanted) {
         for (Pending& p : pending) {
           if (!wanted(p)) continue;
@@ -414,7 +416,17 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
           p.times.push_back(timed_run(*store, p.weights, p.rows, p.offsets, &out, &p.read_gbps));
         }
       };
-      for (int rep = 0; rep < repetitions; ++rep) run_pass([](const Pending&) { return true; });
+      const auto started = std::chrono::steady_clock::now();
+      auto seconds_spent = [&] {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      };
+      const int min_passes = std::max(1, o.decode_repetitions);
+      int passes = 0;
+      while (passes < min_passes || seconds_spent() < o.decode_seconds) {
+        run_pass([](const Pending&) { return true; });
+        ++passes;
+      }
+      d.passes = passes;
       // The experiment is taken at one speed of the memory: that of its runs' commonest state, the
       // median of the largest band of their reads, a band being the reads within
       // kDecodeSpeedTolerance of one of them (the median of all of them falls between two states
@@ -431,8 +443,8 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       auto runs_at_speed = [&](const Pending& p) {
         return static_cast<int>(std::count_if(p.read_gbps.begin(), p.read_gbps.end(), at_speed));
       };
-      for (int rep = 0; rep < repetitions; ++rep)
-        run_pass([&](const Pending& p) { return 2 * runs_at_speed(p) < repetitions; });
+      for (int rep = 0; rep < passes; ++rep)
+        run_pass([&](const Pending& p) { return 2 * runs_at_speed(p) < passes; });
       std::vector<double> scaled_us;  // per sample, see below
       for (Pending& p : pending) {
         std::vector<double> times, reads;
@@ -468,9 +480,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       d.median_read_gbps = speed;
       d.correlation_bytes_steady = Correlation(gb, scaled_us);  // (the scale factor does not change r)
       say(
-          fmt::format("{} decode experiment: {} points at {:.1f} GB/s ({} runs at another speed left out), {:.1f} us + "
-                      "{:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
-                      WeightFormatName(format), d.samples.size(), d.median_read_gbps, d.runs_left_out, d.fixed_us,
+          fmt::format("{} decode experiment: {} points, {} runs each, at {:.1f} GB/s ({} runs at another speed left "
+                      "out), {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
+                      WeightFormatName(format), d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out, d.fixed_us,
                       d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady, d.correlation_picks));
       report.decode.push_back(std::move(d));
     }

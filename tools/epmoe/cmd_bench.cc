@@ -32,6 +32,7 @@ struct BenchKernelsOptions {
   int decode_steps = 32;
   int decode_ranks = 8;
   int decode_repetitions = KernelBenchOptions{}.decode_repetitions;
+  double decode_seconds = KernelBenchOptions{}.decode_seconds;
   double skew = 0.3;
   uint64_t seed = 1;
   double max_memory_gb = 0;
@@ -84,6 +85,7 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                       {"correlation_picks", d.correlation_picks},
                       {"correlation_bytes_steady", d.correlation_bytes_steady},
                       {"median_read_gbps", d.median_read_gbps},
+                      {"passes", d.passes},
                       {"runs_left_out", d.runs_left_out},
                       {"samples_off_speed", d.samples_off_speed},
                       {"samples", samples}});
@@ -154,10 +156,10 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
                 disturbed.c_str());
   for (const auto& d : r.decode) {
     std::printf(
-        "decode experiment %s: %zu points at %.1f GB/s of memory (%d runs at another speed left out, %d points "
-        "never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each run's time "
-        "scaled by its weights' read rate), with picks %.3f\n",
-        WeightFormatName(d.format), d.samples.size(), d.median_read_gbps, d.runs_left_out, d.samples_off_speed,
+        "decode experiment %s: %zu points, %d runs each, at %.1f GB/s of memory (%d runs at another speed left out, "
+        "%d points never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each "
+        "run's time scaled by its weights' read rate), with picks %.3f\n",
+        WeightFormatName(d.format), d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out, d.samples_off_speed,
         d.fixed_us, d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady, d.correlation_picks);
   }
 }
@@ -184,6 +186,7 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.decode_steps = o.decode_steps;
   options.decode_ranks = o.decode_ranks;
   options.decode_repetitions = o.decode_repetitions;
+  options.decode_seconds = o.decode_seconds;
   options.skew_sigma = o.skew;
   options.seed = o.seed;
   options.max_memory_bytes =
@@ -231,8 +234,12 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--decode-ranks", o->decode_ranks, "Ranks of whole experts each decode step is replayed for")
       ->check(kPositive)
       ->capture_default_str();
-  cmd->add_option("--decode-reps", o->decode_repetitions, "Timed runs per decode sample (median)")
+  cmd->add_option("--decode-reps", o->decode_repetitions, "Timed runs per decode sample (median), at least")
       ->check(kPositive)
+      ->capture_default_str();
+  cmd->add_option("--decode-seconds", o->decode_seconds,
+                  "Run more passes over the decode samples until each format's experiment has taken this long")
+      ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   cmd->add_option("--skew", o->skew, "Routing skew: expert popularity ~ exp(skew * N(0,1))")
       ->check(kNonNegative)
