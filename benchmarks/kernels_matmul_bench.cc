@@ -255,7 +255,7 @@ void BM_PoolDispatch(benchmark::State& state) {
 
 void MatMulArguments(benchmark::internal::Benchmark* b) {
   for (WeightFormat f : AllWeightFormats())
-    for (int rows : {1, 2, 3, 4, 5, 8, 12, 16, 64}) b->Args({static_cast<int64_t>(f), rows});
+    for (int rows : {1, 2, 3, 4, 5, 8, 12, 13, 16, 18, 20, 64}) b->Args({static_cast<int64_t>(f), rows});
 }
 
 BENCHMARK(BM_Read)->Unit(benchmark::kMillisecond);

@@ -37,7 +37,8 @@ class MatMulContract : public ::testing::TestWithParam<KernelCase> {};
 // activation rounding) and the row after them is untouched: a 1-row 4-bit call runs the 2-row tile
 // with its row repeated, which must write the row's place only (and a 0-row call nothing).
 // 13 and 43 rows are split into row tiles of unequal height (13: 5 + 4 + 4 dense, 7 + 6 4-bit); 7,
-// 9 and 12 rows run the dense pair tiles (4 + 3, 5 + 4, 6 + 6); from 17 rows on (mxfp4) or 33
+// 9 and 12 rows run the dense pair tiles (4 + 3, 5 + 4, 6 + 6), 13 and 18 the dense triples (5 + 4
+// + 4, 6 + 6 + 6), 19 the dense tiles over whole groups (5 + 5 + 5 + 4); from 17 rows on (mxfp4) or 33
 // (nvfp4), the 4-bit kernels' first 8 rows expand the panel that the others then read (17: 8, then
 // 5 + 4; 33: 8, then 5 x 5; 43: 8, then 5 x 6 + 5).
 TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
@@ -48,7 +49,7 @@ TEST_P(MatMulContract, WritesExactlyTheRowsAskedFor) {
   std::vector<float> dequantized(kChannels * kCols);
   for (int64_t n = 0; n < kChannels; ++n) DequantizePackedRow(w, n, dequantized.data() + n * kCols);
   const int64_t stride = kernel->ActivationBytes(kCols);
-  for (int64_t rows : {0, 1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 33, 43}) {
+  for (int64_t rows : {0, 1, 2, 3, 5, 6, 7, 9, 12, 13, 17, 18, 19, 33, 43}) {
     SCOPED_TRACE(std::to_string(rows) + " rows, " + IsaName(kernel->isa()));
     const Matrix x = RandomMatrix(rows, kCols, 1.0f, rng);
     std::vector<uint8_t> acts(rows * stride);

@@ -28,6 +28,7 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -402,36 +403,51 @@ struct DenseTile {
   }
 };
 
-// Input groups per chunk of DensePairTile: 16 KB of a whole group's weights, which stay in L1
-// between the two row tiles.
+// Input groups per chunk of DenseChunkedTile: 16 KB of a whole group's weights, which stay in L1
+// while its row tiles take it in turn.
 constexpr int64_t kPairChunkGroups = 64;
 
-// Two row tiles over the same blocks, R1 and R2 rows (7 - 12 rows: more than one tile holds), taken
+// One row tile's sums (an array member, so that a tuple can hold the row tiles' sums).
+template <class Dot, int R, int B>
+struct RowTileSums {
+  typename Dot::Acc acc[R][B];
+};
+
+// Row tiles of Rs... rows over the same blocks (7 - 18 rows: more than one tile holds), taken
 // chunk by chunk of input groups: each chunk's weights are read from memory by the first and from
-// L1 by the second, while both prefetch the next chunk into L2, so the weights stream on while
-// either computes. Run one after the other over the whole group, as they were, the memory waited
-// while the second computed.
-template <class Dot, int R1, int R2, int B>
-struct DensePairTile {
-  static void Run(const TileArgs& a) {
-    using First = DenseTile<Dot, false, R1, B>;
-    using Second = DenseTile<Dot, false, R2, B>;
+// L1 by the others, while all of them prefetch the next chunk into L2, so the weights stream on
+// while any of them computes. Run one after the other over the whole group, as they were, the
+// memory waited while the others computed.
+template <class Dot, int B, int... Rs>
+struct DenseChunkedTile {
+  static void Run(const TileArgs& a) { Run(a, std::make_index_sequence<sizeof...(Rs)>()); }
+
+ private:
+  template <size_t... I>
+  static void Run(const TileArgs& a, std::index_sequence<I...>) {
+    constexpr int kTiles = sizeof...(Rs);
+    constexpr int kHeights[kTiles] = {Rs...};
+    int64_t first_row[kTiles] = {};
+    for (int t = 1; t < kTiles; ++t) first_row[t] = first_row[t - 1] + kHeights[t - 1];
     const int64_t groups = a.weights->cols * Dot::kValueBytes / 4;
     const BlockVectors<B> v(a, groups);
-    typename Dot::Acc first[R1][B], second[R2][B];
-    First::Zero(first);
-    Second::Zero(second);
-    const uint8_t* second_acts = a.acts + R1 * a.act_stride;
+    std::tuple<RowTileSums<Dot, Rs, B>...> sums;
+    (DenseTile<Dot, false, Rs, B>::Zero(std::get<I>(sums).acc), ...);
     for (int64_t g0 = 0; g0 < groups; g0 += kPairChunkGroups) {
       const int64_t g1 = std::min(groups, g0 + kPairChunkGroups);
-      // The next chunk (after the last, the next group's first), contiguous in a whole group.
+      // The next chunk (after the last, the next group's first), contiguous in a whole group, its
+      // lines shared out among the row tiles.
       const uint8_t* next = v.first[0] + g1 * B * 64;
       const int64_t lines = v.whole_group ? kPairChunkGroups * B : 0;
-      First::AccumulateApart(v, a.acts, a.act_stride, g0, g1, next, lines / 2, first);
-      Second::AccumulateApart(v, second_acts, a.act_stride, g0, g1, next + lines / 2 * 64, lines - lines / 2, second);
+      (DenseTile<Dot, false, Rs, B>::AccumulateApart(v, a.acts + first_row[I] * a.act_stride, a.act_stride, g0, g1,
+                                                      next + lines * I / kTiles * 64,
+                                                      lines * (I + 1) / kTiles - lines * I / kTiles,
+                                                      std::get<I>(sums).acc),
+       ...);
     }
-    First::Store(a, a.acts, a.out, first);
-    Second::Store(a, second_acts, a.out + R1 * a.out_stride, second);
+    (DenseTile<Dot, false, Rs, B>::Store(a, a.acts + first_row[I] * a.act_stride,
+                                         a.out + first_row[I] * a.out_stride, std::get<I>(sums).acc),
+     ...);
   }
 };
 
@@ -443,13 +459,11 @@ struct DenseTiles {
   using Cached = DenseTile<Dot, false, R, B>;
   // R rows as two row tiles, the first one row taller when R is odd.
   template <int R, int B>
-  using Pair = DensePairTile<Dot, (R + 1) / 2, R / 2, B>;
+  using Pair = DenseChunkedTile<Dot, B, (R + 1) / 2, R / 2>;
+  // R rows as three row tiles, the first ones one row taller where R is not a multiple of 3.
+  template <int R, int B>
+  using Triple = DenseChunkedTile<Dot, B, (R + 2) / 3, (R + 1) / 3, R / 3>;
 };
-
-// Up to this many rows the prefill tiles still prefetch their weights from memory: with few row
-// tiles per channel tile, each weight vector is read from memory by the first and from cache by
-// the rest, so the first should not wait for it.
-constexpr int64_t kStreamTallRows = 16;
 
 // ---- the gated activation (SwiGLU) ----
 
@@ -509,8 +523,8 @@ class Avx512Kernel : public MatrixKernel {
 };
 
 // fp32, bf16 and int8 tiles span one interleaved group of blocks: up to kStreamRows rows, then 6
-// rows (24 accumulators, 4 weight vectors and a broadcast), streaming up to kStreamTallRows rows
-// and over cached weights above. The tile of 8 rows x 3 blocks used before the blocks were
+// rows (24 accumulators, 4 weight vectors and a broadcast): up to 18 rows in two or three row
+// tiles that take the weights chunk by chunk as they stream, over cached weights above. The tile of 8 rows x 3 blocks used before the blocks were
 // interleaved is as fast over cached weights (int8, 192 rows: 447 against 452 GOP/s), but
 // streaming across groups of 4 it is slower (int8, one thread at 5 / 8 / 16 rows: 168 - 208 /
 // 275 - 297 / 324 - 344 GOP/s against 311 - 319 / 331 - 343 / 374 - 385).
@@ -567,7 +581,18 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
                2 * kDenseTallRows>(base, block_begin, block_end, rows);
       return;
     }
-    // Three or more row tiles per group of blocks: the first reads the group's weights from memory,
+    // 13 - 18 rows: three row tiles chunk by chunk (since session 27). Before, each of them ran over
+    // the whole group in turn, prefetching the next group into L2 as below, and read the weights
+    // at about 16 GB/s where two row tiles chunk by chunk read 22 - 26 (one thread from memory,
+    // BM_MatMul, int8 at 12 / 13 / 16 / 18 rows: 505 - 608 / 402 - 460 / 494 - 560 / 563 - 605
+    // G op/s; three chunked: 13 / 16 / 18 rows 543 - 568 / 634 - 655 / 623 - 679). Four row tiles
+    // chunk by chunk for 19 - 24 rows were no faster than the groups below (fp32 slower).
+    if (rows <= 3 * kDenseTallRows) {
+      RunTiles<DenseTiles<Dot>::template Triple, 2 * kDenseTallRows + 1, 3 * kDenseTallRows, kDenseBlocks,
+               3 * kDenseTallRows>(base, block_begin, block_end, rows);
+      return;
+    }
+    // Four or more row tiles per group of blocks: the first reads the group's weights from memory,
     // the others from cache. While they run they prefetch the next group's weights into L2 (past
     // n_end too, within the matrix: the next work item, which this thread is likely to take as
     // well), so that the next group's first row tile does not wait for memory either. The layer at
@@ -584,13 +609,8 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
       const int64_t next = std::min((b + blocks) * block_bytes, matrix_bytes);
       group.prefetch = w.values.data() + next;
       group.prefetch_lines = std::min(kDenseBlocks * block_bytes, matrix_bytes - next) / 64;
-      if (rows <= kStreamTallRows) {
-        RunTiles<DenseTiles<Dot>::template Stream, 2 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(
-            group, b, b + blocks, rows);
-      } else {
-        RunTiles<DenseTiles<Dot>::template Cached, kStreamTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b,
-                                                                                                      b + blocks, rows);
-      }
+      RunTiles<DenseTiles<Dot>::template Cached, 3 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b,
+                                                                                                        b + blocks, rows);
     }
   }
 };
