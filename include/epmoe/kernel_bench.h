@@ -157,7 +157,9 @@ struct DecodeExperiment {
   double correlation_picks = 0;  // Pearson, time vs picks
   // Pearson, bytes read vs each sample's time scaled by the memory's speed (the median over all of
   // its runs of each run's time x the read rate of its weights just before it): what is left once
-  // the memory's own changes of speed between runs are taken out.
+  // the memory's own changes of speed between runs are taken out, and the differences between
+  // regions of memory (on a Zen 5 VM one rank's experts read 7 - 20% faster than another's, in a
+  // pattern that changed from process to process: session 27).
   double correlation_bytes_steady = 0;
   // The experiment's memory speed: the median of the largest band of the reads beside its runs, a
   // band being the reads within kDecodeSpeedTolerance of one of them (DensestBandMedian). A run
