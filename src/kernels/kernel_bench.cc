@@ -443,8 +443,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       auto runs_at_speed = [&](const Pending& p) {
         return static_cast<int>(std::count_if(p.read_gbps.begin(), p.read_gbps.end(), at_speed));
       };
-      for (int rep = 0; rep < passes; ++rep)
-        run_pass([&](const Pending& p) { return 2 * runs_at_speed(p) < passes; });
+      for (int rep = 0; rep < passes; ++rep) run_pass([&](const Pending& p) { return 2 * runs_at_speed(p) < passes; });
       std::vector<double> scaled_us;  // per sample, see below
       for (Pending& p : pending) {
         std::vector<double> times, reads;
@@ -479,11 +478,11 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       d.correlation_picks = Correlation(picks, us);
       d.median_read_gbps = speed;
       d.correlation_bytes_steady = Correlation(gb, scaled_us);  // (the scale factor does not change r)
-      say(
-          fmt::format("{} decode experiment: {} points, {} runs each, at {:.1f} GB/s ({} runs at another speed left "
-                      "out), {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
-                      WeightFormatName(format), d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out, d.fixed_us,
-                      d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady, d.correlation_picks));
+      say(fmt::format(
+          "{} decode experiment: {} points, {} runs each, at {:.1f} GB/s ({} runs at another speed left "
+          "out), {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
+          WeightFormatName(format), d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out, d.fixed_us,
+          d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady, d.correlation_picks));
       report.decode.push_back(std::move(d));
     }
   }

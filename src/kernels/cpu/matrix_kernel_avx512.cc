@@ -439,14 +439,13 @@ struct DenseChunkedTile {
       // lines shared out among the row tiles.
       const uint8_t* next = v.first[0] + g1 * B * 64;
       const int64_t lines = v.whole_group ? kPairChunkGroups * B : 0;
-      (DenseTile<Dot, false, Rs, B>::AccumulateApart(v, a.acts + first_row[I] * a.act_stride, a.act_stride, g0, g1,
-                                                      next + lines * I / kTiles * 64,
-                                                      lines * (I + 1) / kTiles - lines * I / kTiles,
-                                                      std::get<I>(sums).acc),
+      (DenseTile<Dot, false, Rs, B>::AccumulateApart(
+           v, a.acts + first_row[I] * a.act_stride, a.act_stride, g0, g1, next + lines * I / kTiles * 64,
+           lines * (I + 1) / kTiles - lines * I / kTiles, std::get<I>(sums).acc),
        ...);
     }
-    (DenseTile<Dot, false, Rs, B>::Store(a, a.acts + first_row[I] * a.act_stride,
-                                         a.out + first_row[I] * a.out_stride, std::get<I>(sums).acc),
+    (DenseTile<Dot, false, Rs, B>::Store(a, a.acts + first_row[I] * a.act_stride, a.out + first_row[I] * a.out_stride,
+                                         std::get<I>(sums).acc),
      ...);
   }
 };
@@ -524,10 +523,11 @@ class Avx512Kernel : public MatrixKernel {
 
 // fp32, bf16 and int8 tiles span one interleaved group of blocks: up to kStreamRows rows, then 6
 // rows (24 accumulators, 4 weight vectors and a broadcast): up to 18 rows in two or three row
-// tiles that take the weights chunk by chunk as they stream, over cached weights above. The tile of 8 rows x 3 blocks used before the blocks were
-// interleaved is as fast over cached weights (int8, 192 rows: 447 against 452 GOP/s), but
-// streaming across groups of 4 it is slower (int8, one thread at 5 / 8 / 16 rows: 168 - 208 /
-// 275 - 297 / 324 - 344 GOP/s against 311 - 319 / 331 - 343 / 374 - 385).
+// tiles that take the weights chunk by chunk as they stream, over cached weights above. The tile
+// of 8 rows x 3 blocks used before the blocks were interleaved is as fast over cached weights
+// (int8, 192 rows: 447 against 452 GOP/s), but streaming across groups of 4 it is slower (int8,
+// one thread at 5 / 8 / 16 rows: 168 - 208 / 275 - 297 / 324 - 344 GOP/s against 311 - 319 / 331
+// - 343 / 374 - 385).
 constexpr int kDenseBlocks = static_cast<int>(kInterleavedBlocks), kDenseTallRows = 6;
 
 template <class Dot, WeightFormat kFormat>
@@ -609,8 +609,8 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
       const int64_t next = std::min((b + blocks) * block_bytes, matrix_bytes);
       group.prefetch = w.values.data() + next;
       group.prefetch_lines = std::min(kDenseBlocks * block_bytes, matrix_bytes - next) / 64;
-      RunTiles<DenseTiles<Dot>::template Cached, 3 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(group, b,
-                                                                                                        b + blocks, rows);
+      RunTiles<DenseTiles<Dot>::template Cached, 3 * kDenseTallRows + 1, kDenseTallRows, kDenseBlocks>(
+          group, b, b + blocks, rows);
     }
   }
 };
