@@ -195,8 +195,6 @@ TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
   // A pass here (4 samples of a few hundred KB of weights, each after a 64 MB probe read) takes tens
   // of milliseconds.
   EXPECT_GE(budgeted->decode[0].passes, 2);
-  // Every sample took part in every pass (before any run at another speed is run again).
-  for (const auto& s : budgeted->decode[0].samples) EXPECT_GT(s.us, 0);
 }
 
 // The memory estimate grows with what the bench holds, and a budget below it refuses the formats
