@@ -4,7 +4,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epmoe/kernel_bench.h"
@@ -162,25 +164,31 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   EXPECT_FALSE(RunKernelBench(o, pool).ok());
 }
 
-// Past its runs asked for, the decode experiment makes passes over all samples until it has taken
-// its time budget.
-TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
-  ThreadPool pool(2);
+// A small int8 layer whose bench is mostly its decode experiment: one run a sample, no time budget.
+KernelBenchOptions SmallDecodeOptions() {
   KernelBenchOptions o;
   o.formats = {WeightFormat::kInt8};
   o.tokens = {1};
   o.hidden = 256;
   o.intermediate = 256;
-  o.experts = 8;
+  o.experts = 16;
   o.top_k = 2;
   o.repetitions = 1;
-  o.decode_steps = 2;
-  o.decode_ranks = 2;
-  o.decode_min_tokens = 1;
-  o.decode_max_tokens = 2;
+  o.decode_steps = 4;
+  o.decode_ranks = 4;
+  o.decode_min_tokens = 2;
+  o.decode_max_tokens = 4;
   o.decode_repetitions = 1;
-  o.probe_bytes = int64_t{64} << 20;
   o.decode_seconds = 0;
+  o.probe_bytes = int64_t{64} << 20;
+  return o;
+}
+
+// Past its runs asked for, the decode experiment makes passes over all samples until it has taken
+// its time budget.
+TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
+  ThreadPool pool(2);
+  KernelBenchOptions o = SmallDecodeOptions();
   auto quick = RunKernelBench(o, pool);
   ASSERT_TRUE(quick.ok()) << quick.status().message();
   ASSERT_EQ(quick->decode.size(), 1u);
@@ -192,9 +200,36 @@ TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(budgeted.ok()) << budgeted.status().message();
   EXPECT_GE(seconds, 0.5);
-  // A pass here (4 samples of a few hundred KB of weights, each after a 64 MB probe read) takes tens
-  // of milliseconds.
+  // A pass here (up to 16 samples of a few hundred KB of weights, each after a 64 MB probe read)
+  // takes tens of milliseconds.
   EXPECT_GE(budgeted->decode[0].passes, 2);
+}
+
+// Round-robin and contiguous shares split each step's picks among the ranks differently, and all of
+// them either way.
+TEST(KernelBench, DecodeSharesSplitEachStepsPicks) {
+  ThreadPool pool(2);
+  KernelBenchOptions o = SmallDecodeOptions();
+  std::map<int, int64_t> step_picks[2];
+  std::map<std::pair<int, int>, int64_t> sample_picks[2];
+  for (const bool contiguous : {false, true}) {
+    o.decode_contiguous_shares = contiguous;
+    auto report = RunKernelBench(o, pool);
+    ASSERT_TRUE(report.ok()) << report.status().message();
+    ASSERT_EQ(report->decode.size(), 1u);
+    EXPECT_EQ(report->decode[0].contiguous_shares, contiguous);
+    for (const DecodeSample& s : report->decode[0].samples) {
+      step_picks[contiguous][s.step] += s.picks;
+      sample_picks[contiguous][{s.step, s.rank}] = s.picks;
+    }
+  }
+  ASSERT_EQ(step_picks[0].size(), 4u);
+  EXPECT_EQ(step_picks[0], step_picks[1]);
+  for (const auto& [step, picks] : step_picks[0]) {
+    EXPECT_GE(picks, 2 * 2) << "step " << step;  // 2 - 4 tokens of top-2
+    EXPECT_LE(picks, 4 * 2) << "step " << step;
+  }
+  EXPECT_NE(sample_picks[0], sample_picks[1]);
 }
 
 // The memory estimate grows with what the bench holds, and a budget below it refuses the formats

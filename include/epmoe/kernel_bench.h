@@ -43,6 +43,14 @@ struct KernelBenchOptions {
   int decode_min_tokens = 8;
   int decode_max_tokens = 16;
   int decode_ranks = 8;
+  // Which whole experts make a rank's share: expert e on rank e % decode_ranks (round-robin), or
+  // with contiguous_shares on rank e / (experts / decode_ranks), 16 consecutive experts here (the
+  // usual expert-parallel layout). Round-robin by default: on a Zen 5 VM a contiguous share lies
+  // in one region of memory, and regions read 7 - 20% faster than one another in a pattern that
+  // changed from process to process, so each rank's samples ran faster or slower than their bytes
+  // said; round-robin shares spread every rank over all regions (session 27: the ranks' speeds
+  // 1.05 - 1.14 x apart with contiguous shares, 1.01 - 1.03 x round-robin).
+  bool decode_contiguous_shares = false;
   // Passes of the decode experiment over all of its samples, each a timed run of every sample (a
   // sample's time is the median of its runs): at least decode_repetitions, then more until the
   // experiment has taken decode_seconds. The shortest samples need the most runs: on a Zen 5 VM
@@ -150,6 +158,7 @@ inline constexpr double kDecodeSpeedTolerance = 0.15;
 
 struct DecodeExperiment {
   WeightFormat format;
+  bool contiguous_shares = false;  // KernelBenchOptions::decode_contiguous_shares
   std::vector<DecodeSample> samples;
   double fixed_us = 0;  // fitted time = fixed_us + us_per_gb * GB read
   double us_per_gb = 0;

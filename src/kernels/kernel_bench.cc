@@ -370,6 +370,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     if (o.decode) {
       DecodeExperiment d;
       d.format = format;
+      d.contiguous_shares = o.decode_contiguous_shares;
       std::mt19937_64 rng(o.seed * 31 + 5);
       std::uniform_int_distribution<int> token_count(o.decode_min_tokens, o.decode_max_tokens);
       const int per_rank = o.experts / o.decode_ranks;
@@ -395,7 +396,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
           DecodeSample s;
           s.step = step;
           s.rank = rank;
-          for (int e = rank * per_rank; e < (rank + 1) * per_rank; ++e) {
+          for (int e = 0; e < o.experts; ++e) {
+            const int owner = o.decode_contiguous_shares ? e / per_rank : e % o.decode_ranks;
+            if (owner != rank) continue;
             local[e] = counts[e];
             s.picks += counts[e];
             if (counts[e] > 0) s.bytes += store->expert_bytes(e);
@@ -479,9 +482,9 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       d.median_read_gbps = speed;
       d.correlation_bytes_steady = Correlation(gb, scaled_us);  // (the scale factor does not change r)
       say(fmt::format(
-          "{} decode experiment: {} points, {} runs each, at {:.1f} GB/s ({} runs at another speed left "
-          "out), {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
-          WeightFormatName(format), d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out, d.fixed_us,
+          "{} decode experiment ({} shares): {} points, {} runs each, at {:.1f} GB/s ({} runs at another speed "
+          "left out), {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
+          WeightFormatName(format), d.contiguous_shares ? "contiguous" : "round-robin", d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out, d.fixed_us,
           d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady, d.correlation_picks));
       report.decode.push_back(std::move(d));
     }

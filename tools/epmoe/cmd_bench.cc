@@ -33,6 +33,7 @@ struct BenchKernelsOptions {
   int decode_ranks = 8;
   int decode_repetitions = KernelBenchOptions{}.decode_repetitions;
   double decode_seconds = KernelBenchOptions{}.decode_seconds;
+  std::string decode_share = "round-robin";
   double skew = 0.3;
   uint64_t seed = 1;
   double max_memory_gb = 0;
@@ -78,6 +79,7 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                          {"us", s.us},
                          {"read_gbps", s.read_gbps}});
     decode.push_back({{"format", WeightFormatName(d.format)},
+                      {"shares", d.contiguous_shares ? "contiguous" : "round-robin"},
                       {"points", d.samples.size()},
                       {"fixed_us", d.fixed_us},
                       {"us_per_gb", d.us_per_gb},
@@ -156,10 +158,11 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
                 disturbed.c_str());
   for (const auto& d : r.decode) {
     std::printf(
-        "decode experiment %s: %zu points, %d runs each, at %.1f GB/s of memory (%d runs at another speed left out, "
+        "decode experiment %s (%s shares): %zu points, %d runs each, at %.1f GB/s of memory (%d runs at another speed left out, "
         "%d points never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each "
         "run's time scaled by its weights' read rate), with picks %.3f\n",
-        WeightFormatName(d.format), d.samples.size(), d.passes, d.median_read_gbps, d.runs_left_out,
+        WeightFormatName(d.format), d.contiguous_shares ? "contiguous" : "round-robin", d.samples.size(), d.passes,
+        d.median_read_gbps, d.runs_left_out,
         d.samples_off_speed, d.fixed_us, d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady,
         d.correlation_picks);
   }
@@ -188,6 +191,7 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.decode_ranks = o.decode_ranks;
   options.decode_repetitions = o.decode_repetitions;
   options.decode_seconds = o.decode_seconds;
+  options.decode_contiguous_shares = o.decode_share == "contiguous";
   options.skew_sigma = o.skew;
   options.seed = o.seed;
   options.max_memory_bytes =
@@ -241,6 +245,11 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--decode-seconds", o->decode_seconds,
                   "Run more passes over the decode samples until each format's experiment has taken this long")
       ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
+  cmd->add_option("--decode-share", o->decode_share,
+                  "Which experts make a rank's share in the decode experiment: round-robin (expert e on rank e % "
+                  "ranks) or contiguous (consecutive experts)")
+      ->check(CLI::IsMember({"round-robin", "contiguous"}))
       ->capture_default_str();
   cmd->add_option("--skew", o->skew, "Routing skew: expert popularity ~ exp(skew * N(0,1))")
       ->check(kNonNegative)
