@@ -158,13 +158,13 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
                 disturbed.c_str());
   for (const auto& d : r.decode) {
     std::printf(
-        "decode experiment %s (%s shares): %zu points, %d runs each, at %.1f GB/s of memory (%d runs at another speed left out, "
+        "decode experiment %s (%s shares): %zu points, %d runs each, at %.1f GB/s of memory (%d runs at another speed "
+        "left out, "
         "%d points never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each "
         "run's time scaled by its weights' read rate), with picks %.3f\n",
         WeightFormatName(d.format), d.contiguous_shares ? "contiguous" : "round-robin", d.samples.size(), d.passes,
-        d.median_read_gbps, d.runs_left_out,
-        d.samples_off_speed, d.fixed_us, d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady,
-        d.correlation_picks);
+        d.median_read_gbps, d.runs_left_out, d.samples_off_speed, d.fixed_us, d.us_per_gb, d.correlation_bytes,
+        d.correlation_bytes_steady, d.correlation_picks);
   }
 }
 
