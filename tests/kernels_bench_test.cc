@@ -80,23 +80,33 @@ TEST(Limits, PeaksArePositiveAndBandwidthRefusesCacheSizedBuffers) {
   EXPECT_EQ(BlockScaledPathForFormat(WeightFormat::kNvfp4, Isa::kAvx2), ArithmeticPath::kInt8Madd);
 }
 
-TEST(KernelBench, SmallRunReportsConsistentFigures) {
-  ThreadPool pool(2);
+// A small int8 layer, one run a point (the fractions are then exactly ratios of its figures) and one
+// a decode sample, with no time budget.
+KernelBenchOptions SmallBenchOptions() {
   KernelBenchOptions o;
-  o.formats = {WeightFormat::kInt8, WeightFormat::kNvfp4};
-  o.tokens = {1, 4, 32};
+  o.formats = {WeightFormat::kInt8};
+  o.tokens = {1};
   o.hidden = 256;
   o.intermediate = 256;
   o.experts = 16;
   o.top_k = 2;
-  o.repetitions = 1;  // one run a point: the fractions are then exactly ratios of its figures
+  o.repetitions = 1;
   o.decode_steps = 4;
   o.decode_ranks = 4;
   o.decode_min_tokens = 2;
   o.decode_max_tokens = 4;
-  o.decode_repetitions = 2;
+  o.decode_repetitions = 1;
   o.decode_seconds = 0;
   o.probe_bytes = int64_t{64} << 20;
+  return o;
+}
+
+TEST(KernelBench, SmallRunReportsConsistentFigures) {
+  ThreadPool pool(2);
+  KernelBenchOptions o = SmallBenchOptions();
+  o.formats = {WeightFormat::kInt8, WeightFormat::kNvfp4};
+  o.tokens = {1, 4, 32};
+  o.decode_repetitions = 2;
   auto report = RunKernelBench(o, pool);
   ASSERT_TRUE(report.ok()) << report.status().message();
   ASSERT_EQ(report->points.size(), 6u);
@@ -164,31 +174,11 @@ TEST(KernelBench, SmallRunReportsConsistentFigures) {
   EXPECT_FALSE(RunKernelBench(o, pool).ok());
 }
 
-// A small int8 layer whose bench is mostly its decode experiment: one run a sample, no time budget.
-KernelBenchOptions SmallDecodeOptions() {
-  KernelBenchOptions o;
-  o.formats = {WeightFormat::kInt8};
-  o.tokens = {1};
-  o.hidden = 256;
-  o.intermediate = 256;
-  o.experts = 16;
-  o.top_k = 2;
-  o.repetitions = 1;
-  o.decode_steps = 4;
-  o.decode_ranks = 4;
-  o.decode_min_tokens = 2;
-  o.decode_max_tokens = 4;
-  o.decode_repetitions = 1;
-  o.decode_seconds = 0;
-  o.probe_bytes = int64_t{64} << 20;
-  return o;
-}
-
 // Past its runs asked for, the decode experiment makes passes over all samples until it has taken
 // its time budget.
 TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
   ThreadPool pool(2);
-  KernelBenchOptions o = SmallDecodeOptions();
+  KernelBenchOptions o = SmallBenchOptions();
   auto quick = RunKernelBench(o, pool);
   ASSERT_TRUE(quick.ok()) << quick.status().message();
   ASSERT_EQ(quick->decode.size(), 1u);
@@ -209,7 +199,7 @@ TEST(KernelBench, DecodeExperimentRunsForItsBudget) {
 // them either way.
 TEST(KernelBench, DecodeSharesSplitEachStepsPicks) {
   ThreadPool pool(2);
-  KernelBenchOptions o = SmallDecodeOptions();
+  KernelBenchOptions o = SmallBenchOptions();
   std::map<int, int64_t> step_picks[2];
   std::map<std::pair<int, int>, int64_t> sample_picks[2];
   for (const bool contiguous : {false, true}) {
