@@ -156,6 +156,12 @@ struct DecodeSample {
 // How far (a fraction) a decode run's read may lie from its experiment's memory speed.
 inline constexpr double kDecodeSpeedTolerance = 0.15;
 
+// How a decode experiment's ranks share the experts, as the bench prints it: "contiguous" or
+// "round-robin" (KernelBenchOptions::decode_contiguous_shares).
+inline const char* DecodeSharesName(bool contiguous) {
+  return contiguous ? "contiguous" : "round-robin";
+}
+
 struct DecodeExperiment {
   WeightFormat format;
   bool contiguous_shares = false;  // KernelBenchOptions::decode_contiguous_shares

@@ -484,7 +484,7 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       say(fmt::format(
           "{} decode experiment ({} shares): {} points, {} runs each, at {:.1f} GB/s ({} runs at another speed "
           "left out), {:.1f} us + {:.1f} us/GB, r(bytes) {:.3f} ({:.3f} scaled by the read rate), r(picks) {:.3f}",
-          WeightFormatName(format), d.contiguous_shares ? "contiguous" : "round-robin", d.samples.size(), d.passes,
+          WeightFormatName(format), DecodeSharesName(d.contiguous_shares), d.samples.size(), d.passes,
           d.median_read_gbps, d.runs_left_out, d.fixed_us, d.us_per_gb, d.correlation_bytes, d.correlation_bytes_steady,
           d.correlation_picks));
       report.decode.push_back(std::move(d));

@@ -33,7 +33,7 @@ struct BenchKernelsOptions {
   int decode_ranks = 8;
   int decode_repetitions = KernelBenchOptions{}.decode_repetitions;
   double decode_seconds = KernelBenchOptions{}.decode_seconds;
-  std::string decode_share = "round-robin";
+  std::string decode_share = DecodeSharesName(false);
   double skew = 0.3;
   uint64_t seed = 1;
   double max_memory_gb = 0;
@@ -79,7 +79,7 @@ nlohmann::json ToJson(const KernelBenchReport& r, const ModelConfig& model) {
                          {"us", s.us},
                          {"read_gbps", s.read_gbps}});
     decode.push_back({{"format", WeightFormatName(d.format)},
-                      {"shares", d.contiguous_shares ? "contiguous" : "round-robin"},
+                      {"shares", DecodeSharesName(d.contiguous_shares)},
                       {"points", d.samples.size()},
                       {"fixed_us", d.fixed_us},
                       {"us_per_gb", d.us_per_gb},
@@ -162,7 +162,7 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
         "left out, "
         "%d points never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each "
         "run's time scaled by its weights' read rate), with picks %.3f\n",
-        WeightFormatName(d.format), d.contiguous_shares ? "contiguous" : "round-robin", d.samples.size(), d.passes,
+        WeightFormatName(d.format), DecodeSharesName(d.contiguous_shares), d.samples.size(), d.passes,
         d.median_read_gbps, d.runs_left_out, d.samples_off_speed, d.fixed_us, d.us_per_gb, d.correlation_bytes,
         d.correlation_bytes_steady, d.correlation_picks);
   }
@@ -191,7 +191,7 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.decode_ranks = o.decode_ranks;
   options.decode_repetitions = o.decode_repetitions;
   options.decode_seconds = o.decode_seconds;
-  options.decode_contiguous_shares = o.decode_share == "contiguous";
+  options.decode_contiguous_shares = o.decode_share == DecodeSharesName(true);
   options.skew_sigma = o.skew;
   options.seed = o.seed;
   options.max_memory_bytes =
@@ -249,7 +249,7 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--decode-share", o->decode_share,
                   "Which experts make a rank's share in the decode experiment: round-robin (expert e on rank e % "
                   "ranks) or contiguous (consecutive experts)")
-      ->check(CLI::IsMember({"round-robin", "contiguous"}))
+      ->check(CLI::IsMember({DecodeSharesName(false), DecodeSharesName(true)}))
       ->capture_default_str();
   cmd->add_option("--skew", o->skew, "Routing skew: expert popularity ~ exp(skew * N(0,1))")
       ->check(kNonNegative)
