@@ -76,9 +76,8 @@ struct KernelBenchOptions {
 int64_t KernelBenchMemoryBytes(const KernelBenchOptions& options, WeightFormat format, int threads);
 
 // The machine's limits over the run: the peaks are medians of measurements at the start and before
-// each timed run of a point, the read bandwidth the median of every MemoryReadProbe read (at the
-// start and beside each timed run). The points are judged against the peaks measured before their
-// own runs and their own weights' read rate instead.
+// each format, the read bandwidth the median of every MemoryReadProbe read (at the start and
+// beside each timed run). The points are judged against their own weights' read rate instead.
 struct MachineFigures {
   double read_gbps = 0;
   // The 5th and 95th percentiles of those reads: how far the memory's speed moved during the run (on
@@ -110,14 +109,12 @@ struct KernelBenchPoint {
   // The bandwidth the point is judged against: the rate at which its touched experts' bytes are
   // read by a plain read loop (MeasureReadRate) just before each timed run, median. On a shared
   // virtual machine how fast memory delivers differs by up to 1.6x between allocations and over
-  // time; this keeps either from being taken for the kernel's speed. The peak: that of the
-  // kernel's arithmetic path, measured just before each timed run (it drifts too: two threads'
-  // VNNI peak 1,467 G op/s in one run of the bench, 1,690 in the next), median.
+  // time; this keeps either from being taken for the kernel's speed. The peak: the run's median
+  // for the kernel's arithmetic path (MachineFigures).
   double read_gbps_used = 0;
   double peak_used = 0;
   // The fractions are medians over the point's timed runs of each run against the read of its
-  // weights and the peak measured just before it: (bytes / read rate) / time, and max(that,
-  // operations / peak) / time.
+  // weights just before it: (bytes / read rate) / time, and max(that, operations / peak) / time.
   double bandwidth_fraction = 0;
   double operations = 0;  // 2 * picks * 3 * hidden * intermediate
   double gflops = 0;

@@ -220,16 +220,12 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   // Every measurement of each path's peak (indexed by the path), their median at the end.
   std::vector<double> peaks[std::size(kArithmeticPaths)];
   for (ArithmeticPath path : kArithmeticPaths) peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {}));
+  // The arithmetic path of each point's kernel, and the one with its format's block scales.
+  std::vector<ArithmeticPath> point_paths, point_block_scaled_paths;
   // Each point's touched experts: (bytes, picks), for its expert-by-expert bound.
   std::vector<std::vector<std::pair<double, double>>> point_experts;
-  // One timed run of a point and the limits measured just before it.
-  struct TimedRun {
-    double us = 0;
-    double read_gbps = 0;          // the read rate of the point's weights
-    double peak = 0;               // the kernel's arithmetic path
-    double block_scaled_peak = 0;  // the path with the format's block scales
-  };
-  std::vector<std::vector<TimedRun>> point_runs;
+  // Each point's timed runs: time (us) and the read rate of its weights just before (GB/s).
+  std::vector<std::vector<std::pair<double, double>>> point_runs;
 
   // Each format packs the synthetic experts as they are made, one per thread at a time, so that the
   // whole layer never exists in fp32 (DeepSeek-V3's 256 experts: 45 GB).
@@ -304,15 +300,11 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
     const Isa runs_on = kernel_isa.ok() ? *kernel_isa : isa;
     const ArithmeticPath path = PathForFormat(format, runs_on);
     const ArithmeticPath block_scaled_path = BlockScaledPathForFormat(format, runs_on);
-    // How fast the cores compute changes over time too (two threads' VNNI peak 1,467 G op/s in one
-    // run, 1,690 in the next, session 28), so each timed run of a point is judged against the peaks
-    // measured just before it, as against the read rate of its weights. Short measurements: one
-    // precedes every run. Each also counts in the run's limits.
-    auto run_peak = [&](ArithmeticPath measured) {
-      const double peak = peak_or_zero(measured, {0.02, 3});
-      peaks[static_cast<int>(measured)].push_back(peak);
-      return peak;
-    };
+    // The peaks drift when other processes share the machine: measure the kernel's again next to
+    // each format; every point is judged against the median of all measurements (see the end).
+    peaks[static_cast<int>(path)].push_back(peak_or_zero(path, {0.05, 3}));
+    if (block_scaled_path != path)
+      peaks[static_cast<int>(block_scaled_path)].push_back(peak_or_zero(block_scaled_path, {0.05, 3}));
 
     for (int64_t tokens : o.tokens) {
       const std::vector<int64_t> counts = router.Counts(tokens, o.seed * 7919 + tokens);
@@ -343,38 +335,34 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       // threads at once (session 10: phases twice as long, with 40 - 80 ms of steal time in each,
       // none in the normal ones), which is not the kernel's time. Only if every run was disturbed
       // are (as many as were asked for of) those runs kept.
-      std::vector<TimedRun> runs, disturbed_runs;
+      std::vector<double> times, read_gbps, disturbed_times, disturbed_reads;
       double spent = 0;
       const int wanted = std::max(1, o.repetitions);
-      for (int attempt = 0; attempt < 3 * wanted && static_cast<int>(runs.size()) < wanted; ++attempt) {
-        TimedRun run;
-        run.peak = run_peak(path);
-        run.block_scaled_peak = block_scaled_path == path ? run.peak : run_peak(block_scaled_path);
+      for (int attempt = 0; attempt < 3 * wanted && static_cast<int>(times.size()) < wanted; ++attempt) {
         std::vector<double> read;
         double stolen_ms = 0;
-        run.us = timed_run(*store, weights, rows, offsets, &out, &read, &stolen_ms);
-        run.read_gbps = read.back();
-        (stolen_ms > 0 ? disturbed_runs : runs).push_back(run);
-        spent += run.us * 1e-6;
+        const double us = timed_run(*store, weights, rows, offsets, &out, &read, &stolen_ms);
+        (stolen_ms > 0 ? disturbed_times : times).push_back(us);
+        (stolen_ms > 0 ? disturbed_reads : read_gbps).push_back(read.back());
+        spent += us * 1e-6;
         if (spent > o.seconds_per_point) break;
       }
-      p.runs_with_stolen_time = static_cast<int>(disturbed_runs.size());
-      if (runs.empty())
-        runs.assign(disturbed_runs.begin(), disturbed_runs.begin() + std::min<size_t>(disturbed_runs.size(), wanted));
-      p.repetitions = static_cast<int>(runs.size());
-      auto median_of = [&runs](double TimedRun::*field) {
-        std::vector<double> values;
-        for (const TimedRun& run : runs) values.push_back(run.*field);
-        return Median(values);
-      };
-      p.us = median_of(&TimedRun::us);
-      p.read_gbps_used = median_of(&TimedRun::read_gbps);
-      p.peak_used = median_of(&TimedRun::peak);
-      p.block_scaled_peak_used = median_of(&TimedRun::block_scaled_peak);
-      point_runs.push_back(runs);
+      p.runs_with_stolen_time = static_cast<int>(disturbed_times.size());
+      if (times.empty()) {
+        const size_t kept = std::min<size_t>(disturbed_times.size(), wanted);
+        times.assign(disturbed_times.begin(), disturbed_times.begin() + kept);
+        read_gbps.assign(disturbed_reads.begin(), disturbed_reads.begin() + kept);
+      }
+      p.repetitions = static_cast<int>(times.size());
+      p.us = Median(times);
+      p.read_gbps_used = Median(read_gbps);
+      point_runs.emplace_back();
+      for (size_t i = 0; i < times.size(); ++i) point_runs.back().emplace_back(times[i], read_gbps[i]);
       p.gbps = p.bytes / (p.us * 1e-6) / 1e9;
       p.operations = operations_per_pick * static_cast<double>(p.picks);
       p.gflops = p.operations / (p.us * 1e-6) / 1e9;
+      point_paths.push_back(path);
+      point_block_scaled_paths.push_back(block_scaled_path);
       say(fmt::format("{} T={}: {:.1f} us, {:.1f} GB/s, {:.0f} G op/s", p.kernel, tokens, p.us, p.gbps, p.gflops));
       report.points.push_back(p);
     }
@@ -508,31 +496,34 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
   for (ArithmeticPath path : kArithmeticPaths) report.limits.peak(path) = Median(peaks[static_cast<int>(path)]);
   for (size_t i = 0; i < report.points.size(); ++i) {
     KernelBenchPoint& p = report.points[i];
+    p.peak_used = report.limits.peak(point_paths[i]);
+    p.block_scaled_peak_used = report.limits.peak(point_block_scaled_paths[i]);
     auto arithmetic_us = [](double operations, double peak) { return peak > 0 ? operations / (peak * 1e9) * 1e6 : 0; };
     auto memory_us = [&](double bytes, double read_gbps) { return bytes / (read_gbps * 1e9) * 1e6; };
     auto bound_us = [&](double read_gbps, double peak) {
       return std::max(memory_us(p.bytes, read_gbps), arithmetic_us(p.operations, peak));
     };
-    auto expert_bound_us = [&](double read_gbps, double block_scaled_peak) {
+    auto expert_bound_us = [&](double read_gbps) {
       double sum = 0;
       for (const auto& [bytes, picks] : point_experts[i])
-        sum += std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick, block_scaled_peak));
+        sum +=
+            std::max(memory_us(bytes, read_gbps), arithmetic_us(picks * operations_per_pick, p.block_scaled_peak_used));
       return sum;
     };
     p.bound_us = bound_us(p.read_gbps_used, p.peak_used);
     p.memory_bound = memory_us(p.bytes, p.read_gbps_used) >= arithmetic_us(p.operations, p.peak_used);
-    p.expert_bound_us = expert_bound_us(p.read_gbps_used, p.block_scaled_peak_used);
+    p.expert_bound_us = expert_bound_us(p.read_gbps_used);
     p.block_scaled_bound_us = bound_us(p.read_gbps_used, p.block_scaled_peak_used);
-    // Each run against the read and the peaks just before it, then the median: the memory and the
-    // cores can change speed between two runs of a point (and back), which medians of times and of
-    // limits taken apart would pair across runs.
+    // Each run against the read just before it, then the median: the memory can change speed
+    // between two runs of a point (and back), which medians of times and of reads taken apart
+    // would pair across runs.
     std::vector<double> bandwidth_fractions, roofline_fractions, expert_roofline_fractions,
         block_scaled_roofline_fractions;
-    for (const TimedRun& run : point_runs[i]) {
-      bandwidth_fractions.push_back(memory_us(p.bytes, run.read_gbps) / run.us);
-      roofline_fractions.push_back(bound_us(run.read_gbps, run.peak) / run.us);
-      expert_roofline_fractions.push_back(expert_bound_us(run.read_gbps, run.block_scaled_peak) / run.us);
-      block_scaled_roofline_fractions.push_back(bound_us(run.read_gbps, run.block_scaled_peak) / run.us);
+    for (const auto& [us, read_gbps] : point_runs[i]) {
+      bandwidth_fractions.push_back(memory_us(p.bytes, read_gbps) / us);
+      roofline_fractions.push_back(bound_us(read_gbps, p.peak_used) / us);
+      expert_roofline_fractions.push_back(expert_bound_us(read_gbps) / us);
+      block_scaled_roofline_fractions.push_back(bound_us(read_gbps, p.block_scaled_peak_used) / us);
     }
     p.bandwidth_fraction = Median(bandwidth_fractions);
     p.roofline_fraction = Median(roofline_fractions);

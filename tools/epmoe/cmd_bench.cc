@@ -135,18 +135,15 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
       r.limits.fp32_gflops, r.limits.bf16_gflops, r.limits.int8_gops, r.limits.int8_scale16_gops,
       r.limits.int8_scale32_gops, r.limits.int8_madd_gops);
   std::printf(
-      "limit: the read rate of the point's own weights, and peak: its kernel's arithmetic peak, each measured just "
-      "before each of its runs (median); bw and roof: medians over the runs of each run against that read and peak; "
-      "roof/e: against the bound taken expert by expert, with the format's block scales in its arithmetic; roof/s: "
-      "against the bound with those block scales\n");
-  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %7s %6s %8s %10s %5s %6s %6s %6s\n", "kernel", "T", "picks",
-              "touched", "us", "bytes", "GB/s", "limit", "peak", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e",
-              "roof/s");
+      "limit: the read rate of the point's own weights, measured just before each of its runs (median); bw "
+      "and roof: medians over the runs of each run against that read; roof/e: against the bound taken expert by "
+      "expert, with the format's block scales in its arithmetic; roof/s: against the bound with those block scales\n");
+  std::printf("%-14s %6s %7s %7s %11s %10s %7s %7s %6s %8s %10s %5s %6s %6s %6s\n", "kernel", "T", "picks", "touched",
+              "us", "bytes", "GB/s", "limit", "bw", "GFLOP/s", "bound us", "by", "roof", "roof/e", "roof/s");
   for (const auto& p : r.points) {
-    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %7.0f %6.2f %8.1f %10.1f %5s %6.2f %6.2f %6.2f\n",
+    std::printf("%-14s %6lld %7lld %7d %11.1f %10s %7.1f %7.1f %6.2f %8.1f %10.1f %5s %6.2f %6.2f %6.2f\n",
                 p.kernel.c_str(), static_cast<long long>(p.tokens), static_cast<long long>(p.picks), p.experts_touched,
-                p.us, HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.peak_used, p.bandwidth_fraction,
-                p.gflops, p.bound_us,
+                p.us, HumanBytes(p.bytes).c_str(), p.gbps, p.read_gbps_used, p.bandwidth_fraction, p.gflops, p.bound_us,
                 p.memory_bound ? "mem" : "arith", p.roofline_fraction, p.expert_roofline_fraction,
                 p.block_scaled_roofline_fraction);
   }
