@@ -159,9 +159,8 @@ void PrintText(const KernelBenchReport& r, const ModelConfig& model) {
   for (const auto& d : r.decode) {
     std::printf(
         "decode experiment %s (%s shares): %zu points, %d runs each, at %.1f GB/s of memory (%d runs at another speed "
-        "left out, "
-        "%d points never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f with each "
-        "run's time scaled by its weights' read rate), with picks %.3f\n",
+        "left out, %d points never at it); time = %.1f us + %.1f us per GB read; correlation with bytes %.3f (%.3f "
+        "with each run's time scaled by its weights' read rate), with picks %.3f\n",
         WeightFormatName(d.format), DecodeSharesName(d.contiguous_shares), d.samples.size(), d.passes,
         d.median_read_gbps, d.runs_left_out, d.samples_off_speed, d.fixed_us, d.us_per_gb, d.correlation_bytes,
         d.correlation_bytes_steady, d.correlation_picks);

@@ -405,7 +405,7 @@ struct DenseTile {
 
 // Input groups per chunk of DenseChunkedTile: 16 KB of a whole group's weights, which stay in L1
 // while its row tiles take it in turn.
-constexpr int64_t kPairChunkGroups = 64;
+constexpr int64_t kDenseChunkGroups = 64;
 
 // One row tile's sums (an array member, so that a tuple can hold the row tiles' sums).
 template <class Dot, int R, int B>
@@ -433,12 +433,12 @@ struct DenseChunkedTile {
     const BlockVectors<B> v(a, groups);
     std::tuple<RowTileSums<Dot, Rs, B>...> sums;
     (DenseTile<Dot, false, Rs, B>::Zero(std::get<I>(sums).acc), ...);
-    for (int64_t g0 = 0; g0 < groups; g0 += kPairChunkGroups) {
-      const int64_t g1 = std::min(groups, g0 + kPairChunkGroups);
+    for (int64_t g0 = 0; g0 < groups; g0 += kDenseChunkGroups) {
+      const int64_t g1 = std::min(groups, g0 + kDenseChunkGroups);
       // The next chunk (after the last, the next group's first), contiguous in a whole group, its
       // lines shared out among the row tiles.
       const uint8_t* next = v.first[0] + g1 * B * 64;
-      const int64_t lines = v.whole_group ? kPairChunkGroups * B : 0;
+      const int64_t lines = v.whole_group ? kDenseChunkGroups * B : 0;
       (DenseTile<Dot, false, Rs, B>::AccumulateApart(
            v, a.acts + first_row[I] * a.act_stride, a.act_stride, g0, g1, next + lines * I / kTiles * 64,
            lines * (I + 1) / kTiles - lines * I / kTiles, std::get<I>(sums).acc),
