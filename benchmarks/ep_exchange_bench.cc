@@ -126,6 +126,9 @@ class TimingCommunicator : public Communicator {
   Status AllgatherInt64(std::span<const int64_t> send, std::span<int64_t> recv) override {
     return inner_.AllgatherInt64(send, recv);
   }
+  Status AllgatherDouble(std::span<const double> send, std::span<double> recv) override {
+    return inner_.AllgatherDouble(send, recv);
+  }
   Result<int64_t> AllreduceMax(int64_t value) override { return inner_.AllreduceMax(value); }
   Result<double> AllreduceSum(double value) override { return inner_.AllreduceSum(value); }
   Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override { return inner_.AllocateWindow(bytes); }

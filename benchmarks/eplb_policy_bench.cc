@@ -93,7 +93,7 @@ void BM_LayerForward(benchmark::State& state) {
   auto placement = Placement::Trivial(1, model.num_experts, 0, 8, 1);
   RecorderOptions options;
   options.bytes_per_expert = 3.0 * 1024 * 384 * 2;
-  auto recorder = LoadRecorder::Create(options, std::make_shared<const Placement>(*placement));
+  auto recorder = LoadRecorder::Create(options, *LivePlacement::Create(std::make_shared<const Placement>(*placement), 0));
   for (auto _ : state) {
     if (!layer->Forward(rows, picks, &out, pool, nullptr).ok()) state.SkipWithError("forward failed");
     if (record) {
@@ -113,7 +113,7 @@ void BM_Recorder(benchmark::State& state) {
   auto placement = Placement::Trivial(1, model.num_experts, 0, 8, 1);
   RecorderOptions options;
   options.mode = mode;
-  auto recorder = LoadRecorder::Create(options, std::make_shared<const Placement>(*placement));
+  auto recorder = LoadRecorder::Create(options, *LivePlacement::Create(std::make_shared<const Placement>(*placement), 0));
   for (auto _ : state) {
     benchmark::DoNotOptimize(recorder->Record(0, picks));
     recorder->EndStep();

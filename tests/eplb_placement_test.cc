@@ -97,11 +97,12 @@ TEST(EplbDispatch, PrefersSameRankThenSameNodeThenSpreads) {
 TEST(EplbRecorder, CountsBalancednessAndWindows) {
   auto placement = Placement::Create(4, 2, 1, {{0, 1, 2, 3}, {0, 2, 1, 3}});
   ASSERT_TRUE(placement.ok());
-  PlacementPtr shared = std::make_shared<const Placement>(*placement);
+  auto live = LivePlacement::Create(std::make_shared<const Placement>(*placement), 0);
+  ASSERT_TRUE(live.ok());
   RecorderOptions options;
   options.window_steps = 3;
   options.mode = RecorderMode::kPerToken;
-  auto recorder = LoadRecorder::Create(options, shared);
+  auto recorder = LoadRecorder::Create(options, *live);
   ASSERT_TRUE(recorder.ok());
   // Step: 4 rows, k = 2. Layer 0 picks 0,1 each row: rank 0 gets all 8 -> balancedness 0.5.
   Picks picks{4, 2, {0, 1, 0, 1, 0, 1, 0, 1}, std::vector<float>(8, 0.5f)};
@@ -132,7 +133,7 @@ TEST(EplbRecorder, CountsBalancednessAndWindows) {
   EXPECT_EQ(recorder->ExpertPicks(0)[0], 0);
   // Stat mode sums the window.
   options.mode = RecorderMode::kStat;
-  auto stat = LoadRecorder::Create(options, shared);
+  auto stat = LoadRecorder::Create(options, *live);
   ASSERT_TRUE(stat.ok());
   for (int step = 0; step < 4; ++step) {
     ASSERT_TRUE(stat->Record(0, picks).ok());
@@ -142,18 +143,49 @@ TEST(EplbRecorder, CountsBalancednessAndWindows) {
   EXPECT_EQ(sum.num_steps, 1);
   EXPECT_EQ(sum.at(0, 0)[0], 12);  // 3 steps kept x 4
   EXPECT_DOUBLE_EQ(stat->Balance().current, 0.5);  // only layer 0 recorded
-  // A new placement applies from the next step; a wrong shape is refused.
+  // A placement installed during a step applies from the next step; a wrong shape is refused.
   auto swapped = Placement::Create(4, 2, 1, {{0, 2, 1, 3}, {0, 2, 1, 3}});
-  ASSERT_TRUE(stat->SetPlacement(std::make_shared<const Placement>(*swapped)).ok());
   ASSERT_TRUE(stat->Record(0, picks).ok());
+  ASSERT_TRUE((*live)->Install(std::make_shared<const Placement>(*swapped)).ok());
+  EXPECT_EQ((*live)->current()->generation, 1);
   stat->EndStep();
   EXPECT_DOUBLE_EQ(stat->Balance().current, 0.5);  // the step started under the old placement
   ASSERT_TRUE(stat->Record(0, picks).ok());
   stat->EndStep();
   EXPECT_DOUBLE_EQ(stat->Balance().current, 1.0);
   auto other = Placement::Trivial(2, 6, 0, 2, 1);
-  EXPECT_FALSE(stat->SetPlacement(std::make_shared<const Placement>(*other)).ok());
+  EXPECT_FALSE((*live)->Install(std::make_shared<const Placement>(*other)).ok());
+  EXPECT_EQ((*live)->current()->generation, 1);
   EXPECT_FALSE(ParseRecorderMode("sometimes").ok());
+}
+
+// Per-slot picks are what the rank's dispatch table sends, call by call as an executor deals them:
+// a rank holding a copy of a replicated expert keeps its picks; another deals them over the copies.
+TEST(EplbRecorder, SlotPicksFollowTheDispatchTable) {
+  // E = 3, 4 slots on 2 ranks: expert 0 on slot 0 (rank 0) and slot 3 (rank 1).
+  auto placement = Placement::Create(3, 2, 1, {{0, 1, 2, 0}});
+  ASSERT_TRUE(placement.ok());
+  const PlacementPtr shared = std::make_shared<const Placement>(*placement);
+  Picks picks{5, 1, {0, 0, 0, 1, 0}, {}};
+  for (int rank = 0; rank < 2; ++rank) {
+    auto live = LivePlacement::Create(shared, rank);
+    ASSERT_TRUE(live.ok());
+    auto recorder = LoadRecorder::Create({}, *live);
+    ASSERT_TRUE(recorder.ok());
+    ASSERT_TRUE(recorder->Record(0, picks).ok());
+    ASSERT_TRUE(recorder->Record(0, picks).ok());  // a second micro-batch is dealt afresh
+    recorder->EndStep();
+    std::vector<double> sent(4, 0.0);
+    const DispatchTable& table = (*live)->current()->dispatch;
+    for (int call = 0; call < 2; ++call) {
+      std::vector<int64_t> nth(3, 0);
+      for (int32_t e : picks.experts) sent[table.SlotFor(0, e, nth[e]++)] += 1;
+    }
+    const auto slots = recorder->SlotPicks(0);
+    EXPECT_EQ(std::vector<double>(slots.begin(), slots.end()), sent) << "rank " << rank;
+    // The rank's own copy takes all of expert 0's picks (8 of them), not half.
+    EXPECT_EQ(slots[rank == 0 ? 0 : 3], 8) << "rank " << rank;
+  }
 }
 
 }  // namespace

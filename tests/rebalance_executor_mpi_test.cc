@@ -93,11 +93,11 @@ std::vector<RebalanceReport> RunBesideFixed(const Variant& variant, int steps) {
   ro.policy.shape = {g, 1, 1, redundant};
   ro.async = variant.async;
   ro.layers_per_chunk = variant.layers_per_chunk;
-  auto rebalancer = Rebalancer::Create(comm, *target, start, ro);
+  auto rebalancer = Rebalancer::Create(comm, *target, (*live)->live_placement(), ro);
   CheckOk(rebalancer.status());
   RecorderOptions rec;
   rec.window_steps = 3;
-  auto recorder = LoadRecorder::Create(rec, start);
+  auto recorder = LoadRecorder::Create(rec, (*live)->live_placement());
   CheckOk(recorder.status());
   const int64_t total = kRowsPerRank * g;
   const int64_t first = RowBegin(total, g, me), count = RowBegin(total, g, me + 1) - first;
@@ -122,7 +122,6 @@ std::vector<RebalanceReport> RunBesideFixed(const Variant& variant, int steps) {
     if (variant.async) std::this_thread::sleep_for(std::chrono::milliseconds(3));
     auto outcome = (*rebalancer)->AtStepBoundary(step + 1, *recorder);
     CheckOk(outcome.status());
-    if (outcome->layers_installed > 0) CheckOk(recorder->SetPlacement((*rebalancer)->placement()));
   }
   const auto reports = (*rebalancer)->reports();
   if (g > 1) {

@@ -238,11 +238,12 @@ RunResult RunAndCheck(Communicator& comm, RebalancerOptions options, int64_t ste
   CheckOk(initial.status());
   PlacementPtr start = std::make_shared<const Placement>(*initial);
   ToyTarget target(start, comm.rank());
-  auto rebalancer = Rebalancer::Create(comm, target, start, options);
+  const std::shared_ptr<LivePlacement> live = *LivePlacement::Create(start, comm.rank());
+  auto rebalancer = Rebalancer::Create(comm, target, live, options);
   CheckOk(rebalancer.status());
   RecorderOptions recorder_options;
   recorder_options.window_steps = 5;
-  auto recorder = LoadRecorder::Create(recorder_options, start);
+  auto recorder = LoadRecorder::Create(recorder_options, live);
   CheckOk(recorder.status());
   RunResult result;
   PlacementPtr seen;
@@ -276,7 +277,6 @@ RunResult RunAndCheck(Communicator& comm, RebalancerOptions options, int64_t ste
         << "rank " << comm.rank() << " step " << step << " differs from the run that never rebalances";
     auto outcome = (*rebalancer)->AtStepBoundary(step + 1, *recorder);
     CheckOk(outcome.status());
-    if (outcome->layers_installed > 0) CheckOk(recorder->SetPlacement((*rebalancer)->placement()));
   }
   result.reports = (*rebalancer)->reports();
   EXPECT_EQ(target.staged(), 0u) << "copies staged but never installed";
@@ -397,8 +397,9 @@ struct ProposeFixture {
     options.async = async;
     options.roll_call_seconds = roll_call_seconds;
     options.max_buffer_bytes = max_buffer_bytes;
-    rebalancer = std::move(Rebalancer::Create(comm, *target, start, options)).value();
-    recorder = std::make_unique<LoadRecorder>(std::move(LoadRecorder::Create({}, start)).value());
+    live = *LivePlacement::Create(start, comm.rank());
+    rebalancer = std::move(Rebalancer::Create(comm, *target, live, options)).value();
+    recorder = std::make_unique<LoadRecorder>(std::move(LoadRecorder::Create({}, live)).value());
     for (int l = 0; l < shape.layers; ++l) CheckOk(recorder->Record(l, StepPicks(0, comm.rank(), l, shape.experts)));
     recorder->EndStep();
   }
@@ -413,6 +414,7 @@ struct ProposeFixture {
   int ranks;
   Shape shape;
   PlacementPtr start;
+  std::shared_ptr<LivePlacement> live;
   std::unique_ptr<ToyTarget> target;
   std::unique_ptr<Rebalancer> rebalancer;
   std::unique_ptr<LoadRecorder> recorder;
@@ -524,7 +526,7 @@ TEST(LiveRebalance, AsyncPolicyFailureEndsTheRebalanceOnEveryRank) {
   options.compute_placement = [](const ExpertLoad&, const PolicyOptions&) -> Result<Placement> {
     return Internal("the test's policy refuses");
   };
-  auto rebalancer = Rebalancer::Create(comm, *f.target, f.start, options);
+  auto rebalancer = Rebalancer::Create(comm, *f.target, f.live, options);
   ASSERT_TRUE(rebalancer.ok()) << rebalancer.status().ToString();
   auto first = (*rebalancer)->AtStepBoundary(2, *f.recorder);
   ASSERT_TRUE(first.ok()) << first.status().ToString();

@@ -134,6 +134,7 @@ class Communicator {
   virtual Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) = 0;
   // Every rank's `count` int64 values, concatenated in rank order (size() * count values).
   virtual Status AllgatherInt64(std::span<const int64_t> send, std::span<int64_t> recv) = 0;
+  virtual Status AllgatherDouble(std::span<const double> send, std::span<double> recv) = 0;
   // Maximum and sum of one value over all ranks.
   virtual Result<int64_t> AllreduceMax(int64_t value) = 0;
   virtual Result<double> AllreduceSum(double value) = 0;

@@ -25,6 +25,7 @@
 // Forward is collective. An executor is not thread-safe; it uses the thread pool it was given.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -35,6 +36,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/expert_ffn.h"
 #include "epmoe/layer.h"
+#include "epmoe/live_placement.h"
 #include "epmoe/matrix.h"
 #include "epmoe/model.h"
 #include "epmoe/placement.h"
@@ -59,6 +61,8 @@ Result<RowOrigin> ParseRowOrigin(std::string_view name);
 // Where the shared expert runs: sliced over the ranks like the routed experts (sliced, whole and
 // hybrid only) or a full copy on every rank applied to its own rows.
 enum class SharedMode { kDefault, kSliced, kCopied };  // default: sliced for 1-3, copied for 4-5
+const char* SharedModeName(SharedMode mode);  // "default", "sliced", "copied"
+Result<SharedMode> ParseSharedMode(std::string_view name);
 
 struct ExecutorOptions {
   EpOption option = EpOption::kA2a;
@@ -112,12 +116,21 @@ struct StepStats {
   int rounds = 0;                // exchange rounds (more than 1 when the memory bound applied; dwdp:
                                  // pieces each layer's lacking experts are read in)
 
-  double total_us() const {
-    return route_us + pack_us + dispatch_us + experts_us + combine_us + unpack_us + shared_us;
-  }
   // Sums times and counts; keeps the larger peak and the larger round count.
   void Add(const StepStats& other);
 };
+
+// The stages of a step, in order, with their names: the one list that reports iterate.
+struct StageField {
+  const char* name;
+  double StepStats::*us;
+};
+inline constexpr std::array kStages{
+    StageField{"route", &StepStats::route_us},     StageField{"pack", &StepStats::pack_us},
+    StageField{"dispatch", &StepStats::dispatch_us}, StageField{"experts", &StepStats::experts_us},
+    StageField{"combine", &StepStats::combine_us}, StageField{"unpack", &StepStats::unpack_us},
+    StageField{"shared", &StepStats::shared_us}};
+inline constexpr int kNumStages = static_cast<int>(kStages.size());
 
 class MoeExecutor {
  public:
@@ -137,6 +150,9 @@ class MoeExecutor {
   // placement; null for sliced, hybrid and dwdp. Owned by the executor; use it between Forward
   // calls only (a step's layers keep the placement they started with).
   virtual RebalanceTarget* rebalance_target() { return nullptr; }
+  // The placement a2a and whole follow (null for the others): read at the start of every
+  // Forward; a rebalancer installs into it between steps, after the target's Install.
+  virtual std::shared_ptr<LivePlacement> live_placement() { return nullptr; }
 
   // Waits for what the executor runs in the background between Forward calls (dwdp: the read-ahead
   // of the next layer's experts), so that the time until the next Forward belongs to the caller

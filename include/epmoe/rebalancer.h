@@ -32,6 +32,7 @@
 
 #include "epmoe/comm.h"
 #include "epmoe/eplb_policy.h"
+#include "epmoe/live_placement.h"
 #include "epmoe/load.h"
 #include "epmoe/metrics.h"
 #include "epmoe/placement.h"
@@ -106,17 +107,19 @@ struct BoundaryOutcome {
 
 class Rebalancer {
  public:
-  // `initial` is the placement the target runs now. The communicator and target must outlive the
-  // Rebalancer. Collective (every rank, same options): refuses, on every rank, targets whose
+  // `live` holds the placement the target runs now; the Rebalancer is its writer (it installs each
+  // chunk's placement right after the target's Install). The communicator and target must outlive
+  // the Rebalancer. Collective (every rank, same options): refuses, on every rank, targets whose
   // expert_bytes() differ between ranks; makes the roll call's size - 1 two-rank communicators.
   static Result<std::unique_ptr<Rebalancer>> Create(Communicator& comm, RebalanceTarget& target,
-                                                    PlacementPtr initial, const RebalancerOptions& options);
+                                                    std::shared_ptr<LivePlacement> live,
+                                                    const RebalancerOptions& options);
   ~Rebalancer();
 
   // Call on every rank after each step, with the number of steps completed so far and the rank's
   // recorder (its window covers that rank's picks). Collective. A look of the trigger that falls
   // due while a rebalance is being placed or switched is taken at the first boundary after it. After a
-  // boundary that installed layers, give the recorder placement() (LoadRecorder::SetPlacement).
+  // boundary that installed layers, the live placement holds the new one.
   // A policy that returns the live placement unchanged starts no rebalance.
   Result<BoundaryOutcome> AtStepBoundary(int64_t steps_done, const LoadRecorder& recorder);
 
@@ -126,7 +129,7 @@ class Rebalancer {
   // Collective; refused while a rebalance is in progress.
   Status Propose(const PlacementPtr& proposal);
 
-  PlacementPtr placement() const { return live_; }  // the live placement (mixed while chunks switch)
+  PlacementPtr placement() const { return Live(); }  // the live placement (mixed while chunks switch)
   bool in_progress() const;  // a rebalance is being placed (async) or switched
   const std::vector<RebalanceReport>& reports() const { return reports_; }
   int64_t bytes_moved_total() const;
@@ -134,7 +137,9 @@ class Rebalancer {
  private:
   struct Pending;
   struct Computing;
-  Rebalancer(Communicator& comm, RebalanceTarget& target, PlacementPtr initial, const RebalancerOptions& options);
+  Rebalancer(Communicator& comm, RebalanceTarget& target, std::shared_ptr<LivePlacement> live,
+             const RebalancerOptions& options);
+  PlacementPtr Live() const { return live_placement_->placement(); }
   Result<BoundaryOutcome> Boundary(int64_t steps_done, const LoadRecorder& recorder);
   Status Decide(int64_t step, ExpertLoad load, double before, const TriggerInput& input, BoundaryOutcome* outcome);
   Result<bool> PlacementReady(int64_t step);
@@ -155,7 +160,7 @@ class Rebalancer {
 
   Communicator& comm_;
   RebalanceTarget& target_;
-  PlacementPtr live_;
+  std::shared_ptr<LivePlacement> live_placement_;
   RebalancerOptions options_;
   RebalanceTrigger trigger_;
   std::unique_ptr<Pending> pending_;

@@ -3,25 +3,26 @@
 // Modes:
 //   stat       keeps the last window_steps steps' per-expert counts in a ring buffer; Load()
 //              returns their sum as one step (what a rebalancer places from);
-//   per_step   the same ring buffer returned as the series (one step each);
-//   per_token  per_step plus each row's picks (ids) per step and layer, same window.
+//   per-step   the same ring buffer returned as the series (one step each);
+//   per-token  per-step plus each row's picks (ids) per step and layer, same window.
 // Every mode keeps per step the balancedness (mean/max picks per rank, averaged over the layers
 // recorded in that step) and the byte-weighted balance (mean/max bytes of distinct experts read
 // per rank), for the current step and the last 10, 100 and 1000 steps.
 // Picks per logical expert, per physical slot and per rank of the last finished step are kept
-// too. Slots follow the dispatch table when one is set (this rank's view), else an even split.
-// Memory: window_steps * layers * experts * 4 bytes (+ the picks in per_token mode).
-// Not thread-safe: one recorder per rank, fed from the thread that runs the steps; SetPlacement
-// and SetDispatch between steps.
+// too: each Record call deals its picks over the slots with this rank's dispatch table, as the
+// executor does with the same picks, so the per-slot counts are what this rank sent. The placement
+// is read from the LivePlacement at a step's first Record and kept to its EndStep.
+// Memory: window_steps * layers * experts * 4 bytes (+ the picks in per-token mode).
+// Not thread-safe: one recorder per rank, fed from the thread that runs the steps.
 #pragma once
 
 #include <cstdint>
-#include <optional>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
 
-#include "epmoe/dispatch.h"
+#include "epmoe/live_placement.h"
 #include "epmoe/load.h"
 #include "epmoe/placement.h"
 #include "epmoe/router.h"
@@ -48,12 +49,7 @@ struct BalanceReport {
 
 class LoadRecorder {
  public:
-  static Result<LoadRecorder> Create(const RecorderOptions& options, PlacementPtr placement);
-
-  // Uses this placement (same layers and experts) from the next step on.
-  Status SetPlacement(PlacementPtr placement);
-  // Uses this rank's dispatch table for per-slot picks (nullopt: even split over copies).
-  Status SetDispatch(std::optional<DispatchTable> dispatch);
+  static Result<LoadRecorder> Create(const RecorderOptions& options, std::shared_ptr<const LivePlacement> placement);
 
   // Counts one layer's picks for the current step (a layer may be recorded several times per
   // step, e.g. per micro-batch). Refuses a layer out of range or ids outside [0, E).
@@ -62,9 +58,9 @@ class LoadRecorder {
   void EndStep();
 
   BalanceReport Balance() const;
-  // stat: one step holding the sum over the window; per_step / per_token: the window's steps.
+  // stat: one step holding the sum over the window; per-step / per-token: the window's steps.
   ExpertLoad Load() const;
-  // per_token: the picks of window step `index` (0 = oldest kept) and layer, concatenated over the
+  // per-token: the picks of window step `index` (0 = oldest kept) and layer, concatenated over the
   // Record calls of that step. Empty in the other modes.
   const Picks& TokenPicks(int64_t index, int layer) const;
 
@@ -81,17 +77,20 @@ class LoadRecorder {
   int64_t RingIndex(int64_t index) const { return (next_ - kept_ + index + options_.window_steps) % options_.window_steps; }
 
   RecorderOptions options_;
-  PlacementPtr placement_;
-  PlacementPtr next_placement_;
-  std::optional<DispatchTable> dispatch_;
+  std::shared_ptr<const LivePlacement> live_;
+  LivePlacement::SnapshotPtr step_snapshot_;  // the placement of the step being recorded
   int num_layers_ = 0;
+  int num_slots_ = 0;
+  int num_ranks_ = 0;
   int num_experts_ = 0;
   std::vector<int64_t> current_;           // [layer][expert] of the step being recorded
+  std::vector<int64_t> current_slots_;     // [layer][slot] of the step being recorded
+  std::vector<int64_t> call_counts_, call_slots_;  // one Record call's picks per expert and slot
   std::vector<int64_t> current_rows_;      // rows recorded per layer in this step
   std::vector<bool> layer_recorded_;
   std::vector<int32_t> ring_;              // [window][layer][expert]
   std::vector<int64_t> ring_rows_;         // rows per kept step
-  std::vector<std::vector<Picks>> ring_tokens_;  // per_token: [window][layer]
+  std::vector<std::vector<Picks>> ring_tokens_;  // per-token: [window][layer]
   std::vector<Picks> current_tokens_;
   int64_t next_ = 0;                       // ring position of the next step
   int64_t kept_ = 0;

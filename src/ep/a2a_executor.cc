@@ -38,8 +38,9 @@ class A2aExecutor : public MoeExecutor {
 
   Status Init() {
     const int me = comm_.rank();
-    EPMOE_ASSIGN_OR_RETURN(placement_, ResolvePlacement(model_, options_, comm_.size(), comm_.num_nodes()));
-    const Placement& p = *placement_;
+    EPMOE_ASSIGN_OR_RETURN(live_, ResolveLivePlacement(model_, options_, comm_));
+    const PlacementPtr placement = live_->placement();
+    const Placement& p = *placement;
     const std::shared_ptr<const WeightSource> weights = Weights(model_, options_);
     stores_.resize(options_.num_layers);
     for (int layer = 0; layer < options_.num_layers; ++layer) {
@@ -49,20 +50,14 @@ class A2aExecutor : public MoeExecutor {
       EPMOE_ASSIGN_OR_RETURN(stores_[layer], PackExperts(p.slots_per_rank(), model_.hidden, model_.expert_intermediate,
                                                          slot_expert, options_.pack));
     }
-    EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(p, me, options_.dispatch_seed));
-    dispatch_ = std::make_unique<DispatchTable>(std::move(table));
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
-    target_ = std::make_unique<SlotStoresTarget>(me, &placement_, &stores_, [this](PlacementPtr next) -> Status {
-      EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*next, comm_.rank(), options_.dispatch_seed));
-      dispatch_ = std::make_unique<DispatchTable>(std::move(table));
-      placement_ = std::move(next);
-      return Status::Ok();
-    });
+    target_ = std::make_unique<SlotStoresTarget>(me, live_.get(), &stores_);
     return Status::Ok();
   }
 
   RebalanceTarget* rebalance_target() override { return target_.get(); }
+  std::shared_ptr<LivePlacement> live_placement() override { return live_; }
 
   EpOption option() const override { return EpOption::kA2a; }
   std::string description() const override {
@@ -230,7 +225,10 @@ class A2aExecutor : public MoeExecutor {
   Status ForwardHome(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
     const int64_t h = model_.hidden, n = rows.rows;
-    const Placement& p = *placement_;
+    // The placement and dispatch table of this step (a rebalance installs only between steps).
+    const LivePlacement::SnapshotPtr snapshot = live_->current();
+    const Placement& p = *snapshot->placement;
+    const DispatchTable& dispatch = snapshot->dispatch;
     const int slots = p.slots_per_rank();
     const ExpertStore& store = *stores_[layer];
     const RowFormat dispatch_format = options_.dispatch_format, combine_format = options_.combine_format;
@@ -263,7 +261,7 @@ class A2aExecutor : public MoeExecutor {
     for (int64_t r = 0; r < n; ++r) {
       for (int j = 0; j < k; ++j) {
         const int32_t e = picks.expert(r, j);
-        const int32_t slot = dispatch_->SlotFor(layer, e, nth_[e]++);
+        const int32_t slot = dispatch.SlotFor(layer, e, nth_[e]++);
         const int dest = p.rank_of_slot(slot);
         pick_rank_[r * k + j] = dest;
         pick_slot_[r * k + j] = slot - dest * slots;
@@ -554,10 +552,9 @@ class A2aExecutor : public MoeExecutor {
   ModelConfig model_;
   ExecutorOptions options_;
   ThreadPool& pool_;
-  PlacementPtr placement_;
+  std::shared_ptr<LivePlacement> live_;                // the placement and this rank's dispatch table
   std::vector<std::unique_ptr<ExpertStore>> stores_;   // per layer: this rank's slots
-  std::unique_ptr<DispatchTable> dispatch_;            // this rank's picks -> slots
-  std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ and placement_
+  std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_
   std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
   // Per layer; empty without a shared output gate.
   std::vector<std::vector<float>> shared_gates_;

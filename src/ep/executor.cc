@@ -7,52 +7,39 @@
 #include <fmt/format.h>
 
 #include "ep/executor_internal.h"
+#include "epmoe/enum_names.h"
 #include "epmoe/layer.h"
 #include "epmoe/thread_pool.h"
 #include "epmoe/weight_format.h"
 
 namespace epmoe {
 
-const char* EpOptionName(EpOption option) {
-  switch (option) {
-    case EpOption::kSliced: return "sliced";
-    case EpOption::kWhole: return "whole";
-    case EpOption::kHybrid: return "hybrid";
-    case EpOption::kA2a: return "a2a";
-    case EpOption::kDwdp: return "dwdp";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumNames<EpOption, 5> kEpOptions("option", {{{EpOption::kSliced, "sliced"},
+                                                        {EpOption::kWhole, "whole"},
+                                                        {EpOption::kHybrid, "hybrid"},
+                                                        {EpOption::kA2a, "a2a"},
+                                                        {EpOption::kDwdp, "dwdp"}}});
+constexpr EnumNames<RowOrigin, 2> kRowOrigins(
+    "row origin", {{{RowOrigin::kDataParallel, "data-parallel"}, {RowOrigin::kTensorParallel, "tensor-parallel"}}});
+constexpr EnumNames<SharedMode, 3> kSharedModes(
+    "shared expert mode", {{{SharedMode::kDefault, "default"}, {SharedMode::kSliced, "sliced"}, {SharedMode::kCopied, "copied"}}});
+}  // namespace
 
-std::vector<EpOption> AllEpOptions() {
-  return {EpOption::kSliced, EpOption::kWhole, EpOption::kHybrid, EpOption::kA2a, EpOption::kDwdp};
-}
+const char* EpOptionName(EpOption option) { return kEpOptions.Name(option); }
+std::vector<EpOption> AllEpOptions() { return kEpOptions.All(); }
+Result<EpOption> ParseEpOption(std::string_view name) { return kEpOptions.Parse(name); }
 
-Result<EpOption> ParseEpOption(std::string_view name) {
-  for (EpOption option : AllEpOptions()) {
-    if (name == EpOptionName(option)) return option;
-  }
-  return InvalidArgument(fmt::format("unknown option '{}' (sliced, whole, hybrid, a2a, dwdp)", name));
-}
-
-const char* RowOriginName(RowOrigin origin) {
-  return origin == RowOrigin::kDataParallel ? "data-parallel" : "tensor-parallel";
-}
-
+const char* RowOriginName(RowOrigin origin) { return kRowOrigins.Name(origin); }
 Result<RowOrigin> ParseRowOrigin(std::string_view name) {
-  if (name == "data-parallel" || name == "dp") return RowOrigin::kDataParallel;
-  if (name == "tensor-parallel" || name == "tp") return RowOrigin::kTensorParallel;
-  return InvalidArgument(fmt::format("unknown row origin '{}' (data-parallel, tensor-parallel)", name));
+  return kRowOrigins.Parse(name, {{"dp", RowOrigin::kDataParallel}, {"tp", RowOrigin::kTensorParallel}});
 }
+
+const char* SharedModeName(SharedMode mode) { return kSharedModes.Name(mode); }
+Result<SharedMode> ParseSharedMode(std::string_view name) { return kSharedModes.Parse(name); }
 
 void StepStats::Add(const StepStats& o) {
-  route_us += o.route_us;
-  pack_us += o.pack_us;
-  dispatch_us += o.dispatch_us;
-  experts_us += o.experts_us;
-  combine_us += o.combine_us;
-  unpack_us += o.unpack_us;
-  shared_us += o.shared_us;
+  for (const StageField& stage : kStages) this->*stage.us += o.*stage.us;
   rows += o.rows;
   row_copies += o.row_copies;
   picks += o.picks;
@@ -206,13 +193,16 @@ Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, co
   return Status::Ok();
 }
 
-Result<PlacementPtr> ResolvePlacement(const ModelConfig& model, const ExecutorOptions& options, int num_ranks,
-                                      int num_nodes) {
-  if (options.placement != nullptr) return options.placement;
-  if (num_nodes < 1 || num_ranks % num_nodes != 0) num_nodes = 1;
-  EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(options.num_layers, model.num_experts, 0, num_ranks,
-                                                               num_nodes));
-  return PlacementPtr(std::make_shared<const Placement>(std::move(trivial)));
+Result<std::shared_ptr<LivePlacement>> ResolveLivePlacement(const ModelConfig& model, const ExecutorOptions& options,
+                                                            const Communicator& comm) {
+  PlacementPtr placement = options.placement;
+  if (placement == nullptr) {
+    const int ranks = comm.size();
+    const int nodes = comm.num_nodes() >= 1 && ranks % comm.num_nodes() == 0 ? comm.num_nodes() : 1;
+    EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(options.num_layers, model.num_experts, 0, ranks, nodes));
+    placement = std::make_shared<const Placement>(std::move(trivial));
+  }
+  return LivePlacement::Create(std::move(placement), comm.rank(), options.dispatch_seed);
 }
 
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out) {

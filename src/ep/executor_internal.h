@@ -51,20 +51,20 @@ Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& mod
 // Checks rows and picks given to Forward.
 Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, const Matrix& rows, const Picks& picks);
 
-// The placement to use: the given one (checked against the model and ranks) or the trivial one.
-Result<PlacementPtr> ResolvePlacement(const ModelConfig& model, const ExecutorOptions& options, int num_ranks,
-                                      int num_nodes);
+// The live placement to use (a2a, whole): the given initial placement (checked against the model
+// and ranks) or the trivial one, with this rank's dispatch table.
+Result<std::shared_ptr<LivePlacement>> ResolveLivePlacement(const ModelConfig& model, const ExecutorOptions& options,
+                                                            const Communicator& comm);
 
 // The RebalanceTarget of an executor whose layers hold this rank's slots of the placement as one
 // ExpertStore each (a2a, whole). Exports a slot when asked (kept until the next Install or
-// DropStaged), keeps staged bytes aside, and on Install first lets the executor switch to the new
-// placement (`switch_placement` rebuilds its dispatch tables; nothing changes if it fails), then
-// imports the staged slots of the switched layers. Not thread-safe (between steps only).
+// DropStaged), keeps staged bytes aside, and on Install imports the staged slots of the switched
+// layers (the Rebalancer then installs the placement in the LivePlacement, which the executor
+// reads at its next step). Not thread-safe (between steps only).
 class SlotStoresTarget final : public RebalanceTarget {
  public:
-  SlotStoresTarget(int rank, const PlacementPtr* placement, std::vector<std::unique_ptr<ExpertStore>>* stores,
-                   std::function<Status(PlacementPtr)> switch_placement)
-      : rank_(rank), placement_(placement), stores_(stores), switch_placement_(std::move(switch_placement)) {}
+  SlotStoresTarget(int rank, const LivePlacement* live, std::vector<std::unique_ptr<ExpertStore>>* stores)
+      : rank_(rank), live_(live), stores_(stores) {}
   int64_t expert_bytes() const override;
   std::span<const std::byte> slot_bytes(int layer, int slot) const override;
   Status Stage(int layer, int slot, std::span<const std::byte> bytes) override;
@@ -75,9 +75,8 @@ class SlotStoresTarget final : public RebalanceTarget {
   // This rank's index of `slot`, or -1 when the slot is not on this rank or the layer is unknown.
   int LocalSlot(int layer, int slot) const;
   int rank_;
-  const PlacementPtr* placement_;
+  const LivePlacement* live_;
   std::vector<std::unique_ptr<ExpertStore>>* stores_;
-  std::function<Status(PlacementPtr)> switch_placement_;
   mutable std::map<std::pair<int, int>, std::vector<std::byte>> exported_;
   std::map<std::pair<int, int>, std::vector<std::byte>> staged_;
 };

@@ -48,22 +48,17 @@ class GatherExecutor : public MoeExecutor {
     const int e_count = model_.num_experts;
     stores_.resize(options_.num_layers);
     local_of_.resize(options_.num_layers);
+    PlacementPtr placement;
     if (options_.option == EpOption::kWhole) {
-      EPMOE_ASSIGN_OR_RETURN(placement_, ResolvePlacement(model_, options_, g, comm_.num_nodes()));
-    }
-    if (options_.option == EpOption::kWhole) {
-      // Every rank's dispatch table: a row's picks go to the copies its home rank would choose.
-      for (int home = 0; home < g; ++home) {
-        EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*placement_, home, options_.dispatch_seed));
-        tables_.push_back(std::move(table));
-      }
+      EPMOE_ASSIGN_OR_RETURN(live_, ResolveLivePlacement(model_, options_, comm_));
+      placement = live_->placement();
     }
     for (int layer = 0; layer < options_.num_layers; ++layer) {
       // Sliced and hybrid: local_of_[layer][e]: the store index holding e's slice here, or -1.
       std::vector<int32_t>& local_of = local_of_[layer];
       local_of.assign(e_count, -1);
       if (options_.option == EpOption::kWhole) {
-        const Placement& p = *placement_;
+        const Placement& p = *placement;
         const int first = me * p.slots_per_rank();
         auto slot_expert = [&](int s, ExpertWeights* out) {
           return weights->ReadExpert(layer, p.phy2log(layer)[first + s], 0, -1, out);
@@ -105,21 +100,13 @@ class GatherExecutor : public MoeExecutor {
     }
     EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
     if (options_.option == EpOption::kWhole) {
-      target_ = std::make_unique<SlotStoresTarget>(me, &placement_, &stores_, [this](PlacementPtr next) -> Status {
-        std::vector<DispatchTable> tables;
-        for (int home = 0; home < comm_.size(); ++home) {
-          EPMOE_ASSIGN_OR_RETURN(DispatchTable table, DispatchTable::Build(*next, home, options_.dispatch_seed));
-          tables.push_back(std::move(table));
-        }
-        tables_ = std::move(tables);
-        placement_ = std::move(next);
-        return Status::Ok();
-      });
+      target_ = std::make_unique<SlotStoresTarget>(me, live_.get(), &stores_);
     }
     return Status::Ok();
   }
 
   RebalanceTarget* rebalance_target() override { return target_.get(); }
+  std::shared_ptr<LivePlacement> live_placement() override { return live_; }
   EpOption option() const override { return options_.option; }
   std::string description() const override {
     std::string what = EpOptionName(options_.option);
@@ -185,8 +172,24 @@ class GatherExecutor : public MoeExecutor {
     st.rounds = static_cast<int>(rounds);
     st.pack_us += watch.Lap();
 
+    // Whole: the placement of this step, and every home rank's dispatch table for it (a row's
+    // picks go to the copies its home rank would choose), rebuilt when a rebalance installed one.
+    LivePlacement::SnapshotPtr snapshot;
+    if (live_) {
+      snapshot = live_->current();
+      if (tables_generation_ != snapshot->generation || tables_.empty()) {
+        std::vector<DispatchTable> tables;
+        for (int home = 0; home < g; ++home) {
+          EPMOE_ASSIGN_OR_RETURN(DispatchTable table,
+                                 DispatchTable::Build(*snapshot->placement, home, live_->dispatch_seed()));
+          tables.push_back(std::move(table));
+        }
+        tables_ = std::move(tables);
+        tables_generation_ = snapshot->generation;
+      }
+    }
     *out = Matrix(rows.rows, h);
-    std::vector<int64_t> nth(tables_.empty() ? 0 : static_cast<size_t>(g) * model_.num_experts, 0);
+    std::vector<int64_t> nth(live_ ? static_cast<size_t>(g) * model_.num_experts : 0, 0);
     std::vector<int64_t> chunk(g), chunk_first(g);
     // Buffers kept across layers and steps, resized in place (grow-only, and bounded like the
     // rounds above): fresh ones cost a page fault per 4 KB on first touch every layer (at T = 64 and
@@ -280,12 +283,13 @@ class GatherExecutor : public MoeExecutor {
         for (int j = 0; j < k; ++j) {
           const int32_t e = gathered_experts[q * k + j];
           int32_t li = local_of[e];
-          if (!tables_.empty()) {
+          if (live_) {
             // Whole experts: the copy the home rank's table deals this pick to (its nth pick of e
             // this step: rounds and rows come in the home rank's order).
             const int home = gathered_home[q];
             const int32_t slot = tables_[home].SlotFor(layer, e, nth[static_cast<size_t>(home) * model_.num_experts + e]++);
-            li = placement_->rank_of_slot(slot) == me ? slot - me * placement_->slots_per_rank() : -1;
+            const Placement& p = *snapshot->placement;
+            li = p.rank_of_slot(slot) == me ? slot - me * p.slots_per_rank() : -1;
           }
           item_local[q * k + j] = li;
           if (li >= 0) ++offsets[li + 1];
@@ -375,15 +379,16 @@ class GatherExecutor : public MoeExecutor {
   ExecutorOptions options_;
   ThreadPool& pool_;
   int slices_ = 1;
-  PlacementPtr placement_;
+  std::shared_ptr<LivePlacement> live_;               // whole: the placement
   std::vector<std::unique_ptr<ExpertStore>> stores_;  // per layer; null when a rank holds no expert
-  std::vector<DispatchTable> tables_;          // whole: every rank's dispatch table
+  std::vector<DispatchTable> tables_;                 // whole: every rank's dispatch table of
+  int64_t tables_generation_ = -1;                    // this generation of the live placement
   std::vector<std::vector<int32_t>> local_of_;  // sliced, hybrid
   bool shared_copied_ = false;
   std::vector<std::unique_ptr<ExpertStore>> shared_;  // per layer; null without shared experts
   // Per layer; empty without a shared output gate.
   std::vector<std::vector<float>> shared_gates_;
-  std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_ and placement_
+  std::unique_ptr<SlotStoresTarget> target_;          // whole: live rebalancing of stores_
   struct Scratch {
     std::vector<uint8_t> send, recv;
     Matrix gathered_rows, partial, work_out;

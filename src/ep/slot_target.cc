@@ -5,7 +5,8 @@
 namespace epmoe::ep_internal {
 
 int SlotStoresTarget::LocalSlot(int layer, int slot) const {
-  const Placement& p = **placement_;
+  const PlacementPtr placement = live_->placement();
+  const Placement& p = *placement;
   if (layer < 0 || layer >= static_cast<int>(stores_->size()) || (*stores_)[layer] == nullptr) return -1;
   if (slot < 0 || slot >= p.num_slots() || p.rank_of_slot(slot) != rank_) return -1;
   return slot - rank_ * p.slots_per_rank();
@@ -45,7 +46,8 @@ Status SlotStoresTarget::Stage(int layer, int slot, std::span<const std::byte> b
 
 Status SlotStoresTarget::Install(int layer_begin, int layer_end, PlacementPtr next) {
   if (next == nullptr) return InvalidArgument("install: no placement");
-  const Placement& live = **placement_;
+  const PlacementPtr placement = live_->placement();
+  const Placement& live = *placement;
   if (next->num_layers() != live.num_layers() || next->num_slots() != live.num_slots() ||
       next->num_ranks() != live.num_ranks() || next->num_experts() != live.num_experts())
     return InvalidArgument("install: the new placement's shape differs from the live one");
@@ -60,7 +62,6 @@ Status SlotStoresTarget::Install(int layer_begin, int layer_end, PlacementPtr ne
     imports.emplace_back(LocalSlot(key.first, key.second), &bytes);
     keys.push_back(key);
   }
-  EPMOE_RETURN_IF_ERROR(switch_placement_(std::move(next)));
   for (size_t i = 0; i < imports.size(); ++i) {
     const Status imported = (*stores_)[keys[i].first]->ImportExpert(imports[i].first, *imports[i].second);
     EPMOE_CHECK_MSG(imported.ok(), imported.ToString());  // sizes were checked when staged

@@ -7,29 +7,26 @@
 #include <fmt/format.h>
 
 #include "epmoe/balance.h"
+#include "epmoe/enum_names.h"
 
 namespace epmoe {
 namespace {
 constexpr int kHistory = 1000;  // per-step balancedness values kept (the longest window reported)
 }  // namespace
 
-const char* RecorderModeName(RecorderMode mode) {
-  switch (mode) {
-    case RecorderMode::kStat: return "stat";
-    case RecorderMode::kPerStep: return "per_step";
-    case RecorderMode::kPerToken: return "per_token";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumNames<RecorderMode, 3> kRecorderModes(
+    "recorder mode",
+    {{{RecorderMode::kStat, "stat"}, {RecorderMode::kPerStep, "per-step"}, {RecorderMode::kPerToken, "per-token"}}});
+}  // namespace
 
-Result<RecorderMode> ParseRecorderMode(std::string_view name) {
-  for (RecorderMode mode : {RecorderMode::kStat, RecorderMode::kPerStep, RecorderMode::kPerToken})
-    if (name == RecorderModeName(mode)) return mode;
-  return InvalidArgument(fmt::format("unknown recorder mode \"{}\" (stat, per_step, per_token)", name));
-}
+const char* RecorderModeName(RecorderMode mode) { return kRecorderModes.Name(mode); }
+Result<RecorderMode> ParseRecorderMode(std::string_view name) { return kRecorderModes.Parse(name); }
 
-Result<LoadRecorder> LoadRecorder::Create(const RecorderOptions& options, PlacementPtr placement) {
-  if (placement == nullptr) return InvalidArgument("recorder: no placement");
+Result<LoadRecorder> LoadRecorder::Create(const RecorderOptions& options,
+                                          std::shared_ptr<const LivePlacement> live) {
+  if (live == nullptr) return InvalidArgument("recorder: no placement");
+  const PlacementPtr placement = live->placement();
   if (options.window_steps < 1)
     return InvalidArgument(fmt::format("recorder: window_steps {} must be >= 1", options.window_steps));
   if (!(options.bytes_per_expert > 0))
@@ -38,8 +35,13 @@ Result<LoadRecorder> LoadRecorder::Create(const RecorderOptions& options, Placem
   r.options_ = options;
   r.num_layers_ = placement->num_layers();
   r.num_experts_ = placement->num_experts();
+  r.num_slots_ = placement->num_slots();
+  r.num_ranks_ = placement->num_ranks();
   const size_t per_step = static_cast<size_t>(r.num_layers_) * r.num_experts_;
   r.current_.assign(per_step, 0);
+  r.current_slots_.assign(static_cast<size_t>(r.num_layers_) * r.num_slots_, 0);
+  r.call_counts_.assign(r.num_experts_, 0);
+  r.call_slots_.assign(r.num_slots_, 0);
   r.current_rows_.assign(r.num_layers_, 0);
   r.layer_recorded_.assign(r.num_layers_, false);
   r.ring_.assign(per_step * options.window_steps, 0);
@@ -49,30 +51,10 @@ Result<LoadRecorder> LoadRecorder::Create(const RecorderOptions& options, Placem
     r.current_tokens_.assign(r.num_layers_, Picks{});
   }
   r.last_expert_.assign(per_step, 0);
-  r.last_slot_.assign(static_cast<size_t>(r.num_layers_) * placement->num_slots(), 0.0);
-  r.last_rank_.assign(static_cast<size_t>(r.num_layers_) * placement->num_ranks(), 0.0);
-  r.placement_ = placement;
-  r.next_placement_ = std::move(placement);
+  r.last_slot_.assign(static_cast<size_t>(r.num_layers_) * r.num_slots_, 0.0);
+  r.last_rank_.assign(static_cast<size_t>(r.num_layers_) * r.num_ranks_, 0.0);
+  r.live_ = std::move(live);
   return r;
-}
-
-Status LoadRecorder::SetPlacement(PlacementPtr placement) {
-  if (placement == nullptr) return InvalidArgument("recorder: no placement");
-  if (placement->num_layers() != num_layers_ || placement->num_experts() != num_experts_ ||
-      placement->num_slots() != placement_->num_slots() || placement->num_ranks() != placement_->num_ranks())
-    return InvalidArgument(fmt::format(
-        "recorder: new placement has {} layers, {} experts, {} slots, {} ranks; the recorder has {}, {}, {}, {}",
-        placement->num_layers(), placement->num_experts(), placement->num_slots(), placement->num_ranks(), num_layers_,
-        num_experts_, placement_->num_slots(), placement_->num_ranks()));
-  next_placement_ = std::move(placement);
-  return Status::Ok();
-}
-
-Status LoadRecorder::SetDispatch(std::optional<DispatchTable> dispatch) {
-  if (dispatch && (dispatch->num_layers() != num_layers_ || dispatch->num_experts() != num_experts_))
-    return InvalidArgument("recorder: dispatch table shape differs from the placement's");
-  dispatch_ = std::move(dispatch);
-  return Status::Ok();
 }
 
 Status LoadRecorder::Record(int layer, const Picks& picks) {
@@ -81,18 +63,23 @@ Status LoadRecorder::Record(int layer, const Picks& picks) {
   if (picks.k < 0 || picks.experts.size() != static_cast<size_t>(picks.rows) * picks.k)
     return InvalidArgument(fmt::format("recorder: picks hold {} ids for {} rows x k {}", picks.experts.size(),
                                        picks.rows, picks.k));
-  int64_t* counts = current_.data() + static_cast<size_t>(layer) * num_experts_;
+  std::fill(call_counts_.begin(), call_counts_.end(), 0);
   const uint32_t limit = static_cast<uint32_t>(num_experts_);
   for (size_t i = 0; i < picks.experts.size(); ++i) {
     const int32_t expert = picks.experts[i];
-    if (static_cast<uint32_t>(expert) >= limit) {
-      // Undo this call's counts so a refused call leaves no trace.
-      for (size_t j = 0; j < i; ++j) --counts[picks.experts[j]];
+    if (static_cast<uint32_t>(expert) >= limit)  // refused before anything is counted
       return InvalidArgument(fmt::format("recorder: layer {} pick {} is expert {}, outside [0, {})", layer, i,
                                          expert, num_experts_));
-    }
-    ++counts[expert];
+    ++call_counts_[expert];
   }
+  if (step_snapshot_ == nullptr) step_snapshot_ = live_->current();
+  // The executor deals each Forward's picks afresh (its nth pick of an expert in that call), so
+  // each call is dealt on its own here too.
+  step_snapshot_->dispatch.SlotPicks(layer, call_counts_, call_slots_);
+  int64_t* counts = current_.data() + static_cast<size_t>(layer) * num_experts_;
+  for (int e = 0; e < num_experts_; ++e) counts[e] += call_counts_[e];
+  int64_t* slots = current_slots_.data() + static_cast<size_t>(layer) * num_slots_;
+  for (int slot = 0; slot < num_slots_; ++slot) slots[slot] += call_slots_[slot];
   current_rows_[layer] += picks.rows;
   layer_recorded_[layer] = true;
   if (options_.mode == RecorderMode::kPerToken) {
@@ -108,9 +95,10 @@ Status LoadRecorder::Record(int layer, const Picks& picks) {
 }
 
 void LoadRecorder::EndStep() {
-  const Placement& placement = *placement_;
-  const int num_slots = placement.num_slots();
-  const int num_ranks = placement.num_ranks();
+  if (step_snapshot_ == nullptr) step_snapshot_ = live_->current();  // a step with nothing recorded
+  const Placement& placement = *step_snapshot_->placement;
+  const int num_slots = num_slots_;
+  const int num_ranks = num_ranks_;
   const size_t per_step = static_cast<size_t>(num_layers_) * num_experts_;
   int32_t* ring = ring_.data() + static_cast<size_t>(next_) * per_step;
   int64_t rows = 0;
@@ -120,27 +108,17 @@ void LoadRecorder::EndStep() {
     ring[i] = static_cast<int32_t>(current_[i]);
   }
   ring_rows_[next_] = rows;
-  std::vector<int64_t> slot_counts(num_slots);
   std::vector<double> copies_read(num_ranks);
   double balance_sum = 0, byte_balance_sum = 0;
   int layers = 0;
   for (int layer = 0; layer < num_layers_; ++layer) {
-    std::span<const int64_t> counts(current_.data() + static_cast<size_t>(layer) * num_experts_, num_experts_);
+    const int64_t* slot_counts = current_slots_.data() + static_cast<size_t>(layer) * num_slots;
     std::span<double> slots(last_slot_.data() + static_cast<size_t>(layer) * num_slots, num_slots);
     std::span<double> ranks(last_rank_.data() + static_cast<size_t>(layer) * num_ranks, num_ranks);
-    if (dispatch_) {
-      dispatch_->SlotPicks(layer, counts, slot_counts);
-      std::fill(ranks.begin(), ranks.end(), 0.0);
-      for (int slot = 0; slot < num_slots; ++slot) {
-        slots[slot] = static_cast<double>(slot_counts[slot]);
-        ranks[placement.rank_of_slot(slot)] += slots[slot];
-      }
-    } else {
-      auto phy2log = placement.phy2log(layer);
-      auto logcnt = placement.logcnt(layer);
-      for (int slot = 0; slot < num_slots; ++slot)
-        slots[slot] = static_cast<double>(counts[phy2log[slot]]) / logcnt[phy2log[slot]];
-      ::epmoe::RankPicks(placement, layer, counts, ranks);
+    std::fill(ranks.begin(), ranks.end(), 0.0);
+    for (int slot = 0; slot < num_slots; ++slot) {
+      slots[slot] = static_cast<double>(slot_counts[slot]);
+      ranks[placement.rank_of_slot(slot)] += slots[slot];
     }
     if (layer_recorded_[layer]) {
       balance_sum += Balancedness(ranks);
@@ -162,9 +140,10 @@ void LoadRecorder::EndStep() {
   next_ = (next_ + 1) % options_.window_steps;
   kept_ = std::min<int64_t>(kept_ + 1, options_.window_steps);
   std::fill(current_.begin(), current_.end(), 0);
+  std::fill(current_slots_.begin(), current_slots_.end(), 0);
   std::fill(current_rows_.begin(), current_rows_.end(), 0);
   std::fill(layer_recorded_.begin(), layer_recorded_.end(), false);
-  placement_ = next_placement_;
+  step_snapshot_ = nullptr;
 }
 
 BalanceReport LoadRecorder::Balance() const {
@@ -219,11 +198,11 @@ std::span<const int64_t> LoadRecorder::ExpertPicks(int layer) const {
   return {last_expert_.data() + static_cast<size_t>(layer) * num_experts_, static_cast<size_t>(num_experts_)};
 }
 std::span<const double> LoadRecorder::SlotPicks(int layer) const {
-  const size_t n = placement_->num_slots();
+  const size_t n = num_slots_;
   return {last_slot_.data() + layer * n, n};
 }
 std::span<const double> LoadRecorder::RankPicks(int layer) const {
-  const size_t n = placement_->num_ranks();
+  const size_t n = num_ranks_;
   return {last_rank_.data() + layer * n, n};
 }
 

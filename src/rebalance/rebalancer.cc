@@ -147,16 +147,18 @@ struct Rebalancer::Computing {
   }
 };
 
-Rebalancer::Rebalancer(Communicator& comm, RebalanceTarget& target, PlacementPtr initial,
+Rebalancer::Rebalancer(Communicator& comm, RebalanceTarget& target, std::shared_ptr<LivePlacement> live,
                        const RebalancerOptions& options)
-    : comm_(comm), target_(target), live_(std::move(initial)), options_(options), trigger_(options.trigger) {}
+    : comm_(comm), target_(target), live_placement_(std::move(live)), options_(options), trigger_(options.trigger) {}
 
 Rebalancer::~Rebalancer() = default;
 
 Result<std::unique_ptr<Rebalancer>> Rebalancer::Create(Communicator& comm, RebalanceTarget& target,
-                                                       PlacementPtr initial, const RebalancerOptions& options) {
+                                                       std::shared_ptr<LivePlacement> live,
+                                                       const RebalancerOptions& options) {
   EPMOE_RETURN_IF_ERROR(ValidateRebalancerOptions(options));
-  if (initial == nullptr) return InvalidArgument("rebalancer: no initial placement");
+  if (live == nullptr) return InvalidArgument("rebalancer: no live placement");
+  const PlacementPtr initial = live->placement();
   if (initial->num_ranks() != comm.size())
     return InvalidArgument(fmt::format("rebalancer: the placement is for {} ranks, the communicator has {}",
                                        initial->num_ranks(), comm.size()));
@@ -174,7 +176,7 @@ Result<std::unique_ptr<Rebalancer>> Rebalancer::Create(Communicator& comm, Rebal
   if (largest != -minus_smallest || bytes <= 0)
     return InvalidArgument(fmt::format("rebalancer: ranks store between {} and {} bytes per expert copy (rank {}: {})",
                                        -minus_smallest, largest, comm.rank(), bytes));
-  std::unique_ptr<Rebalancer> rebalancer(new Rebalancer(comm, target, std::move(initial), options));
+  std::unique_ptr<Rebalancer> rebalancer(new Rebalancer(comm, target, std::move(live), options));
   if (comm.size() > 1) {
     EPMOE_ASSIGN_OR_RETURN(rebalancer->roll_call_, RollCall::Create(comm));
   }
@@ -203,7 +205,7 @@ Status Rebalancer::Net(Status status) {
 
 std::string Rebalancer::Where() const {
   if (pending_ != nullptr) {
-    const int layers = live_->num_layers();
+    const int layers = Live()->num_layers();
     const int per_chunk = options_.layers_per_chunk > 0 ? options_.layers_per_chunk : layers;
     return fmt::format("installing layers [{}, {})", pending_->chunk_begin,
                        std::min(layers, pending_->chunk_begin + per_chunk));
@@ -231,7 +233,7 @@ Status Rebalancer::NameMissingRanks(Status status, int64_t step, const std::stri
 
 Status Rebalancer::Begin(PlacementPtr next, int64_t step, double before, double after, double compute_seconds) {
   auto pending = std::make_unique<Pending>();
-  pending->from = live_;
+  pending->from = Live();
   pending->to = std::move(next);
   pending->measured = true;
   pending->report.decided_at_step = step;
@@ -240,7 +242,7 @@ Status Rebalancer::Begin(PlacementPtr next, int64_t step, double before, double 
   pending->report.balancedness_after = after;
   pending->report.compute_seconds = compute_seconds;
   pending->report.policy = PolicyName(options_.policy.policy);
-  const int ranks = live_->num_ranks(), nodes = live_->num_nodes();
+  const int ranks = Live()->num_ranks(), nodes = Live()->num_nodes();
   pending->report.bytes_sent_by_rank.assign(ranks, 0);
   pending->report.bytes_received_by_rank.assign(ranks, 0);
   pending->report.bytes_sent_by_node.assign(nodes, 0);
@@ -258,9 +260,9 @@ Status Rebalancer::Propose(const PlacementPtr& proposal) {
     const Status refused = Net(next.status()).WithContext("proposed placement refused");
     return NameMissingRanks(refused, -1, "broadcasting a proposed placement");
   }
-  if (!SameShape(**next, *live_))
+  if (!SameShape(**next, *Live()))
     return InvalidArgument(fmt::format("proposed placement refused: it has {}, the live placement {}",
-                                       ShapeText(**next), ShapeText(*live_)));
+                                       ShapeText(**next), ShapeText(*Live())));
   EPMOE_RETURN_IF_ERROR(Begin(*next, -1, 1, 1, 0));
   pending_->measured = false;
   pending_->report.policy = "proposed";
@@ -269,7 +271,8 @@ Status Rebalancer::Propose(const PlacementPtr& proposal) {
 
 Result<Placement> Rebalancer::RunPolicy(const ExpertLoad& load) const {
   PolicyOptions policy = options_.policy;
-  policy.current = live_.get();
+  const PlacementPtr live = Live();  // keeps policy.current alive for the call
+  policy.current = live.get();
   return options_.compute_placement ? options_.compute_placement(load, policy) : ComputePlacement(load, policy);
 }
 
@@ -319,14 +322,14 @@ Result<BoundaryOutcome> Rebalancer::Boundary(int64_t steps_done, const LoadRecor
     }
     if (needs_load) {
       ExpertLoad load = recorder.Load();
-      if (load.num_layers != live_->num_layers() || load.num_experts != live_->num_experts())
+      if (load.num_layers != Live()->num_layers() || load.num_experts != Live()->num_experts())
         return InvalidArgument(fmt::format("rebalancer: rank {} recorded {} layers x {} experts, the placement has {}",
-                                           comm_.rank(), load.num_layers, load.num_experts, ShapeText(*live_)));
+                                           comm_.rank(), load.num_layers, load.num_experts, ShapeText(*Live())));
       EPMOE_RETURN_IF_ERROR(Net(SumOverRanks(comm_, load.counts))
                                 .WithContext(fmt::format("rebalancer: summing the load window at step {}", steps_done)));
       EPMOE_RETURN_IF_ERROR(Net(SumOverRanks(comm_, load.rows))
                                 .WithContext(fmt::format("rebalancer: summing the rows window at step {}", steps_done)));
-      const double before = WindowBalancedness(*live_, load);
+      const double before = WindowBalancedness(*Live(), load);
       outcome.window_balancedness = before;
       if (pending_ != nullptr) {
         pending_->report.decided_at_step = steps_done;
@@ -352,7 +355,7 @@ Result<BoundaryOutcome> Rebalancer::Boundary(int64_t steps_done, const LoadRecor
   if (pending_ != nullptr) {
     EPMOE_ASSIGN_OR_RETURN(outcome.layers_installed, Advance(steps_done));
     pending_->stall_seconds += SteadySeconds() - start;
-    if (pending_->chunk_begin == live_->num_layers()) {
+    if (pending_->chunk_begin == Live()->num_layers()) {
       EPMOE_RETURN_IF_ERROR(FinishReport(steps_done));
       outcome.finished = true;
     }
@@ -397,7 +400,7 @@ Status Rebalancer::Decide(int64_t step, ExpertLoad load, double before, const Tr
     auto compute = options_.compute_placement;
     // The thread holds its own references: the window, the live placement it starts from and the
     // shared result, so nothing it reads can go away before it ends.
-    computing->thread = std::thread([shared = computing->shared, window = computing->load, current = live_, policy,
+    computing->thread = std::thread([shared = computing->shared, window = computing->load, current = Live(), policy,
                                      compute]() mutable {
       policy.current = current.get();
       const double t0 = SteadySeconds();
@@ -448,18 +451,18 @@ Status Rebalancer::Adopt(int64_t decided_step, int64_t step, const ExpertLoad& l
   auto next = BroadcastPlacement(comm_, 0, candidate);
   if (!next.ok())
     return Net(next.status()).WithContext(fmt::format("rebalancer: new placement at step {}", step));
-  if (!SameShape(**next, *live_))
+  if (!SameShape(**next, *Live()))
     return InvalidArgument(fmt::format("rebalancer: rank 0 computed a placement of {}, the live one has {}",
-                                       ShapeText(**next), ShapeText(*live_)));
+                                       ShapeText(**next), ShapeText(*Live())));
   const double after = WindowBalancedness(**next, load);
   // The policy may keep the live placement (the load has not changed enough): nothing to do.
-  bool decide = !(**next == *live_);
+  bool decide = !(**next == *Live());
   if (decide && options_.trigger.mode == TriggerMode::kPayback) {
     EPMOE_ASSIGN_OR_RETURN(const MovePlan plan,
-                           PlanMoves(*live_, **next, 0, live_->num_layers(), target_.expert_bytes()));
+                           PlanMoves(*Live(), **next, 0, Live()->num_layers(), target_.expert_bytes()));
     const CostModel& cost = options_.policy.cost;
     input.predicted_saved_us_per_step =
-        1e6 * (SlowestRankSecondsPerStep(*live_, load, cost) - SlowestRankSecondsPerStep(**next, load, cost));
+        1e6 * (SlowestRankSecondsPerStep(*Live(), load, cost) - SlowestRankSecondsPerStep(**next, load, cost));
     input.predicted_move_us = 1e6 * static_cast<double>(plan.total_bytes_moved()) / options_.move_bytes_per_second;
     decide = trigger_.ShouldRebalance(input);
   }
@@ -477,7 +480,7 @@ Result<int> Rebalancer::Advance(int64_t step) {
 
 Result<int> Rebalancer::AdvanceSync(int64_t step) {
   Pending& p = *pending_;
-  const int layers = live_->num_layers();
+  const int layers = Live()->num_layers();
   const int per_chunk = options_.layers_per_chunk > 0 ? options_.layers_per_chunk : layers;
   p.chunk_end = std::min(layers, p.chunk_begin + per_chunk);
   const std::string where = fmt::format("rebalance at step {}: rank {}, layers [{}, {})", step, comm_.rank(),
@@ -511,7 +514,7 @@ Result<int> Rebalancer::AdvanceSync(int64_t step) {
 
 Status Rebalancer::StartChunkTransfer() {
   Pending& p = *pending_;
-  const int layers = live_->num_layers();
+  const int layers = Live()->num_layers();
   const int per_chunk = options_.layers_per_chunk > 0 ? options_.layers_per_chunk : layers;
   p.chunk_end = std::min(layers, p.chunk_begin + per_chunk);
   const int64_t expert_bytes = target_.expert_bytes();
@@ -533,8 +536,8 @@ Result<int> Rebalancer::AdvanceAsync(int64_t step) {
   Pending& p = *pending_;
   const int begin = p.chunk_begin;
   if (p.transfer == nullptr) {
-    const int per_chunk = options_.layers_per_chunk > 0 ? options_.layers_per_chunk : live_->num_layers();
-    p.chunk_end = std::min(live_->num_layers(), p.chunk_begin + per_chunk);
+    const int per_chunk = options_.layers_per_chunk > 0 ? options_.layers_per_chunk : Live()->num_layers();
+    p.chunk_end = std::min(Live()->num_layers(), p.chunk_begin + per_chunk);
     const std::string where = fmt::format("rebalance at step {}: rank {}, starting layers [{}, {})", step,
                                           comm_.rank(), p.chunk_begin, p.chunk_end);
     // A local failure before the first exchange must still be agreed on, or the others would wait.
@@ -577,7 +580,7 @@ Result<int> Rebalancer::AdvanceAsync(int64_t step) {
   p.transfer.reset();
   EPMOE_RETURN_IF_ERROR(InstallChunk().WithContext(where));
   // The next chunk starts travelling now, overlapping the next steps.
-  if (p.chunk_begin < live_->num_layers()) {
+  if (p.chunk_begin < Live()->num_layers()) {
     const Status started = StartChunkTransfer();
     if (!started.ok()) return started.WithContext(where + ", starting the next chunk");
   }
@@ -587,20 +590,23 @@ Result<int> Rebalancer::AdvanceAsync(int64_t step) {
 Status Rebalancer::InstallChunk() {
   Pending& p = *pending_;
   PlacementPtr next;
-  if (p.chunk_end == live_->num_layers()) {
+  if (p.chunk_end == Live()->num_layers()) {
     next = p.to;  // identical to the mix below once every layer has switched
   } else {
-    std::vector<std::vector<int32_t>> phy2log(live_->num_layers());
-    for (int layer = 0; layer < live_->num_layers(); ++layer) {
-      const auto source = layer < p.chunk_end ? p.to->phy2log(layer) : live_->phy2log(layer);
+    std::vector<std::vector<int32_t>> phy2log(Live()->num_layers());
+    for (int layer = 0; layer < Live()->num_layers(); ++layer) {
+      const auto source = layer < p.chunk_end ? p.to->phy2log(layer) : Live()->phy2log(layer);
       phy2log[layer].assign(source.begin(), source.end());
     }
-    EPMOE_ASSIGN_OR_RETURN(Placement mixed, Placement::Create(live_->num_experts(), live_->num_ranks(),
-                                                              live_->num_nodes(), std::move(phy2log)));
+    EPMOE_ASSIGN_OR_RETURN(Placement mixed, Placement::Create(Live()->num_experts(), Live()->num_ranks(),
+                                                              Live()->num_nodes(), std::move(phy2log)));
     next = std::make_shared<const Placement>(std::move(mixed));
   }
   EPMOE_RETURN_IF_ERROR(target_.Install(p.chunk_begin, p.chunk_end, next));
-  live_ = std::move(next);
+  // The target holds the chunk's weights now; the placement must follow in the same boundary. Its
+  // shape was checked when the rebalance began, so it cannot be refused here.
+  const Status installed = live_placement_->Install(std::move(next));
+  EPMOE_CHECK_MSG(installed.ok(), installed.ToString());
   p.chunk_begin = p.chunk_end;
   ++p.report.chunks;
   return Status::Ok();

@@ -5,21 +5,21 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "epmoe/comm.h"
+#include "epmoe/engine.h"
 #include "epmoe/executor.h"
-#include "epmoe/layer.h"
+#include "epmoe/statistics.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
-#include "epmoe/trace.h"
 #include "output.h"
 #include "run_eplb.h"
 #include "weights_option.h"
@@ -58,73 +58,6 @@ struct RunOptions {
   EplbRunOptions eplb;
 };
 
-// Figures of one rank for one layer of one step, flattened for an all-gather.
-constexpr int kFields = 16;
-std::vector<double> Flatten(const StepStats& s, double wall_us) {
-  return {s.route_us,
-          s.pack_us,
-          s.dispatch_us,
-          s.experts_us,
-          s.combine_us,
-          s.unpack_us,
-          s.shared_us,
-          static_cast<double>(s.rows),
-          static_cast<double>(s.row_copies),
-          static_cast<double>(s.picks),
-          static_cast<double>(s.expert_bytes_read),
-          static_cast<double>(s.bytes_sent),
-          static_cast<double>(s.bytes_received),
-          static_cast<double>(s.peak_buffer_bytes),
-          static_cast<double>(s.rounds),
-          wall_us};
-}
-enum Field {
-  kRoute,
-  kPack,
-  kDispatch,
-  kExperts,
-  kCombine,
-  kUnpack,
-  kShared,
-  kRows,
-  kCopies,
-  kPicks,
-  kBytesRead,
-  kSent,
-  kReceived,
-  kPeak,
-  kRounds,
-  kWall
-};
-const char* const kStageNames[] = {"route", "pack", "dispatch", "experts", "combine", "unpack", "shared"};
-
-// Gathers every rank's figures: result[rank][layer * kFields + field].
-Result<std::vector<std::vector<double>>> GatherFigures(Communicator& comm, const std::vector<double>& mine) {
-  std::vector<int64_t> send(mine.size()), recv(mine.size() * comm.size());
-  for (size_t i = 0; i < mine.size(); ++i) send[i] = std::bit_cast<int64_t>(mine[i]);
-  EPMOE_RETURN_IF_ERROR(comm.AllgatherInt64(send, recv));
-  std::vector<std::vector<double>> out(comm.size(), std::vector<double>(mine.size()));
-  for (int r = 0; r < comm.size(); ++r)
-    for (size_t i = 0; i < mine.size(); ++i) out[r][i] = std::bit_cast<double>(recv[r * mine.size() + i]);
-  return out;
-}
-
-// Normalized max error allowed against the reference (the same weight format, rows as given):
-// what the rows' travel format and the fp32 summation order can change. Kernels that quantize
-// activations to int8 (int8 and the 4-bit formats) turn the travel format's rounding into int8
-// rounding steps (and slices quantize their own intermediate rows), so a row that travels rounded
-// may differ by a few activation steps: measured up to 0.04 at hidden 1024, intermediate 512.
-double Tolerance(RowFormat dispatch, RowFormat combine, WeightFormat weights) {
-  double t = 1e-5;
-  if (dispatch == RowFormat::kBf16 || combine == RowFormat::kBf16) t = 2e-2;
-  const bool int8_activations =
-      weights == WeightFormat::kInt8 || weights == WeightFormat::kNvfp4 || weights == WeightFormat::kMxfp4;
-  if (dispatch != RowFormat::kFp32 && int8_activations) t = 8e-2;
-  if (dispatch == RowFormat::kQ8) t = std::max(t, 5e-2);
-  if (dispatch == RowFormat::kQ4) t = 3e-1;
-  return t;
-}
-
 class ProgressBar {
  public:
   ProgressBar(bool enabled, int64_t total) : enabled_(enabled && isatty(STDERR_FILENO)), total_(total) {}
@@ -151,88 +84,12 @@ class ProgressBar {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
-// The rows and picks of every step and layer: synthetic, routed by the model's router, or replayed.
-class Inputs {
- public:
-  Status Init(const RunOptions& o, const ModelConfig& model, const WeightSource& weights, ThreadPool& pool) {
-    model_ = model;
-    o_ = o;
-    if (!o.trace.empty()) {
-      EPMOE_ASSIGN_OR_RETURN(reader_, TraceReader::Open(o.trace, LoadReadOptions{}));
-      const TraceInfo& info = reader_->info();
-      if (!info.has_picks)
-        return InvalidArgument(
-            fmt::format("--trace {}: holds per-expert counts only; `epmoe run` replays per-row picks", o.trace));
-      if (info.num_experts != model.num_experts || info.top_k != model.top_k)
-        return InvalidArgument(fmt::format("--trace {}: {} experts, top-{}; the model {} has {} experts, top-{}",
-                                           o.trace, info.num_experts, info.top_k, model.name, model.num_experts,
-                                           model.top_k));
-      if (info.num_layers < o.layers)
-        return InvalidArgument(
-            fmt::format("--trace {}: {} layers, fewer than --layers {}", o.trace, info.num_layers, o.layers));
-      for (int s = 0; s < o.steps; ++s) {
-        StepPicks step;
-        EPMOE_ASSIGN_OR_RETURN(const bool more, reader_->Next(&step));
-        if (!more) break;
-        for (Picks& p : step.layers) {
-          if (p.weights.empty())
-            p.weights.assign(p.experts.size(), static_cast<float>(model.routed_scaling / model.top_k));
-        }
-        steps_.push_back(std::move(step));
-      }
-      if (steps_.empty()) return InvalidArgument(fmt::format("--trace {}: no steps", o.trace));
-    } else if (o.routing == "scores") {
-      for (int l = 0; l < o.layers; ++l) {
-        EPMOE_ASSIGN_OR_RETURN(MoeLayerWeights routing, weights.Routing(l, &pool));
-        EPMOE_ASSIGN_OR_RETURN(RouterWeights router, RouterWeights::Pack(routing.router, o.isa));
-        routers_.push_back(std::move(router));
-        router_biases_.push_back(std::move(routing.router_bias));
-      }
-    }
-    return Status::Ok();
-  }
-  int steps() const { return steps_.empty() ? o_.steps : static_cast<int>(steps_.size()); }
-  int64_t tokens(int step) const { return steps_.empty() ? o_.tokens : steps_[step].rows; }
-
-  // Picks of global rows [first, first + rows.rows) of `step`, layer `layer` (the router's logits
-  // on the pool's threads).
-  Status PicksFor(int step, int layer, const Matrix& rows, int64_t first, Picks* picks, ThreadPool& pool) const {
-    if (!steps_.empty()) {
-      const Picks& all = steps_[step].layers[layer];
-      const int k = all.k;
-      *picks =
-          Picks{rows.rows, k,
-                std::vector<int32_t>(all.experts.begin() + first * k, all.experts.begin() + (first + rows.rows) * k),
-                std::vector<float>(all.weights.begin() + first * k, all.weights.begin() + (first + rows.rows) * k)};
-      return Status::Ok();
-    }
-    if (o_.routing == "scores") {
-      return Router(model_).Route(rows, routers_[layer], router_biases_[layer], picks, &pool);
-    }
-    if (o_.routing == "round_robin") {
-      *picks = RoundRobinPicks(model_, rows.rows, first);
-    } else {
-      *picks = UniformPicks(model_, rows.rows, o_.seed * 1000003 + step * 1009 + layer, first);
-    }
-    return Status::Ok();
-  }
-
- private:
-  ModelConfig model_;
-  RunOptions o_;
-  std::unique_ptr<TraceReader> reader_;
-  std::vector<StepPicks> steps_;
-  // "scores" routing: each layer's router and its bias.
-  std::vector<RouterWeights> routers_;
-  std::vector<std::vector<float>> router_biases_;
-};
-
 struct OptionResult {
   std::string name, description, refused;
   std::vector<double> step_ms;
-  std::vector<std::vector<double>> stage_ms;  // [stage][step]: mean over ranks, summed over layers
-  double sent_per_rank_step = 0, received_per_rank_step = 0, copies_per_row = 0, picks_balance = 0, bytes_balance = 0,
-         peak_buffer = 0, rounds = 0, max_error = 0;
+  std::vector<std::vector<double>> stage_ms = std::vector<std::vector<double>>(kNumStages);  // [stage][step]
+  double copies_per_row = 0, picks_balance = 0, bytes_balance = 0, peak_buffer = 0, rounds = 0, max_error = 0;
+  double sent_per_rank_step = 0, received_per_rank_step = 0;
   int64_t resident_bytes = 0;
   nlohmann::json eplb;  // with --eplb
 };
@@ -251,157 +108,69 @@ ExecutorOptions OptionExecutorOptions(const ExecutorOptions& base, const RunOpti
   return eo;
 }
 
-// One option's executor over the steps: Start builds it (and its EPLB session), Step runs one step
-// and adds its figures to the result, Finish turns the sums into per-step figures and closes the
-// executor (collective). Steps of
-// different options may alternate (--interleave) because each run keeps its own executor and state.
+// One option's engine over the steps, and the sums its step reports add up to. Steps of different
+// options may alternate (--interleave) because each run keeps its own engine.
 class OptionRun {
  public:
   static Result<std::unique_ptr<OptionRun>> Start(Communicator& comm, const RunOptions& o, const ModelConfig& model,
-                                                  EpOption option, const ExecutorOptions& base, ThreadPool& pool,
+                                                  const EngineOptions& options, ThreadPool& pool,
                                                   OptionResult* result) {
-    auto run = std::unique_ptr<OptionRun>(new OptionRun(comm, o, model, pool, result));
-    ExecutorOptions& eo = run->eo_;
-    eo = OptionExecutorOptions(base, o, option, comm.size());
-    result->name = EpOptionName(option);
-    EPMOE_ASSIGN_OR_RETURN(run->executor_, CreateExecutor(comm, model, eo, pool));
-    if (o.eplb.enabled) {
-      EPMOE_ASSIGN_OR_RETURN(run->eplb_, EplbSession::Create(comm, o.eplb, model, *run->executor_, eo.placement));
-    }
-    result->description = run->executor_->description();
-    EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(run->executor_->resident_weight_bytes()));
-    result->stage_ms.assign(7, {});
+    auto run = std::unique_ptr<OptionRun>(new OptionRun(comm, o, model, result));
+    EPMOE_ASSIGN_OR_RETURN(run->engine_, Engine::Create(comm, model, options, pool));
+    result->description = run->engine_->executor().description();
+    EPMOE_ASSIGN_OR_RETURN(result->resident_bytes,
+                           comm.AllreduceMax(run->engine_->executor().resident_weight_bytes()));
+    if (options.rebalance) run->eplb_.emplace(o.eplb);
+    run->tensor_parallel_ = options.executor.origin == RowOrigin::kTensorParallel;
     return run;
   }
 
-  // settle: wait for the executor's background work before the step ends (see
-  // MoeExecutor::Settle), so that none of it runs into the next option's step.
-  Status Step(int step, const Inputs& inputs, const std::vector<std::unique_ptr<MoeLayer>>& references,
-              bool settle) {
+  Status Step(int step, const Routing& routing, int64_t tokens) {
     const int g = comm_.size(), me = comm_.rank();
-    const bool tensor_parallel = eo_.origin == RowOrigin::kTensorParallel;
-    OptionResult* result = result_;
-    const int64_t total = inputs.tokens(step);
-    const int64_t first = tensor_parallel ? 0 : RowBegin(total, g, me);
-    const int64_t count = tensor_parallel ? total : RowBegin(total, g, me + 1) - first;
+    const int64_t first = tensor_parallel_ ? 0 : RowBegin(tokens, g, me);
+    const int64_t count = tensor_parallel_ ? tokens : RowBegin(tokens, g, me + 1) - first;
     Matrix x = SyntheticRows(o_.seed, model_, step, first, count);
-    std::vector<double> figures;
-    EPMOE_RETURN_IF_ERROR(comm_.Barrier());
-    for (int layer = 0; layer < o_.layers; ++layer) {
-      const auto t0 = std::chrono::steady_clock::now();
-      Picks picks;
-      EPMOE_RETURN_IF_ERROR(inputs.PicksFor(step, layer, x, first, &picks, pool_));
-      const double route_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-      if (eplb_) EPMOE_RETURN_IF_ERROR(eplb_->Record(layer, picks, tensor_parallel));
-      Matrix out;
-      StepStats st;
-      EPMOE_RETURN_IF_ERROR(executor_->Forward(layer, x, picks, &out, &st)
-                                .WithContext(fmt::format("{} step {} layer {}", result->name, step, layer)));
-      st.route_us = route_us;
-      if (settle && layer + 1 == o_.layers) {
-        // The read-ahead the last layer started is the next step's first layer's: in a run of
-        // consecutive steps it would be waited for there, so it is this step's time (as waiting
-        // for experts), not the gap before the next option's step.
-        const auto s0 = std::chrono::steady_clock::now();
-        EPMOE_RETURN_IF_ERROR(executor_->Settle());
-        st.dispatch_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
-      }
-      const double wall = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-      if (!references.empty()) {
-        Matrix expected;
-        EPMOE_RETURN_IF_ERROR(references[layer]->Forward(x, picks, &expected, pool_, nullptr));
-        const double error = NormalizedMaxError(out, expected);
-        const double allowed = Tolerance(eo_.dispatch_format, eo_.combine_format, eo_.pack.format);
-        EPMOE_ASSIGN_OR_RETURN(const int64_t any_bad, comm_.AllreduceMax(error <= allowed ? 0 : 1));
-        result->max_error = std::max(result->max_error, error);
-        if (any_bad)
-          return Internal(fmt::format(
-              "--check: {} step {} layer {} differs from the single-process layer on rank {}: "
-              "normalized max error {:.3g} (allowed {:.1g})",
-              result->name, step, layer, me, error, allowed));
-      }
-      const auto f = Flatten(st, wall);
-      figures.insert(figures.end(), f.begin(), f.end());
-      for (size_t i = 0; i < x.data.size(); ++i) x.data[i] += out.data[i];  // residual stream
-    }
-    EPMOE_ASSIGN_OR_RETURN(auto all, GatherFigures(comm_, figures));
-    double step_us = 0;
-    std::vector<double> stage_us(7, 0);
-    for (int r = 0; r < g; ++r) {
-      double wall = 0;
-      for (int l = 0; l < o_.layers; ++l) {
-        const double* f = &all[r][l * kFields];
-        wall += f[kWall];
-        for (int s = 0; s < 7; ++s) stage_us[s] += f[s] / g;
-        rows_ += f[kRows];
-        copies_ += f[kCopies];
-        sent_ += f[kSent];
-        received_ += f[kReceived];
-        result->peak_buffer = std::max(result->peak_buffer, f[kPeak]);
-        result->rounds = std::max(result->rounds, f[kRounds]);
-      }
-      step_us = std::max(step_us, wall);  // a step waits for its slowest rank
-    }
-    for (int l = 0; l < o_.layers; ++l) {
-      double max_picks = 0, sum_picks = 0, max_bytes = 0, sum_bytes = 0;
-      for (int r = 0; r < g; ++r) {
-        const double* f = &all[r][l * kFields];
-        max_picks = std::max(max_picks, f[kPicks]);
-        sum_picks += f[kPicks];
-        max_bytes = std::max(max_bytes, f[kBytesRead]);
-        sum_bytes += f[kBytesRead];
-      }
-      picks_balance_ += max_picks > 0 ? sum_picks / g / max_picks : 1.0;
-      bytes_balance_ += max_bytes > 0 ? sum_bytes / g / max_bytes : 1.0;
-      ++balance_samples_;
-    }
-    if (eplb_) {
-      double step_balance = 0;
-      for (int l = 0; l < o_.layers; ++l) {
-        double most = 0, sum = 0;
-        for (int r = 0; r < g; ++r) {
-          most = std::max(most, all[r][l * kFields + kPicks]);
-          sum += all[r][l * kFields + kPicks];
-        }
-        step_balance += most > 0 ? sum / g / most : 1.0;
-      }
-      std::vector<std::pair<std::string, double>> stages;
-      for (int s = 0; s < 7; ++s) stages.emplace_back(kStageNames[s], stage_us[s] / 1e6);
-      EPMOE_RETURN_IF_ERROR(eplb_->EndStep(step + 1, step_us / 1e6, stages, step_balance / o_.layers));
-    }
-    result->step_ms.push_back(step_us / 1000);
-    for (int s = 0; s < 7; ++s) result->stage_ms[s].push_back(stage_us[s] / 1000);
+    EPMOE_ASSIGN_OR_RETURN(const StepReport report, engine_->Step(&x, first, routing));
+    result_->step_ms.push_back(report.seconds * 1e3);
+    for (int s = 0; s < kNumStages; ++s) result_->stage_ms[s].push_back(report.stage_seconds[s] * 1e3);
+    rows_ += static_cast<double>(report.rows);
+    copies_ += report.copies_per_row * static_cast<double>(report.rows);
+    sent_ += static_cast<double>(report.bytes_sent);
+    received_ += static_cast<double>(report.bytes_received);
+    picks_balance_ += report.picks_balancedness;
+    bytes_balance_ += report.bytes_balancedness;
+    result_->peak_buffer = std::max(result_->peak_buffer, static_cast<double>(report.peak_buffer_bytes));
+    result_->rounds = std::max(result_->rounds, static_cast<double>(report.rounds));
+    result_->max_error = std::max(result_->max_error, report.max_error);
+    if (eplb_) eplb_->Add(report);
+    ++steps_;
     return Status::Ok();
   }
 
-  Status Finish(int steps) {
+  Status Finish() {
     const int g = comm_.size();
-    OptionResult* result = result_;
-    if (eplb_) result->eplb = eplb_->Report();
-    result->copies_per_row = rows_ > 0 ? copies_ / rows_ : 0;
-    result->sent_per_rank_step = sent_ / g / steps;
-    result->received_per_rank_step = received_ / g / steps;
-    result->picks_balance = balance_samples_ ? picks_balance_ / balance_samples_ : 1;
-    result->bytes_balance = balance_samples_ ? bytes_balance_ / balance_samples_ : 1;
-    EPMOE_ASSIGN_OR_RETURN(const int64_t max_error_bits, comm_.AllreduceMax(std::bit_cast<int64_t>(result->max_error)));
-    result->max_error = std::bit_cast<double>(max_error_bits);  // non-negative doubles order as their bits
-    return executor_->Close();
+    if (eplb_) result_->eplb = eplb_->Report(*engine_->rebalancer());
+    result_->copies_per_row = rows_ > 0 ? copies_ / rows_ : 0;
+    result_->sent_per_rank_step = steps_ ? sent_ / g / steps_ : 0;
+    result_->received_per_rank_step = steps_ ? received_ / g / steps_ : 0;
+    result_->picks_balance = steps_ ? picks_balance_ / steps_ : 1;
+    result_->bytes_balance = steps_ ? bytes_balance_ / steps_ : 1;
+    return engine_->Close();
   }
 
  private:
-  OptionRun(Communicator& comm, const RunOptions& o, const ModelConfig& model, ThreadPool& pool, OptionResult* result)
-      : comm_(comm), o_(o), model_(model), pool_(pool), result_(result) {}
+  OptionRun(Communicator& comm, const RunOptions& o, const ModelConfig& model, OptionResult* result)
+      : comm_(comm), o_(o), model_(model), result_(result) {}
 
   Communicator& comm_;
   const RunOptions& o_;
   const ModelConfig& model_;
-  ThreadPool& pool_;
   OptionResult* result_;
-  ExecutorOptions eo_;
-  std::unique_ptr<MoeExecutor> executor_;
-  std::unique_ptr<EplbSession> eplb_;
+  std::unique_ptr<Engine> engine_;
+  std::optional<EplbReport> eplb_;
+  bool tensor_parallel_ = false;  // every rank holds every row
   double copies_ = 0, rows_ = 0, sent_ = 0, received_ = 0, picks_balance_ = 0, bytes_balance_ = 0;
-  int balance_samples_ = 0;
+  int steps_ = 0;
 };
 
 Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
@@ -422,9 +191,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   base.combine_partial_sums = o.partial_sums;
   EPMOE_ASSIGN_OR_RETURN(base.pack.format, ParseWeightFormat(o.weight_format));
   base.pack.isa = o.isa;
-  base.shared = o.shared == "sliced"   ? SharedMode::kSliced
-                : o.shared == "copied" ? SharedMode::kCopied
-                                       : SharedMode::kDefault;
+  EPMOE_ASSIGN_OR_RETURN(base.shared, ParseSharedMode(o.shared));
   base.max_buffer_bytes = static_cast<int64_t>(o.max_buffer_mb * 1e6);
   base.seed = o.seed;
   EPMOE_ASSIGN_OR_RETURN(const OpenedWeights opened, OpenWeights(o.weights, model, o.layers, o.seed));
@@ -443,9 +210,11 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
       options.push_back(one);
     }
   }
-  if (o.eplb.enabled || !o.eplb.metrics_file.empty()) {
-    EPMOE_ASSIGN_OR_RETURN(base.placement, EplbInitialPlacement(o.eplb, model, o.layers, *comm, options));
-  }
+  EngineOptions engine_options;
+  EPMOE_RETURN_IF_ERROR(SetEplbEngineOptions(o.eplb, model, o.layers, *comm, options, &engine_options));
+  base.placement = engine_options.executor.placement;
+  engine_options.check = o.check;
+  engine_options.settle_each_step = o.interleave;
   // Refuse what cannot run, before any work: a named option fails the command, `all` skips it.
   std::vector<OptionResult> results(options.size());
   for (size_t i = 0; i < options.size(); ++i) {
@@ -458,30 +227,41 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   }
 
   ThreadPool pool(o.threads);
-  Inputs inputs;
-  EPMOE_RETURN_IF_ERROR(inputs.Init(o, model, *base.weights, pool));
-  std::vector<std::unique_ptr<MoeLayer>> references;
-  if (o.check) {
-    for (int l = 0; l < o.layers; ++l) {
-      PackOptions pack = base.pack;
-      pack.pool = &pool;
-      EPMOE_ASSIGN_OR_RETURN(auto layer, MoeLayer::Create(model, *base.weights, l, pack));
-      references.push_back(std::move(layer));
+  std::unique_ptr<Routing> routing;
+  std::unique_ptr<TraceRouting> trace;
+  int steps = o.steps;
+  if (!o.trace.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, o.steps));
+    if (trace->num_steps() < o.steps && *is_root)
+      std::fprintf(stderr, "note: --trace %s holds %lld steps; running %lld, not --steps %d\n", o.trace.c_str(),
+                   static_cast<long long>(trace->num_steps()), static_cast<long long>(trace->num_steps()), o.steps);
+    steps = static_cast<int>(trace->num_steps());
+  } else {
+    EPMOE_ASSIGN_OR_RETURN(const RoutingMode mode, ParseRoutingMode(o.routing));
+    if (mode == RoutingMode::kScores) {
+      EPMOE_ASSIGN_OR_RETURN(routing, ModelRouting(model, *base.weights, o.layers, o.isa, pool));
+    } else {
+      EPMOE_ASSIGN_OR_RETURN(routing, SimulatedRouting(model, mode, o.seed));
     }
   }
-  ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * inputs.steps());
+  const Routing& picks = trace ? static_cast<const Routing&>(*trace) : *routing;
+  auto tokens = [&](int step) { return trace ? trace->rows(step) : o.tokens; };
+
+  ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * steps);
   int64_t done = 0;
   auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
-    return OptionRun::Start(*comm, o, model, options[i], base, pool, &results[i]);
+    EngineOptions eo = engine_options;
+    eo.executor = OptionExecutorOptions(base, o, options[i], g);
+    return OptionRun::Start(*comm, o, model, eo, pool, &results[i]);
   };
   auto step = [&](size_t i, OptionRun& run, int s) -> Status {
-    EPMOE_RETURN_IF_ERROR(run.Step(s, inputs, references, /*settle=*/o.interleave));
+    EPMOE_RETURN_IF_ERROR(run.Step(s, picks, tokens(s)));
     ++done;
-    if (comm->rank() == 0) progress.Update(done, fmt::format("{} step {}/{}", results[i].name, s + 1, inputs.steps()));
+    if (comm->rank() == 0) progress.Update(done, fmt::format("{} step {}/{}", results[i].name, s + 1, steps));
     return Status::Ok();
   };
   if (o.interleave) {
-    // Every option's executor at once; step s of each option in turn, so drift of a shared machine
+    // Every option's engine at once; step s of each option in turn, so drift of a shared machine
     // (memory or cores taken by others for seconds) falls on all options alike. Step s starts at
     // option s mod n, so every option runs equally often in every place of the round.
     std::vector<std::unique_ptr<OptionRun>> runs(options.size());
@@ -489,20 +269,20 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(runs[i], start(i));
     }
-    for (int s = 0; s < inputs.steps(); ++s)
+    for (int s = 0; s < steps; ++s)
       for (size_t j = 0; j < options.size(); ++j) {
         const size_t i = (static_cast<size_t>(s) + j) % options.size();
         if (runs[i]) EPMOE_RETURN_IF_ERROR(step(i, *runs[i], s));
       }
     for (auto& run : runs)
-      if (run) EPMOE_RETURN_IF_ERROR(run->Finish(inputs.steps()));
+      if (run) EPMOE_RETURN_IF_ERROR(run->Finish());
   } else {
     // One option at a time: only its weights are held.
     for (size_t i = 0; i < options.size(); ++i) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(auto run, start(i));
-      for (int s = 0; s < inputs.steps(); ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
-      EPMOE_RETURN_IF_ERROR(run->Finish(inputs.steps()));
+      for (int s = 0; s < steps; ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
+      EPMOE_RETURN_IF_ERROR(run->Finish());
     }
   }
 
@@ -515,7 +295,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
       continue;
     }
     nlohmann::json stages;
-    for (int s = 0; s < 7; ++s) stages[kStageNames[s]] = Median(r.stage_ms[s]);
+    for (int s = 0; s < kNumStages; ++s) stages[kStages[s].name] = Median(r.stage_ms[s]);
     j.update({{"description", r.description},
               {"step_ms_median", Median(r.step_ms)},
               {"step_ms_p90", Quantile(r.step_ms, 0.9)},
@@ -541,8 +321,8 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"ranks", g},
              {"nodes", comm->num_nodes()},
              {"communicator", comm->description()},
-             {"tokens", inputs.tokens(0)},
-             {"steps", inputs.steps()},
+             {"tokens", tokens(0)},
+             {"steps", steps},
              {"interleaved", o.interleave},
              {"layers", o.layers},
              {"routing", o.trace.empty() ? o.routing : "trace " + o.trace},

@@ -44,97 +44,83 @@ void AddEplbOptions(CLI::App* cmd, EplbRunOptions* o) {
       ->check(kPositive)->capture_default_str();
   cmd->add_option("--metrics-file", o->metrics_file,
                   "With --eplb: rewrite this Prometheus text file (atomically) after every step (rank 0)");
+  cmd->add_option("--placement", o->placement_file,
+                  "Start from this placement (a2a and whole), as `epmoe balance --out` writes it; it must fit the "
+                  "model's experts, --layers, the ranks, the nodes and --eplb-redundant");
+  cmd->add_option("--record-load", o->record_load,
+                  "Write the load the run recorded (rank 0) as an epmoe trace that `epmoe balance --trace` reads "
+                  "(one option)");
+  cmd->add_option("--eplb-record", o->record_mode,
+                  "What is recorded: stat (one step, the sum over the run), per-step (picks per expert each step) or "
+                  "per-token (each row's picks)")
+      ->check(CLI::IsMember({"stat", "per-step", "per-token"}))->capture_default_str();
 }
 
-Result<PlacementPtr> EplbInitialPlacement(const EplbRunOptions& o, const ModelConfig& model, int layers,
-                                          const Communicator& comm, const std::vector<EpOption>& run_options) {
+Status SetEplbEngineOptions(const EplbRunOptions& o, const ModelConfig& model, int layers, const Communicator& comm,
+                            const std::vector<EpOption>& run_options, EngineOptions* out) {
   if (!o.metrics_file.empty() && !o.enabled) return InvalidArgument("--metrics-file needs --eplb");
+  const bool placed = o.enabled || !o.placement_file.empty();
   for (EpOption option : run_options)
-    if (option != EpOption::kA2a && option != EpOption::kWhole)
-      return InvalidArgument(fmt::format("--eplb rebalances the a2a and whole options, not {} (use --option a2a or "
-                                         "--option whole)", EpOptionName(option)));
+    if (placed && option != EpOption::kA2a && option != EpOption::kWhole)
+      return InvalidArgument(fmt::format("--{} places the experts of the a2a and whole options, not {} (use --option "
+                                         "a2a or --option whole)", o.enabled ? "eplb" : "placement",
+                                         EpOptionName(option)));
+  if (!o.record_load.empty() && run_options.size() != 1)
+    return InvalidArgument("--record-load records one option's run: name one --option");
   if (!(o.threshold > 0 && o.threshold <= 1))
     return InvalidArgument(fmt::format("--eplb-threshold {} must be in (0, 1]", o.threshold));
   if ((model.num_experts + o.redundant) % comm.size() != 0)
     return InvalidArgument(fmt::format("--eplb-redundant {}: {} experts + {} copies do not divide over {} ranks",
                                        o.redundant, model.num_experts, o.redundant, comm.size()));
-  EPMOE_ASSIGN_OR_RETURN(Placement p, Placement::Trivial(layers, model.num_experts, o.redundant, comm.size(),
-                                                         comm.num_nodes()));
-  return std::make_shared<const Placement>(std::move(p));
-}
-
-Result<std::unique_ptr<EplbSession>> EplbSession::Create(Communicator& comm, const EplbRunOptions& o,
-                                                         const ModelConfig& model, MoeExecutor& executor,
-                                                         PlacementPtr initial) {
-  RebalanceTarget* target = executor.rebalance_target();
-  if (target == nullptr)
-    return InvalidArgument(fmt::format("--eplb: the {} executor cannot be rebalanced", EpOptionName(executor.option())));
-  std::unique_ptr<EplbSession> session(new EplbSession(comm, o));
-  RebalancerOptions ro;
+  if (!o.placement_file.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(Placement p, ReadPlacementFile(o.placement_file));
+    auto differs = [&](const char* field, int64_t has, int64_t wants) -> Status {
+      if (has == wants) return Status::Ok();
+      return InvalidArgument(fmt::format("--placement {}: {} is {}, the run needs {}", o.placement_file, field, has,
+                                         wants));
+    };
+    EPMOE_RETURN_IF_ERROR(differs("num_experts", p.num_experts(), model.num_experts));
+    EPMOE_RETURN_IF_ERROR(differs("num_layers", p.num_layers(), layers));
+    EPMOE_RETURN_IF_ERROR(differs("num_ranks", p.num_ranks(), comm.size()));
+    EPMOE_RETURN_IF_ERROR(differs("num_nodes", p.num_nodes(), comm.num_nodes()));
+    EPMOE_RETURN_IF_ERROR(differs("num_slots (experts + --eplb-redundant)", p.num_slots(),
+                                  model.num_experts + o.redundant));
+    out->executor.placement = std::make_shared<const Placement>(std::move(p));
+  } else if (o.enabled || o.redundant > 0) {
+    EPMOE_ASSIGN_OR_RETURN(Placement p, Placement::Trivial(layers, model.num_experts, o.redundant, comm.size(),
+                                                           comm.num_nodes()));
+    out->executor.placement = std::make_shared<const Placement>(std::move(p));
+  }
+  out->record_load_path = o.record_load;
+  EPMOE_ASSIGN_OR_RETURN(out->recorder.mode, ParseRecorderMode(o.record_mode));
+  out->recorder.window_steps = static_cast<int>(o.window > 0 ? o.window : std::min<int64_t>(o.interval, 100000));
+  if (!o.enabled) return Status::Ok();
+  out->rebalance = true;
+  out->metrics_file = o.metrics_file;
+  RebalancerOptions& ro = out->rebalancer;
   EPMOE_ASSIGN_OR_RETURN(ro.trigger.mode, ParseTriggerMode(o.trigger));
   ro.trigger.interval_steps = o.interval;
   ro.trigger.threshold = o.threshold;
   ro.trigger.payback_steps = o.payback_steps;
   EPMOE_ASSIGN_OR_RETURN(ro.policy.policy, ParsePolicy(o.policy));
-  ro.policy.shape.num_ranks = comm.size();
-  ro.policy.shape.num_nodes = comm.num_nodes();
-  ro.policy.shape.num_redundant = o.redundant;
-  ro.policy.cost.bytes_per_expert = static_cast<double>(target->expert_bytes());
-  ro.policy.cost.flops_per_row = 6.0 * model.hidden * model.expert_intermediate;
   ro.layers_per_chunk = o.layers_per_chunk;
   ro.async = o.async;
   ro.move_bytes_per_second = o.move_gbps * 1e9;
   ro.roll_call_seconds = o.roll_call_seconds;
-  EPMOE_ASSIGN_OR_RETURN(session->rebalancer_, Rebalancer::Create(comm, *target, initial, ro));
-  RecorderOptions rec;
-  rec.window_steps = static_cast<int>(o.window > 0 ? o.window : std::min<int64_t>(o.interval, 100000));
-  rec.bytes_per_expert = static_cast<double>(target->expert_bytes());
-  EPMOE_ASSIGN_OR_RETURN(LoadRecorder recorder, LoadRecorder::Create(rec, initial));
-  session->recorder_.emplace(std::move(recorder));
-  if (!o.metrics_file.empty() && comm.rank() == 0) {
-    EPMOE_ASSIGN_OR_RETURN(RebalanceMetrics metrics, RebalanceMetrics::Create(o.metrics_file));
-    session->metrics_.emplace(std::move(metrics));
-    EPMOE_RETURN_IF_ERROR(session->metrics_->Write());
-  }
-  return session;
-}
-
-Status EplbSession::Record(int layer, const Picks& picks, bool tensor_parallel) {
-  if (!tensor_parallel) return recorder_->Record(layer, picks);
-  const int g = comm_.size(), me = comm_.rank(), k = picks.k;
-  const int64_t first = RowBegin(picks.rows, g, me), count = RowBegin(picks.rows, g, me + 1) - first;
-  Picks mine{count, k, std::vector<int32_t>(picks.experts.begin() + first * k, picks.experts.begin() + (first + count) * k),
-             std::vector<float>(picks.weights.begin() + first * k, picks.weights.begin() + (first + count) * k)};
-  return recorder_->Record(layer, mine);
-}
-
-Status EplbSession::EndStep(int64_t steps_done, double step_seconds,
-                            const std::vector<std::pair<std::string, double>>& stages, double picks_balancedness) {
-  recorder_->EndStep();
-  const auto start = std::chrono::steady_clock::now();
-  EPMOE_ASSIGN_OR_RETURN(BoundaryOutcome outcome, rebalancer_->AtStepBoundary(steps_done, *recorder_));
-  if (outcome.layers_installed > 0) EPMOE_RETURN_IF_ERROR(recorder_->SetPlacement(rebalancer_->placement()));
-  const auto end = std::chrono::steady_clock::now();
-  const double boundary = std::chrono::duration<double>(end - start).count();
-  boundary_seconds_ += boundary;
-  wall_ms_.push_back(std::chrono::duration<double, std::milli>(end - last_step_end_).count());
-  last_step_end_ = end;
-  balance_.push_back(picks_balancedness);
-  if (metrics_) {
-    auto stage_list = stages;
-    stage_list.emplace_back("rebalance", boundary);
-    metrics_->RecordStep(step_seconds + boundary, stage_list);
-    if (outcome.checked || outcome.started) windowed_balancedness_ = outcome.window_balancedness;
-    metrics_->RecordBalance(picks_balancedness, windowed_balancedness_);
-    for (; reported_ < rebalancer_->reports().size(); ++reported_) metrics_->RecordRebalance(rebalancer_->reports()[reported_]);
-    EPMOE_RETURN_IF_ERROR(metrics_->Write());
-  }
   return Status::Ok();
 }
 
-nlohmann::json EplbSession::Report() const {
+void EplbReport::Add(const StepReport& step) {
+  const auto end = std::chrono::steady_clock::now();
+  boundary_seconds_ += step.boundary_seconds;
+  wall_ms_.push_back(std::chrono::duration<double, std::milli>(end - last_step_end_).count());
+  last_step_end_ = end;
+  balance_.push_back(step.picks_balancedness);
+}
+
+nlohmann::json EplbReport::Report(const Rebalancer& rebalancer) const {
   nlohmann::json list = nlohmann::json::array();
-  for (const RebalanceReport& r : rebalancer_->reports()) {
+  for (const RebalanceReport& r : rebalancer.reports()) {
     list.push_back({{"decided_at_step", r.decided_at_step},
                     {"placement_ready_at_step", r.placement_ready_at_step},
                     {"installed_at_step", r.installed_at_step},
@@ -168,7 +154,7 @@ nlohmann::json EplbSession::Report() const {
           {"layers_per_chunk", options_.layers_per_chunk},
           {"async", options_.async},
           {"rebalances", list},
-          {"bytes_moved_total", rebalancer_->bytes_moved_total()},
+          {"bytes_moved_total", rebalancer.bytes_moved_total()},
           {"boundary_ms_this_rank", boundary_seconds_ * 1e3},
           {"balancedness_first_quarter", mean_of(0, std::min(quarter, balance_.size()))},
           {"balancedness_last_quarter", mean_of(balance_.size() - std::min(quarter, balance_.size()), balance_.size())},

@@ -580,21 +580,29 @@ class MpiCommunicator : public Communicator {
     if (recv.size() != send.size() * static_cast<size_t>(size_))
       return InvalidArgument(fmt::format("rank {}: allgather of {} values needs {} receive values, got {}", rank_,
                                          send.size(), send.size() * size_, recv.size()));
-    return GatherInt64(send, recv, "allgather");
+    return GatherValues(send, recv, "allgather");
+  }
+
+  Status AllgatherDouble(std::span<const double> send, std::span<double> recv) override {
+    if (recv.size() != send.size() * static_cast<size_t>(size_))
+      return InvalidArgument(fmt::format("rank {}: allgather of {} values needs {} receive values, got {}", rank_,
+                                         send.size(), send.size() * size_, recv.size()));
+    return GatherValues(send, recv, "allgather");
   }
 
   // The maximum and the sum are taken locally from every rank's value, in rank order, so every rank
   // gets the same result (and a timeout names the ranks not heard from).
   Result<int64_t> AllreduceMax(int64_t value) override {
-    EPMOE_RETURN_IF_ERROR(GatherInt64(std::span<const int64_t>(&value, 1), reduce_values_, "allreduce (max)"));
+    EPMOE_RETURN_IF_ERROR(GatherValues(std::span<const int64_t>(&value, 1), std::span<int64_t>(reduce_values_),
+                                       "allreduce (max)"));
     return *std::max_element(reduce_values_.begin(), reduce_values_.end());
   }
 
   Result<double> AllreduceSum(double value) override {
-    const int64_t bits = std::bit_cast<int64_t>(value);
-    EPMOE_RETURN_IF_ERROR(GatherInt64(std::span<const int64_t>(&bits, 1), reduce_values_, "allreduce (sum)"));
+    std::vector<double> values(size_);
+    EPMOE_RETURN_IF_ERROR(GatherValues(std::span<const double>(&value, 1), std::span<double>(values), "allreduce (sum)"));
     double sum = 0;
-    for (int64_t b : reduce_values_) sum += std::bit_cast<double>(b);
+    for (double v : values) sum += v;
     return sum;
   }
 
@@ -681,11 +689,14 @@ class MpiCommunicator : public Communicator {
     return Status::Ok();
   }
   // Every rank's send.size() values into recv, in rank order (recv.size() == size_ * send.size()).
-  Status GatherInt64(std::span<const int64_t> send, std::span<int64_t> recv, const char* what) {
+  // Every rank's values of a fixed-size type, in rank order.
+  template <typename T>
+  Status GatherValues(std::span<const T> send, std::span<T> recv, const char* what) {
     EPMOE_CHECK(recv.size() == send.size() * static_cast<size_t>(size_));
-    EPMOE_ASSIGN_OR_RETURN(const int bytes, ToInt(static_cast<int64_t>(send.size() * 8), "allgather bytes", rank_));
+    EPMOE_ASSIGN_OR_RETURN(const int bytes,
+                           ToInt(static_cast<int64_t>(send.size() * sizeof(T)), "allgather bytes", rank_));
     auto request = NewRequest(what);
-    int64_t* const sent = const_cast<int64_t*>(send.data());
+    T* const sent = const_cast<T*>(send.data());
     EPMOE_RETURN_IF_ERROR(PostMessages(
         messages_, rank_, size_, kAllgatherTag, *request,
         [&](int peer) { return Block{recv.data() + peer * send.size(), bytes, bytes > 0}; },

@@ -1,0 +1,1 @@
+set(EPMOE_DEPS core router layer trace eplb comm ep rebalance)
