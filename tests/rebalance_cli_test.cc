@@ -160,3 +160,41 @@ TEST(RebalanceCli, RefusesWithOneLineReasons) {
 }
 
 }  // namespace
+
+// Measure, place, run: a run records its load, `epmoe balance` places from it, a run starts from
+// that placement (and matches the single-process layer); a placement of another shape is refused
+// naming the field.
+TEST(RebalanceCli, RecordedLoadPlacesTheNextRun) {
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string load = (dir / "epmoe_rebalance_cli_load.bin").string();
+  const std::string placement = (dir / "epmoe_rebalance_cli_placement.json").string();
+  std::remove(load.c_str());
+  std::remove(placement.c_str());
+  const auto recorded = RunJson(" --option a2a --routing scores --record-load " + load + " --eplb-record per-step");
+  ASSERT_FALSE(recorded.is_null());
+  CommandResult balance = RunCommand(EpmoeBinary() + " balance --trace " + load +
+                                         " --ranks 2 --redundant 2 --policy deepseek --out " + placement,
+                                     true);
+  ASSERT_EQ(balance.exit_code, 0) << balance.out;
+  const auto placed = RunJson(" --option a2a,whole --routing scores --placement " + placement + " --eplb-redundant 2");
+  ASSERT_FALSE(placed.is_null());
+  EXPECT_EQ(placed["options"][0]["max_normalized_error"].get<double>(), 0.0);
+  CommandResult wrong = RunCommand(EpmoeBinary() + " run --option a2a --layers 2 --model olmoe-1b-7b --placement " +
+                                       placement + " --eplb-redundant 2",
+                                   true);
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.out.find("num_ranks is 2, the run needs 1"), std::string::npos) << wrong.out;
+  wrong = RunCommand(kMpirun + EpmoeBinary() + " run --option a2a --layers 2 --model olmoe-1b-7b --placement " +
+                         placement,
+                     true);
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.out.find("num_slots (experts + --eplb-redundant) is 66, the run needs 64"), std::string::npos)
+      << wrong.out;
+  wrong = RunCommand(EpmoeBinary() + " run --option sliced --placement " + placement, true);
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.out.find("--placement places the experts of the a2a and whole options, not sliced"),
+            std::string::npos)
+      << wrong.out;
+  std::remove(load.c_str());
+  std::remove(placement.c_str());
+}

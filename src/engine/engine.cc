@@ -363,10 +363,11 @@ Status Engine::AppendRecordedLoad(int64_t rows) {
       all.weights.resize(all.rows * k);
       std::vector<float> weights = mine.weights;
       weights.resize(mine.rows * k, static_cast<float>(model_.routed_scaling / k));
+      const std::vector<int64_t> id_offsets = PrefixOffsets(id_bytes), weight_offsets = PrefixOffsets(weight_bytes);
       EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(mine.experts.data(), id_bytes[comm_.rank()], all.experts.data(),
-                                             id_bytes, PrefixOffsets(id_bytes)));
+                                             id_bytes, std::span(id_offsets).first(g)));
       EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(weights.data(), weight_bytes[comm_.rank()], all.weights.data(),
-                                             weight_bytes, PrefixOffsets(weight_bytes)));
+                                             weight_bytes, std::span(weight_offsets).first(g)));
       step.rows = all.rows;
       step.layers.push_back(std::move(all));
     }

@@ -62,8 +62,8 @@ Status SetEplbEngineOptions(const EplbRunOptions& o, const ModelConfig& model, i
   const bool placed = o.enabled || !o.placement_file.empty();
   for (EpOption option : run_options)
     if (placed && option != EpOption::kA2a && option != EpOption::kWhole)
-      return InvalidArgument(fmt::format("--{} places the experts of the a2a and whole options, not {} (use --option "
-                                         "a2a or --option whole)", o.enabled ? "eplb" : "placement",
+      return InvalidArgument(fmt::format("{} the a2a and whole options, not {} (use --option a2a or --option whole)",
+                                         o.enabled ? "--eplb rebalances" : "--placement places the experts of",
                                          EpOptionName(option)));
   if (!o.record_load.empty() && run_options.size() != 1)
     return InvalidArgument("--record-load records one option's run: name one --option");

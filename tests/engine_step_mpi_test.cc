@@ -1,0 +1,241 @@
+// The Engine under mpirun with 1, 2, 4 and 8 ranks: every option's steps against the
+// single-process layers run here on all rows (routing, residual stream and all); a run started
+// from a placement equals, bit for bit, one that installs the same placement live; the recorder's
+// per-slot picks are what the dispatch tables sent; the load file a run records.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unistd.h>
+
+#include "epmoe/comm.h"
+#include "epmoe/engine.h"
+#include "epmoe/layer.h"
+#include "epmoe/synthetic.h"
+#include "epmoe/thread_pool.h"
+#include "epmoe/trace.h"
+#include "mpi_world.h"
+
+namespace epmoe {
+namespace {
+
+constexpr uint64_t kSeed = 11;
+constexpr int kLayers = 2;
+
+Communicator& World() { return testing::SharedWorld(120); }
+
+ThreadPool& Pool() {
+  static ThreadPool pool(1);
+  return pool;
+}
+
+ModelConfig TinyModel() {
+  ModelConfig m;
+  m.name = "tiny";
+  m.hidden = 64;
+  m.num_experts = 16;
+  m.expert_intermediate = 32;
+  m.top_k = 4;
+  m.num_shared_experts = 1;
+  m.shared_intermediate = 32;
+  m.num_layers = kLayers;
+  m.scoring = Scoring::kSoftmax;
+  m.renormalize = true;
+  EPMOE_CHECK(ValidateModel(m, "tiny").ok());
+  return m;
+}
+
+EngineOptions FloatOptions(EpOption option, int ranks) {
+  EngineOptions o;
+  o.executor.option = option;
+  o.executor.num_layers = kLayers;
+  o.executor.dispatch_format = RowFormat::kFp32;
+  o.executor.combine_format = RowFormat::kFp32;
+  o.executor.pack.format = WeightFormat::kFp32;
+  o.executor.seed = kSeed;
+  if (option == EpOption::kHybrid) o.executor.tp_in_ep = ranks % 2 == 0 ? 2 : 1;
+  return o;
+}
+
+int64_t First(int64_t total) { return RowBegin(total, World().size(), World().rank()); }
+int64_t Count(int64_t total) { return RowBegin(total, World().size(), World().rank() + 1) - First(total); }
+
+// Every option, three steps of the model's router on this rank's rows, against the layers run
+// in one process on all rows: this rank's rows of the residual stream after every step.
+TEST(EngineStep, EveryOptionMatchesTheSingleProcessLayers) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  const int64_t total = 8 * g + 3;  // uneven rows
+  auto weights = SyntheticWeights(model, kSeed);
+  auto routing = ModelRouting(model, *weights, kLayers, "auto", Pool());
+  ASSERT_TRUE(routing.ok()) << routing.status().ToString();
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  for (int l = 0; l < kLayers; ++l) {
+    PackOptions pack;
+    pack.format = WeightFormat::kFp32;
+    auto layer = MoeLayer::Create(model, *weights, l, pack);
+    ASSERT_TRUE(layer.ok());
+    layers.push_back(std::move(*layer));
+  }
+  for (EpOption option : AllEpOptions()) {
+    auto engine = Engine::Create(World(), model, FloatOptions(option, g), Pool());
+    ASSERT_TRUE(engine.ok()) << EpOptionName(option) << ": " << engine.status().ToString();
+    for (int step = 0; step < 3; ++step) {
+      Matrix mine = SyntheticRows(kSeed, model, step, First(total), Count(total));
+      auto report = (*engine)->Step(&mine, First(total), **routing);
+      ASSERT_TRUE(report.ok()) << EpOptionName(option) << ": " << report.status().ToString();
+      EXPECT_EQ(report->step, step);
+      EXPECT_EQ(report->rows, total);
+      Matrix all = SyntheticRows(kSeed, model, step, 0, total);
+      for (int l = 0; l < kLayers; ++l) {
+        Picks picks;
+        ASSERT_TRUE((*routing)->Route(step, l, all, 0, &picks, Pool()).ok());
+        Matrix out;
+        ASSERT_TRUE(layers[l]->Forward(all, picks, &out, Pool(), nullptr).ok());
+        for (size_t i = 0; i < all.data.size(); ++i) all.data[i] += out.data[i];
+      }
+      double worst = 0;
+      for (int64_t r = 0; r < mine.rows; ++r)
+        for (int64_t c = 0; c < model.hidden; ++c)
+          worst = std::max(worst, std::abs(static_cast<double>(mine.row(r)[c] - all.row(First(total) + r)[c])));
+      EXPECT_LE(worst, 1e-4) << EpOptionName(option) << " step " << step << " rank " << World().rank();
+    }
+    ASSERT_TRUE((*engine)->Close().ok());
+  }
+}
+
+// A placement with redundant copies, rotated so that it differs from the trivial one.
+PlacementPtr RotatedPlacement(int experts, int redundant, int ranks) {
+  std::vector<std::vector<int32_t>> phy2log(kLayers);
+  for (int l = 0; l < kLayers; ++l)
+    for (int s = 0; s < experts + redundant; ++s) phy2log[l].push_back((s * 5 + l + 3) % experts);
+  auto p = Placement::Create(experts, ranks, 1, phy2log);
+  EPMOE_CHECK_MSG(p.ok(), p.status().ToString());
+  return std::make_shared<const Placement>(std::move(*p));
+}
+
+TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  const int redundant = 2 * g;
+  const PlacementPtr target = RotatedPlacement(model.num_experts, redundant, g);
+  auto trivial = Placement::Trivial(kLayers, model.num_experts, redundant, g, 1);
+  ASSERT_TRUE(trivial.ok());
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  const int64_t total = 6 * g;
+  for (EpOption option : {EpOption::kA2a, EpOption::kWhole}) {
+    EngineOptions from_file = FloatOptions(option, g);
+    from_file.executor.placement = target;
+    EngineOptions live = FloatOptions(option, g);
+    live.executor.placement = std::make_shared<const Placement>(*trivial);
+    live.rebalance = true;
+    live.rebalancer.trigger.interval_steps = 1000;  // only the proposal
+    auto a = Engine::Create(World(), model, from_file, Pool());
+    auto b = Engine::Create(World(), model, live, Pool());
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    ASSERT_TRUE((*b)->ProposePlacement(target).ok());
+    for (int step = 0; step < 3; ++step) {
+      Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+      Matrix y = x;
+      ASSERT_TRUE((*a)->Step(&x, First(total), **routing).ok());
+      auto report = (*b)->Step(&y, First(total), **routing);
+      ASSERT_TRUE(report.ok()) << report.status().ToString();
+      if (step == 0) {
+        EXPECT_EQ(report->boundary.layers_installed, kLayers);  // the proposal switches after step 0
+        EXPECT_EQ((*b)->live_placement()->current()->generation, 1);
+        continue;
+      }
+      ASSERT_EQ(*(*b)->live_placement()->placement(), *target);
+      if (option == EpOption::kA2a) {
+        EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0)
+            << "a2a step " << step << " rank " << World().rank();
+      } else {
+        EXPECT_LE(NormalizedMaxError(y, x), 1e-6) << "whole step " << step;  // partial sums add in transport order
+      }
+    }
+    ASSERT_TRUE((*a)->Close().ok());
+    ASSERT_TRUE((*b)->Close().ok());
+  }
+}
+
+TEST(EngineStep, RecorderCountsWhatTheDispatchTablesSent) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  EngineOptions o = FloatOptions(EpOption::kA2a, g);
+  o.executor.placement = RotatedPlacement(model.num_experts, 2 * g, g);
+  o.rebalance = true;
+  o.rebalancer.trigger.interval_steps = 1000;
+  auto engine = Engine::Create(World(), model, o, Pool());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  const int64_t total = 10 * g + 1;
+  Matrix x = SyntheticRows(kSeed, model, 0, First(total), Count(total));
+  auto report = (*engine)->Step(&x, First(total), **routing);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  // Every rank's recorder: the picks it sent to each rank; summed over senders, the picks each
+  // rank computed.
+  for (int r = 0; r < g; ++r) {
+    double sent_to_r = 0;
+    for (int l = 0; l < kLayers; ++l) sent_to_r += (*engine)->recorder()->RankPicks(l)[r];
+    auto received = World().AllreduceSum(sent_to_r);
+    ASSERT_TRUE(received.ok());
+    EXPECT_EQ(*received, static_cast<double>(report->rank_picks[r])) << "rank " << r;
+  }
+  ASSERT_TRUE((*engine)->Close().ok());
+}
+
+TEST(EngineStep, RecordsTheLoadItRan) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  const std::string path = "/tmp/epmoe_engine_load_" + std::to_string(getppid()) + ".bin";
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  const int64_t total = 4 * g + 1;
+  for (RecorderMode mode : {RecorderMode::kStat, RecorderMode::kPerStep, RecorderMode::kPerToken}) {
+    EngineOptions o = FloatOptions(EpOption::kSliced, g);  // no placement: recorded all the same
+    o.recorder.mode = mode;
+    o.record_load_path = path;
+    auto engine = Engine::Create(World(), model, o, Pool());
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    for (int step = 0; step < 3; ++step) {
+      Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+      auto report = (*engine)->Step(&x, First(total), **routing);
+      ASSERT_TRUE(report.ok()) << report.status().ToString();
+    }
+    ASSERT_TRUE((*engine)->Close().ok());
+    ASSERT_TRUE(World().Barrier().ok());
+    if (World().rank() == 0) {
+      auto load = ReadExpertLoad(path, LoadReadOptions{});
+      ASSERT_TRUE(load.ok()) << load.status().ToString();
+      ASSERT_EQ(load->num_steps, mode == RecorderMode::kStat ? 1 : 3) << RecorderModeName(mode);
+      // The uniform router's picks of every row, counted here.
+      std::vector<int64_t> expected(static_cast<size_t>(load->num_steps) * kLayers * model.num_experts, 0);
+      for (int step = 0; step < 3; ++step)
+        for (int l = 0; l < kLayers; ++l) {
+          Picks picks;
+          ASSERT_TRUE((*routing)->Route(step, l, Matrix(total, model.hidden), 0, &picks, Pool()).ok());
+          const int64_t at = mode == RecorderMode::kStat ? l : step * kLayers + l;
+          for (int32_t e : picks.experts) ++expected[at * model.num_experts + e];
+        }
+      EXPECT_EQ(load->counts, expected) << RecorderModeName(mode);
+      std::remove(path.c_str());
+    }
+    ASSERT_TRUE(World().Barrier().ok());
+  }
+}
+
+TEST(EngineStep, RefusesRebalancingAnOptionWithoutPlacement) {
+  EngineOptions o = FloatOptions(EpOption::kDwdp, World().size());
+  o.rebalance = true;
+  auto engine = Engine::Create(World(), TinyModel(), o, Pool());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("dwdp"), std::string::npos) << engine.status().ToString();
+}
+
+}  // namespace
+}  // namespace epmoe
