@@ -3,13 +3,13 @@
 // from a placement equals, bit for bit, one that installs the same placement live; the recorder's
 // per-slot picks are what the dispatch tables sent; the load file a run records.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <unistd.h>
 
 #include "epmoe/comm.h"
 #include "epmoe/engine.h"
@@ -25,7 +25,9 @@ namespace {
 constexpr uint64_t kSeed = 11;
 constexpr int kLayers = 2;
 
-Communicator& World() { return testing::SharedWorld(120); }
+Communicator& World() {
+  return testing::SharedWorld(120);
+}
 
 ThreadPool& Pool() {
   static ThreadPool pool(1);
@@ -60,8 +62,12 @@ EngineOptions FloatOptions(EpOption option, int ranks) {
   return o;
 }
 
-int64_t First(int64_t total) { return RowBegin(total, World().size(), World().rank()); }
-int64_t Count(int64_t total) { return RowBegin(total, World().size(), World().rank() + 1) - First(total); }
+int64_t First(int64_t total) {
+  return RowBegin(total, World().size(), World().rank());
+}
+int64_t Count(int64_t total) {
+  return RowBegin(total, World().size(), World().rank() + 1) - First(total);
+}
 
 // Every option, three steps of the model's router on this rank's rows, against the layers run
 // in one process on all rows: this rank's rows of the residual stream after every step.
