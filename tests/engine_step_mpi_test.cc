@@ -19,6 +19,7 @@
 #include "epmoe/thread_pool.h"
 #include "epmoe/trace.h"
 #include "mpi_world.h"
+#include "tiny_model.h"
 
 namespace epmoe {
 namespace {
@@ -35,21 +36,7 @@ ThreadPool& Pool() {
   return pool;
 }
 
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.hidden = 64;
-  m.num_experts = 16;
-  m.expert_intermediate = 32;
-  m.top_k = 4;
-  m.num_shared_experts = 1;
-  m.shared_intermediate = 32;
-  m.num_layers = kLayers;
-  m.scoring = Scoring::kSoftmax;
-  m.renormalize = true;
-  EPMOE_CHECK(ValidateModel(m, "tiny").ok());
-  return m;
-}
+ModelConfig TinyModel() { return testing::TinyModel(1); }
 
 EngineOptions FloatOptions(EpOption option, int ranks) {
   EngineOptions o;
