@@ -18,10 +18,12 @@
 //   uniform           every expert the same number of copies (R a multiple of E), else copy
 //                     counts differing by at most one (the extra copies to the most loaded
 //                     experts); copies packed onto ranks by load as deepseek-guarded does.
-//   auto              chooses by validation, per layer: every other policy, the trivial and the
-//                     current placement are fitted on the earlier steps of the load and scored on
-//                     the later ones (validation_fraction of the steps); each layer takes the
-//                     candidate with the best validated balancedness, refitted on all steps.
+//   auto              chooses by validation: the current and the trivial placement and uniform,
+//                     deepseek, deepseek-guarded, min-move, per-step and cost fitted on the earlier
+//                     steps of the load are scored on the later ones (validation_fraction of the
+//                     steps); the first in that order whose validated balancedness is within one
+//                     standard error (over the validation steps) of the best wins and is refitted
+//                     on all steps.
 // per-step and cost also start from uniform and the current placement. The summed load drives
 // deepseek, deepseek-guarded, uniform and min-move. All policies handle all-zero load (spread as
 // if uniform), one expert, R = 0 and G = 1; impossible shapes are refused. A load of one step
@@ -75,15 +77,15 @@ struct PolicyOptions {
 Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options);
 
 // What auto saw of one candidate: balancedness (mean over steps and layers of mean/max picks per
-// rank) on the steps it was fitted on and on the later validation steps, and the layers it won.
+// rank) on the steps it was fitted on and on the later validation steps, and whether it won.
 struct ValidatedCandidate {
   std::string name;  // a policy's name, "trivial" or "current"
   double fitted = 1;
   double validated = 1;  // NaN when the load has one step (nothing to validate on)
-  int layers_chosen = 0;
+  bool chosen = false;
 };
 struct ValidatedChoice {
-  Placement placement;                          // each layer's winner, refitted on every step
+  Placement placement;                          // the winner, refitted on every step
   int64_t fit_steps = 0, validation_steps = 0;  // the split (validation_steps 0: one step, no split)
   std::vector<ValidatedCandidate> candidates;
 };

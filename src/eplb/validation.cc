@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,8 +28,8 @@ struct TimeSplit {
 };
 TimeSplit SplitByTime(const ExpertLoad& load, double validation_fraction) {
   if (load.num_steps < 2) return {load.num_steps, 0};
-  const int64_t validation =
-      std::clamp<int64_t>(std::llround(validation_fraction * load.num_steps), 1, load.num_steps - 1);
+  const int64_t validation = std::clamp<int64_t>(static_cast<int64_t>(std::floor(validation_fraction * load.num_steps)),
+                                                 1, load.num_steps - 1);
   return {load.num_steps - validation, validation};
 }
 
@@ -63,6 +64,40 @@ Result<Placement> ValidatedMinMove(const ExpertLoad& load, const PolicyOptions& 
   return Placement::Create(load.num_experts, options.shape.num_ranks, options.shape.num_nodes, std::move(phy2log));
 }
 
+// Per step of `load`, the mean over layers of mean/max picks per rank.
+std::vector<double> StepBalancedness(const Placement& placement, const ExpertLoad& load) {
+  std::vector<double> out(load.num_steps, 0.0), per_rank(placement.num_ranks());
+  for (int64_t step = 0; step < load.num_steps; ++step)
+    for (int layer = 0; layer < load.num_layers; ++layer) {
+      RankPicks(placement, layer, load.at(step, layer), per_rank);
+      out[step] += Balancedness(per_rank) / load.num_layers;
+    }
+  return out;
+}
+
+// The one-standard-error rule of cross-validation: the first candidate whose mean per-step score
+// is within one standard error (of its per-step difference to the best) of the best candidate's.
+// A winner by less than the steps' noise does not displace a simpler candidate. With one step
+// there is no error estimate: the best is taken.
+size_t OneStandardErrorChoice(const std::vector<std::vector<double>>& per_step) {
+  auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
+  size_t best = 0;
+  for (size_t i = 1; i < per_step.size(); ++i)
+    if (mean(per_step[i]) > mean(per_step[best]) + kBetterBy) best = i;
+  const size_t n = per_step[best].size();
+  if (n < 2) return best;
+  for (size_t i = 0; i < best; ++i) {
+    std::vector<double> difference(n);
+    for (size_t s = 0; s < n; ++s) difference[s] = per_step[best][s] - per_step[i][s];
+    const double m = mean(difference);
+    double squares = 0;
+    for (double d : difference) squares += (d - m) * (d - m);
+    const double standard_error = std::sqrt(squares / (n - 1) / n);
+    if (m <= standard_error + kBetterBy) return i;
+  }
+  return best;
+}
+
 }  // namespace
 
 Result<ValidatedChoice> ChooseByValidation(const ExpertLoad& load, const PolicyOptions& options) {
@@ -76,64 +111,50 @@ Result<ValidatedChoice> ChooseByValidation(const ExpertLoad& load, const PolicyO
   const ExpertLoad fit = split.validation_steps > 0 ? SliceSteps(load, 0, split.fit_steps) : load;
   const ExpertLoad validation = split.validation_steps > 0 ? SliceSteps(load, split.fit_steps, load.num_steps) : load;
 
-  // Candidates in order of preference on ties: the placement in use (nothing moves), the trivial
-  // one, then the policies.
+  // Candidates from the simplest (nothing moves, no load needed) to the most fitted: the
+  // one-standard-error rule below prefers the first that is not clearly worse than the best.
   struct Candidate {
     std::string name;
-    Policy policy;
-    bool fitted_by_policy;
+    std::optional<Policy> policy;    // none: the current or the trivial placement, used as it is
     std::optional<Placement> early;  // fitted on `fit`
   };
   std::vector<Candidate> candidates;
-  if (options.current != nullptr) candidates.push_back({"current", Policy::kAuto, false, *options.current});
+  if (options.current != nullptr) candidates.push_back({"current", std::nullopt, *options.current});
   if (options.current == nullptr || !(*options.current == trivial))
-    candidates.push_back({"trivial", Policy::kAuto, false, trivial});
-  for (Policy policy : AllPolicies()) {
-    if (policy == Policy::kAuto || (policy == Policy::kMinMove && options.current == nullptr)) continue;
+    candidates.push_back({"trivial", std::nullopt, trivial});
+  for (Policy policy : {Policy::kUniform, Policy::kDeepseek, Policy::kDeepseekGuarded, Policy::kMinMove,
+                        Policy::kPerStep, Policy::kCost}) {
+    if (policy == Policy::kMinMove && options.current == nullptr) continue;
     PolicyOptions one = options;
     one.policy = policy;
     EPMOE_ASSIGN_OR_RETURN(Placement early, ComputePlacement(fit, one));
-    candidates.push_back({PolicyName(policy), policy, true, std::move(early)});
+    candidates.push_back({PolicyName(policy), policy, std::move(early)});
   }
 
   ValidatedChoice choice{trivial, split.fit_steps, split.validation_steps, {}};
-  std::vector<size_t> winner(load.num_layers, 0);
-  std::vector<double> best(load.num_layers, -1);
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    ValidatedCandidate report{candidates[i].name, 0, 0, 0};
+  std::vector<std::vector<double>> per_step;  // [candidate][validation step], mean over layers
+  for (const Candidate& c : candidates) {
+    ValidatedCandidate report{c.name, 0, 0, false};
     for (int layer = 0; layer < load.num_layers; ++layer) {
-      const double fitted = LayerBalancedness(*candidates[i].early, layer, fit);
-      const double validated = LayerBalancedness(*candidates[i].early, layer, validation);
-      report.fitted += fitted / load.num_layers;
-      report.validated += validated / load.num_layers;
-      if (validated > best[layer] + kBetterBy) best[layer] = validated, winner[layer] = i;
+      report.fitted += LayerBalancedness(*c.early, layer, fit) / load.num_layers;
+      report.validated += LayerBalancedness(*c.early, layer, validation) / load.num_layers;
     }
     if (split.validation_steps == 0) report.validated = std::numeric_limits<double>::quiet_NaN();
     choice.candidates.push_back(std::move(report));
+    per_step.push_back(StepBalancedness(*c.early, validation));
   }
+  const size_t chosen = OneStandardErrorChoice(per_step);
+  choice.candidates[chosen].chosen = true;
 
-  // Refit each winning policy on every step; the trivial and current placements stay as they are.
-  std::vector<std::vector<int32_t>> phy2log(load.num_layers);
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    std::optional<Placement> refitted;
-    for (int layer = 0; layer < load.num_layers; ++layer) {
-      if (winner[layer] != i) continue;
-      ++choice.candidates[i].layers_chosen;
-      if (!refitted) {
-        if (candidates[i].fitted_by_policy && split.validation_steps > 0) {
-          PolicyOptions one = options;
-          one.policy = candidates[i].policy;
-          EPMOE_ASSIGN_OR_RETURN(refitted, ComputePlacement(load, one));
-        } else {
-          refitted = *candidates[i].early;
-        }
-      }
-      auto p = refitted->phy2log(layer);
-      phy2log[layer].assign(p.begin(), p.end());
-    }
+  // The winner refitted on every step; the trivial and current placements stay as they are.
+  const Candidate& winner = candidates[chosen];
+  if (!winner.policy || split.validation_steps == 0) {
+    choice.placement = *winner.early;
+    return choice;
   }
-  EPMOE_ASSIGN_OR_RETURN(choice.placement,
-                         Placement::Create(load.num_experts, shape.num_ranks, shape.num_nodes, std::move(phy2log)));
+  PolicyOptions one = options;
+  one.policy = *winner.policy;
+  EPMOE_ASSIGN_OR_RETURN(choice.placement, ComputePlacement(load, one));
   return choice;
 }
 
