@@ -310,10 +310,6 @@ TEST(EplbPolicy, DegenerateInputs) {
   EXPECT_NE(no_split.status().message().find("validation fraction 1"), std::string::npos);
 }
 
-std::vector<int32_t> LayerOf(const Placement& p, int layer) {
-  return std::vector<int32_t>(p.phy2log(layer).begin(), p.phy2log(layer).end());
-}
-
 // Mean over steps of mean/max picks per rank for one layer (a plain loop, no library scoring).
 double PlainLayerBalancedness(const Placement& p, int layer, const ExpertLoad& load) {
   double sum = 0;
@@ -383,63 +379,85 @@ ExpertLoad DriftingLoad(std::mt19937_64& rng, int steps, int drift_at, int layer
   return load;
 }
 
+// auto's choice recomputed from scratch: each candidate fitted on the first half, its per-step
+// balancedness on the second half (plain loops), the one-standard-error rule over the candidates
+// in auto's order, the winner refitted on every step. Returns the winner's name.
+std::string CheckAutoChoice(const ExpertLoad& load, const Placement& current, const PolicyOptions& options) {
+  auto choice = ChooseByValidation(load, options);
+  EXPECT_TRUE(choice.ok()) << choice.status().ToString();
+  if (!choice.ok()) return "";
+  const int64_t half = load.num_steps / 2;
+  EXPECT_EQ(choice->fit_steps, load.num_steps - half);
+  EXPECT_EQ(choice->validation_steps, half);
+  const ExpertLoad fit = SliceSteps(load, 0, load.num_steps - half);
+  const ExpertLoad validation = SliceSteps(load, load.num_steps - half, load.num_steps);
+  std::vector<std::vector<double>> scores;  // [candidate][validation step]
+  std::vector<std::optional<Placement>> refits;
+  for (const ValidatedCandidate& c : choice->candidates) {
+    std::optional<Placement> early = current, refit = current;
+    if (c.name != "current") {
+      auto policy = ParsePolicy(c.name);
+      EXPECT_TRUE(policy.ok()) << c.name;
+      PolicyOptions one = options;
+      one.policy = *policy;
+      auto e = ComputePlacement(fit, one);
+      auto r = ComputePlacement(load, one);
+      EXPECT_TRUE(e.ok() && r.ok());
+      early = *e, refit = *r;
+    }
+    std::vector<double> per_step;
+    for (int64_t step = 0; step < validation.num_steps; ++step) {
+      double sum = 0;
+      for (int layer = 0; layer < load.num_layers; ++layer)
+        sum += PlainLayerBalancedness(*early, layer, SliceSteps(validation, step, step + 1));
+      per_step.push_back(sum / load.num_layers);
+    }
+    EXPECT_NEAR(std::accumulate(per_step.begin(), per_step.end(), 0.0) / per_step.size(), c.validated, 1e-9);
+    scores.push_back(per_step);
+    refits.push_back(refit);
+  }
+  auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
+  size_t best = 0;
+  for (size_t i = 0; i < scores.size(); ++i)
+    if (mean(scores[i]) > mean(scores[best]) + 1e-9) best = i;
+  size_t expected = best;
+  for (size_t i = 0; i < best && expected == best; ++i) {
+    std::vector<double> d(scores[best].size());
+    for (size_t s = 0; s < d.size(); ++s) d[s] = scores[best][s] - scores[i][s];
+    double var = 0;
+    for (double x : d) var += (x - mean(d)) * (x - mean(d));
+    if (mean(d) <= std::sqrt(var / (d.size() - 1) / d.size()) + 1e-9) expected = i;
+  }
+  for (size_t i = 0; i < scores.size(); ++i) EXPECT_EQ(choice->candidates[i].chosen, i == expected) << i;
+  EXPECT_EQ(choice->placement, *refits[expected]) << "winner " << choice->candidates[expected].name;
+  auto placement = ComputePlacement(load, options);  // ComputePlacement(auto) is the same placement
+  EXPECT_TRUE(placement.ok() && *placement == choice->placement);
+  return choice->candidates[expected].name;
+}
+
 TEST(EplbPolicy, AutoChoosesTheValidatedWinnerAndRefitsIt) {
   std::mt19937_64 rng(5);
-  // Fit steps 0-5 are skewed, validation steps 6-11 flat: DeepSeek fits the skew best but the
-  // validated choice must not be the fitted one.
-  const ExpertLoad load = DriftingLoad(rng, 12, 6, 2);
   auto trivial = Placement::Trivial(2, 8, 8, 4, 1);
   ASSERT_TRUE(trivial.ok());
   PolicyOptions options;
   options.policy = Policy::kAuto;
   options.shape = {4, 1, 1, 8};
   options.current = &*trivial;
-  auto choice = ChooseByValidation(load, options);
+  // Steps 0-5 skewed, 6-11 flat: DeepSeek fits the skew best, but validation must not take it.
+  const ExpertLoad drifting = DriftingLoad(rng, 12, 6, 2);
+  auto choice = ChooseByValidation(drifting, options);
   ASSERT_TRUE(choice.ok()) << choice.status().ToString();
-  EXPECT_EQ(choice->fit_steps, 6);
-  EXPECT_EQ(choice->validation_steps, 6);
-  const ExpertLoad fit = SliceSteps(load, 0, 6);
-  const ExpertLoad validation = SliceSteps(load, 6, 12);
-  // Recompute every candidate's figures with a plain loop and find each layer's winner.
-  int layers_chosen = 0;
-  const ValidatedCandidate* deepseek = nullptr;
-  for (const ValidatedCandidate& c : choice->candidates) {
-    layers_chosen += c.layers_chosen;
-    if (c.name == "deepseek") deepseek = &c;
-  }
-  EXPECT_EQ(layers_chosen, 2);
-  ASSERT_NE(deepseek, nullptr);
-  EXPECT_GT(deepseek->fitted, deepseek->validated + 0.05) << "the drift makes deepseek's fit overfit";
-  for (int layer = 0; layer < 2; ++layer) {
-    double best = -1;
-    std::string winner;
-    std::vector<int32_t> expected;
-    for (const ValidatedCandidate& c : choice->candidates) {
-      std::optional<Placement> early, refit;
-      if (c.name == "current") {
-        early = refit = *trivial;
-      } else {
-        auto policy = ParsePolicy(c.name);
-        ASSERT_TRUE(policy.ok()) << c.name;
-        PolicyOptions one = options;
-        one.policy = *policy;
-        auto e = ComputePlacement(fit, one);
-        auto r = ComputePlacement(load, one);
-        ASSERT_TRUE(e.ok() && r.ok());
-        early = *e, refit = *r;
-      }
-      const double validated = PlainLayerBalancedness(*early, layer, validation);
-      if (validated > best + 1e-9) best = validated, winner = c.name, expected = LayerOf(*refit, layer);
+  for (const ValidatedCandidate& c : choice->candidates)
+    if (c.name == "deepseek") {
+      EXPECT_GT(c.fitted, c.validated + 0.05) << "the drift makes deepseek's fit overfit";
     }
-    EXPECT_NE(winner, "deepseek");
-    EXPECT_EQ(LayerOf(choice->placement, layer), expected) << "layer " << layer << ": winner " << winner;
-  }
-  // ComputePlacement(auto) is the same placement.
-  auto placement = ComputePlacement(load, options);
-  ASSERT_TRUE(placement.ok());
-  EXPECT_EQ(*placement, choice->placement);
+  EXPECT_NE(CheckAutoChoice(drifting, *trivial, options), "deepseek");
+  // A skew that stays (experts 0 and 1 hot in every step): a policy wins and is refitted.
+  const ExpertLoad skewed = DriftingLoad(rng, 12, 12, 2);
+  const std::string winner = CheckAutoChoice(skewed, *trivial, options);
+  EXPECT_NE(winner, "current");
   // One step: nothing to validate on; auto chooses by the fit and says so.
-  auto single = ChooseByValidation(SliceSteps(load, 0, 1), options);
+  auto single = ChooseByValidation(SliceSteps(drifting, 0, 1), options);
   ASSERT_TRUE(single.ok()) << single.status().ToString();
   EXPECT_EQ(single->validation_steps, 0);
   EXPECT_TRUE(std::isnan(single->candidates[0].validated));
