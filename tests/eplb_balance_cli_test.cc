@@ -43,6 +43,7 @@ TEST(EplbBalanceCli, HelpAndOneLineRefusals) {
            "balance" + trace + " --ranks 8 --redundant 8 --policy magic",
            "balance" + trace + " --ranks 8 --redundant 8 --train 1.5",
            "balance" + trace + " --ranks 8 --redundant 8 --policy auto --validation 1",
+           "balance" + trace + " --ranks 8 --redundant 8 --policy per-step --uniform-prior -1",
            "balance" + trace + " --ranks 3 --redundant 0",
            "balance" + trace + " --ranks 8 --redundant 8 --out /tmp/x.json",
            "balance --trace /nonexistent/trace --ranks 8 --redundant 8",

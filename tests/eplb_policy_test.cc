@@ -152,6 +152,7 @@ TEST(EplbPolicy, RandomLoadsPropertiesHold) {
       PolicyOptions options;
       options.shape = {shape.ranks, shape.nodes, shape.groups, shape.redundant};
       options.cost = cost;
+      options.uniform_prior = 0;  // per-step and cost then search the objective checked below
       auto current = Placement::Trivial(2, shape.experts, shape.redundant, shape.ranks, shape.nodes);
       ASSERT_TRUE(current.ok());
       options.current = &*current;
@@ -308,6 +309,11 @@ TEST(EplbPolicy, DegenerateInputs) {
   auto no_split = ComputePlacement(two, options);
   ASSERT_FALSE(no_split.ok());
   EXPECT_NE(no_split.status().message().find("validation fraction 1"), std::string::npos);
+  options.validation_fraction = 0.5;
+  options.uniform_prior = 1.5;
+  auto bad_prior = ComputePlacement(two, options);
+  ASSERT_FALSE(bad_prior.ok());
+  EXPECT_NE(bad_prior.status().message().find("uniform prior 1.5"), std::string::npos);
 }
 
 // Mean over steps of mean/max picks per rank for one layer (a plain loop, no library scoring).

@@ -7,9 +7,12 @@
 //   deepseek-guarded  the same steps, but never two copies of one logical expert on one rank, then
 //                     swaps that lower the busiest rank; never worse than deepseek on max load.
 //   per-step          minimizes the sum over steps of each step's busiest rank (picks), from the
-//                     per-step series, starting from deepseek and deepseek-guarded.
+//                     per-step series, each step's picks shrunk toward its even split over the
+//                     experts by uniform_prior (a prior against fitting which expert was busy in a
+//                     step), starting from deepseek and deepseek-guarded.
 //   cost              minimizes the sum over steps of the slowest rank's predicted time
-//                     (CostModel: bytes read in decode, rows computed in prefill); copies stay in
+//                     (CostModel: bytes read in decode, rows computed in prefill), on the picks
+//                     smoothed as per-step's; copies stay in
 //                     the node of their expert group when the groups divide over the nodes.
 //   min-move          from the current placement, the fewest changed slots that bring the max
 //                     load (summed picks) within min_move_factor of deepseek-guarded's. A layer
@@ -71,6 +74,8 @@ struct PolicyOptions {
   double min_move_factor = 1.05;       // kMinMove: target max load = factor x deepseek-guarded's
   int search_rounds = 64;              // kPerStep, kCost: improving swaps tried per layer (bound)
   double validation_fraction = 0.5;    // kAuto, kMinMove: the later steps that validate, in (0, 1)
+  double uniform_prior = 0.5;          // kPerStep, kCost: each step's picks of an expert shrunk this
+                                       // far toward the step's mean over experts, in [0, 1]
 };
 
 // The placement of `options.policy` for `load` (all its steps). Errors name the bad shape value.

@@ -139,14 +139,21 @@ std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
 }
 
 // Per-step search for one layer: values from the series (`per_copy_value` maps a copy's rows to
-// its cost), started from each candidate and the best result kept.
+// its cost), started from each candidate and the best result kept. Each step's picks of an expert
+// are shrunk toward the step's mean over experts by `uniform_prior` (0: the picks as counted), so
+// the search does not chase which expert happened to be busy in a step.
 std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const BalanceShape& shape, double fixed,
                                  const std::function<double(double)>& per_copy_value,
-                                 std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes) {
+                                 std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes,
+                                 double uniform_prior) {
   const int64_t steps = std::max<int64_t>(load.num_steps, 1);
   bool any_load = false;
-  for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
-    for (int64_t c : load.at(s, layer)) any_load = any_load || c > 0;
+  std::vector<double> step_mean(steps, 0.0);  // picks per expert, mean over the step's experts
+  for (int64_t s = 0; s < load.num_steps; ++s)
+    for (int64_t c : load.at(s, layer)) {
+      any_load = any_load || c > 0;
+      step_mean[s] += static_cast<double>(c) / load.num_experts;
+    }
   // Memoized per (expert, copies): the starts and the search ask for the same series.
   std::map<std::pair<int, int>, std::vector<float>> memo;
   const eplb_internal::StepValues values = [&](int expert, int copies, std::span<float> out) {
@@ -154,7 +161,9 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
     if (known.empty()) {
       known.resize(steps);
       for (int64_t s = 0; s < steps; ++s) {
-        const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
+        const double rows = any_load ? (1 - uniform_prior) * static_cast<double>(load.at(s, layer)[expert]) +
+                                           uniform_prior * step_mean[s]
+                                     : 1.0;
         known[s] = static_cast<float>(per_copy_value(rows / copies));
       }
     }
@@ -207,6 +216,8 @@ Status CheckPolicyInputs(const ExpertLoad& load, const PolicyOptions& options) {
   if (policy != Policy::kDeepseek) EPMOE_RETURN_IF_ERROR(CheckGuardPossible(shape, num_experts));
   if (options.search_rounds < 0)
     return InvalidArgument(fmt::format("search rounds {} must not be negative", options.search_rounds));
+  if (!(options.uniform_prior >= 0 && options.uniform_prior <= 1))
+    return InvalidArgument(fmt::format("uniform prior {} must be in [0, 1]", options.uniform_prior));
   const CostModel& cost = options.cost;
   if ((policy == Policy::kCost || policy == Policy::kAuto) &&
       !(cost.bytes_per_expert > 0 && cost.memory_bandwidth > 0 && cost.flops_per_row >= 0 && cost.peak_flops > 0 &&
@@ -267,7 +278,8 @@ Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& opti
         starts.push_back(std::move(plain));
         starts.push_back(std::move(guarded));
         phy2log[layer] = SearchLayer(
-            load, layer, shape, 0.0, [](double rows) { return rows; }, std::move(starts), options.search_rounds, false);
+            load, layer, shape, 0.0, [](double rows) { return rows; }, std::move(starts), options.search_rounds, false,
+            options.uniform_prior);
         break;
       }
       case Policy::kCost: {
@@ -293,7 +305,7 @@ Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& opti
         starts.push_back(std::move(guarded));
         phy2log[layer] = SearchLayer(
             load, layer, shape, cost.fixed_seconds, [&](double rows) { return ExpertCopySeconds(cost, rows); },
-            std::move(starts), options.search_rounds, true);
+            std::move(starts), options.search_rounds, true, options.uniform_prior);
         break;
       }
       case Policy::kMinMove: {

@@ -45,6 +45,7 @@ struct BalanceOptions {
   double min_move_factor = 1.05;
   int search_rounds = 64;
   double validation = 0.5;
+  double uniform_prior = 0.5;
   uint64_t seed = 1;
   std::string out;
   std::string format = "text";
@@ -122,6 +123,7 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   options.min_move_factor = o.min_move_factor;
   options.search_rounds = o.search_rounds;
   options.validation_fraction = o.validation;
+  options.uniform_prior = o.uniform_prior;
   EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
   EPMOE_ASSIGN_OR_RETURN(Placement trivial,
                          Placement::Trivial(load.num_layers, load.num_experts, o.redundant, o.ranks, o.nodes));
@@ -306,6 +308,10 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--search-rounds", o->search_rounds, "per-step and cost: improving swaps per layer (bound)")
       ->check(kNonNegative)
+      ->capture_default_str();
+  cmd->add_option("--uniform-prior", o->uniform_prior,
+                  "per-step and cost: how far each step's picks are shrunk toward an even split over the experts "
+                  "[0, 1]")
       ->capture_default_str();
   cmd->add_option("--validation", o->validation,
                   "auto and min-move: fraction of the fitted steps, the latest, that validates a fit (0, 1)")
