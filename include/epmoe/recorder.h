@@ -60,6 +60,9 @@ class LoadRecorder {
   BalanceReport Balance() const;
   // stat: one step holding the sum over the window; per-step / per-token: the window's steps.
   ExpertLoad Load() const;
+  // The window as steps in every mode, oldest first, consecutive steps summed into at most
+  // `max_steps` (>= 1) steps: for policies that validate on the later part of the window.
+  ExpertLoad Series(int64_t max_steps) const;
   // per-token: the picks of window step `index` (0 = oldest kept) and layer, concatenated over the
   // Record calls of that step. Empty in the other modes.
   const Picks& TokenPicks(int64_t index, int layer) const;

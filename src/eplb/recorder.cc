@@ -192,6 +192,20 @@ ExpertLoad LoadRecorder::Load() const {
   return out;
 }
 
+ExpertLoad LoadRecorder::Series(int64_t max_steps) const {
+  EPMOE_CHECK(max_steps >= 1);
+  const size_t per_step = static_cast<size_t>(num_layers_) * num_experts_;
+  const int64_t blocks = std::max<int64_t>(1, std::min(kept_, max_steps));
+  ExpertLoad out(blocks, num_layers_, num_experts_);
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t index = block * kept_ / blocks; index < (block + 1) * kept_ / blocks; ++index) {
+      const int32_t* ring = ring_.data() + static_cast<size_t>(RingIndex(index)) * per_step;
+      for (size_t i = 0; i < per_step; ++i) out.counts[block * per_step + i] += ring[i];
+      out.rows[block] += ring_rows_[RingIndex(index)];
+    }
+  return out;
+}
+
 const Picks& LoadRecorder::TokenPicks(int64_t index, int layer) const {
   static const Picks kEmpty;
   if (options_.mode != RecorderMode::kPerToken || index < 0 || index >= kept_ || layer < 0 || layer >= num_layers_)
