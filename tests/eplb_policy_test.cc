@@ -20,14 +20,7 @@
 namespace epmoe {
 namespace {
 
-const char* kReference = "/work/shared/data/traces/deepseek_eplb_reference_example.json";
-
-std::string ReferencePath() {
-  // The shared data sits beside the repository (../shared/data/traces).
-  const std::string beside =
-      std::string(EPMOE_SOURCE_DIR) + "/../shared/data/traces/deepseek_eplb_reference_example.json";
-  return std::ifstream(beside).good() ? beside : kReference;
-}
+const char* kReference = EPMOE_TEST_DATA_DIR "/deepseek_eplb_reference_example.json";
 
 ExpertLoad LoadFromWeights(const std::vector<std::vector<int64_t>>& weights) {
   ExpertLoad load(1, static_cast<int>(weights.size()), static_cast<int>(weights[0].size()));
@@ -53,8 +46,8 @@ double PlainMaxLoad(const Placement& p, int layer, const std::vector<int64_t>& w
 }
 
 TEST(EplbPolicy, ReproducesDeepseekReferenceExample) {
-  std::ifstream in(ReferencePath());
-  if (!in) GTEST_SKIP() << "reference example not found: " << ReferencePath();
+  std::ifstream in(kReference);
+  ASSERT_TRUE(in) << "reference example not found: " << kReference;
   nlohmann::json json = nlohmann::json::parse(in);
   const auto weights = json["weight"].get<std::vector<std::vector<int64_t>>>();
   PolicyOptions options;
