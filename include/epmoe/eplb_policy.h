@@ -26,6 +26,7 @@
 
 #include "epmoe/balance.h"
 #include "epmoe/load.h"
+#include "epmoe/load_matrix.h"
 #include "epmoe/placement.h"
 #include "epmoe/status.h"
 
@@ -56,7 +57,9 @@ struct PolicyOptions {
 };
 
 // The placement of `options.policy` for `load` (all its steps). Errors name the bad shape value.
+// A trace's picks and a load matrix of the same values give the same placement.
 Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options);
+Result<Placement> ComputePlacement(const LoadMatrix& load, const PolicyOptions& options);
 
 // DeepSeek's rebalance_experts on one layer's weights (E values), returning phy2log (E + R slots).
 // `guarded` gives deepseek-guarded. Exposed for tests and for callers with their own weights.

@@ -114,23 +114,23 @@ std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const Bala
 }
 
 // Summed load per layer: [layer][expert].
-std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
-  const std::vector<int64_t> sums = SumOverSteps(load);
-  std::vector<std::vector<double>> out(load.num_layers, std::vector<double>(load.num_experts));
+std::vector<std::vector<double>> LayerWeights(const LoadMatrix& load) {
+  const std::vector<double> sums = SumOverSteps(load);
+  std::vector<std::vector<double>> out(load.num_layers);
   for (int layer = 0; layer < load.num_layers; ++layer)
-    for (int e = 0; e < load.num_experts; ++e) out[layer][e] = static_cast<double>(sums[layer * load.num_experts + e]);
+    out[layer].assign(sums.begin() + layer * load.num_experts, sums.begin() + (layer + 1) * load.num_experts);
   return out;
 }
 
 // Per-step search for one layer: values from the series (`per_copy_value` maps a copy's rows to
 // its cost), started from each candidate and the best result kept.
-std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const BalanceShape& shape, double fixed,
+std::vector<int32_t> SearchLayer(const LoadMatrix& load, int layer, const BalanceShape& shape, double fixed,
                                  const std::function<double(double)>& per_copy_value,
                                  std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes) {
   const int64_t steps = std::max<int64_t>(load.num_steps, 1);
   bool any_load = false;
   for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
-    for (int64_t c : load.at(s, layer)) any_load = any_load || c > 0;
+    for (double value : load.at(s, layer)) any_load = any_load || value > 0;
   // Memoized per (expert, copies): the starts and the search ask for the same series.
   std::map<std::pair<int, int>, std::vector<float>> memo;
   const eplb_internal::StepValues values = [&](int expert, int copies, std::span<float> out) {
@@ -138,7 +138,7 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
     if (known.empty()) {
       known.resize(steps);
       for (int64_t s = 0; s < steps; ++s) {
-        const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
+        const double rows = any_load ? load.at(s, layer)[expert] : 1.0;
         known[s] = static_cast<float>(per_copy_value(rows / copies));
       }
     }
@@ -182,6 +182,11 @@ double MaxRankLoad(std::span<const double> weight, std::span<const int32_t> phy2
 
 Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options) {
   EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, "load"));
+  return ComputePlacement(ToLoadMatrix(load), options);
+}
+
+Result<Placement> ComputePlacement(const LoadMatrix& load, const PolicyOptions& options) {
+  EPMOE_RETURN_IF_ERROR(ValidateLoadMatrix(load, "load"));
   const BalanceShape& shape = options.shape;
   const int num_experts = load.num_experts;
   EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, num_experts));
@@ -242,7 +247,7 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
           if (known[n] >= 0) return known[n];
           double sum = 0;
           for (int64_t s = 0; s < load.num_steps; ++s)
-            sum += ExpertCopySeconds(cost, static_cast<double>(load.at(s, layer)[e]) / n);
+            sum += ExpertCopySeconds(cost, load.at(s, layer)[e] / n);
           return known[n] = any_load ? sum / steps : ExpertCopySeconds(cost, 1.0 / n);
         };
         std::vector<int32_t> timed = eplb_internal::SolveDeepseek(time_per_copy, num_experts, shape, true);
