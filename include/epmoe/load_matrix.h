@@ -51,8 +51,8 @@ std::vector<double> SumOverSteps(const LoadMatrix& load);
 
 // Reads a load matrix file; the format is told by its content:
 //   .npy   a NumPy array (little-endian float16/32/64 or integers, C order) of 1, 2 or 3 dimensions
-//   JSON   a number array `[[...]...]`, or an object whose "weight" field holds one (DeepSeek's
-//          argument name; other fields are ignored)
+//   JSON   a number array `[[...]...]`, or an object whose "weight" (DeepSeek's argument name) or
+//          "logical_count" (SGLang's recorder) field holds one; other fields are ignored
 //   CSV    one line per layer, one number per expert, comma-separated; a first line that is not
 //          numbers is a header; an empty line starts the next step
 // 1 dimension is one layer, 2 are [layer][expert] (one step), 3 are [step][layer][expert]. Every

@@ -249,10 +249,13 @@ Result<LoadMatrix> LoadMatrixFromJson(const std::string& json_text, const std::s
   if (doc.is_discarded()) return InvalidArgument(fmt::format("{}: not valid JSON", source));
   std::string where = source;
   if (doc.is_object()) {
-    if (!doc.contains("weight"))
-      return InvalidArgument(fmt::format("{}: a JSON object needs a \"weight\" field (the load matrix)", source));
-    doc = std::move(doc["weight"]);
-    where += ": weight";
+    // DeepSeek's argument name, or SGLang's recorder field.
+    const char* key = doc.contains("weight") ? "weight" : "logical_count";
+    if (!doc.contains(key))
+      return InvalidArgument(
+          fmt::format("{}: a JSON object needs a \"weight\" or \"logical_count\" field (the load matrix)", source));
+    doc = nlohmann::json(std::move(doc[key]));
+    where += fmt::format(": {}", key);
   }
   std::vector<int64_t> shape;
   std::vector<double> values;
