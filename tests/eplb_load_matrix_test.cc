@@ -203,6 +203,22 @@ TEST(LoadMatrix, BalanceCommandTakesAnyLoadMatrix) {
   const nlohmann::json report = nlohmann::json::parse(json.out);
   EXPECT_EQ(report["steps"], 2);
   EXPECT_EQ(report["results"].size(), 6u);  // trivial and the five policies
+  // SGLang's recorder JSON in, SGLang's --init-expert-location file out: one row per layer.
+  const std::string sglang_in = WriteFile("dump.json", R"({"logical_count": [[[0, 0, 0, 0], [5, 1, 2, 9]]]})");
+  const std::string sglang_out = ::testing::TempDir() + "/expert_location.json";
+  const auto sglang = epmoe::testing::Epmoe("balance --load " + sglang_in +
+                                            " --ranks 2 --redundant 2 --policy deepseek --out-sglang " + sglang_out);
+  ASSERT_EQ(sglang.exit_code, 0) << sglang.out;
+  std::ifstream sglang_file(sglang_out);
+  const nlohmann::json map = nlohmann::json::parse(sglang_file)["physical_to_logical_map"];
+  ASSERT_EQ(map.size(), 2u);
+  EXPECT_EQ(map[0].size(), 6u);
+  // DeepSeek's replication of [5, 1, 2, 9]: 9 -> two copies of 4.5, then 5 -> two copies of 2.5.
+  EXPECT_EQ(std::count(map[1].begin(), map[1].end(), 3), 2);
+  EXPECT_EQ(std::count(map[1].begin(), map[1].end(), 0), 2);
+  EXPECT_NE(
+      epmoe::testing::Epmoe("balance --load " + sglang_in + " --ranks 2 --redundant 2 --out-sglang x.json").exit_code,
+      0);  // several policies
   for (const std::string& bad :
        std::vector<std::string>{"balance --load " + csv + " --ranks 2 --redundant 2 --train 0.5",
                                 "balance --load " + csv + " --trace x --ranks 2 --redundant 2",

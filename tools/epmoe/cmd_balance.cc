@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -26,7 +27,8 @@ namespace {
 
 struct BalanceOptions {
   std::string trace;
-  std::string load;  // a load matrix instead of a trace (any totals, floats)
+  std::string load;        // a load matrix instead of a trace (any totals, floats)
+  std::string out_sglang;  // --load: the placement as SGLang's --init-expert-location file
   std::string trace_format = "auto";
   std::string phase = "auto";
   int64_t batch = 0;
@@ -62,6 +64,8 @@ Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>
 
 Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   if (o.trace.empty() == o.load.empty()) return InvalidArgument("give one of --trace and --load");
+  if (!o.out_sglang.empty() && (o.load.empty() || o.policy == "all"))
+    return InvalidArgument("--out-sglang writes one placement of a --load matrix: give --load and one --policy");
   if (!(o.train > 0 && o.train <= 1)) return InvalidArgument(fmt::format("--train {} must be in (0, 1]", o.train));
   std::vector<Policy> policies;
   if (o.policy == "all") {
@@ -236,6 +240,13 @@ Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>
     if (!placement.ok()) return placement.status().WithContext(fmt::format("policy {}", PolicyName(policy)));
     add(PolicyName(policy), *placement, seconds);
     if (!o.out.empty()) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
+    if (!o.out_sglang.empty()) {
+      // Layer l of the matrix is hidden layer l, as in SGLang's own recorder dumps.
+      EPMOE_ASSIGN_OR_RETURN(std::string sglang, PlacementToSglangJson(*placement, {}, 0));
+      std::ofstream out(o.out_sglang);
+      out << sglang << "\n";
+      if (!out) return IoError(fmt::format("{}: cannot write", o.out_sglang));
+    }
   }
   *report = {{"trace", o.load},
              {"input", "load matrix"},
@@ -344,6 +355,9 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
   cmd->get_option("--load")->excludes("--train");  // a load matrix is fitted whole
+  cmd->add_option("--out-sglang", o->out_sglang,
+                  "With --load (e.g. an SGLang recorder dump's JSON): write the placement as SGLang's "
+                  "--init-expert-location file (physical_to_logical_map, layer l = hidden layer l)");
   AddFormatOption(cmd, &o->format, {"text", "json"});
   SetReportCallback(
       cmd, exit_code, &o->format, [o](nlohmann::json* report) { return RunBalance(*o, report); }, PrintText);
