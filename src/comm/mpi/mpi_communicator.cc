@@ -754,8 +754,8 @@ JobErrors GatherJobErrors(const Status& error, double seconds) {
     auto message = std::make_unique<std::string>(mine);
     auto heard = std::make_unique<int>(0);
     MPI_Request sent = MPI_REQUEST_NULL, word = MPI_REQUEST_NULL;
-    MPI_Isend(message->data(), static_cast<int>(std::min<size_t>(message->size(), INT_MAX)), MPI_BYTE, 0,
-              kJobErrorTag, MPI_COMM_WORLD, &sent);
+    MPI_Isend(message->data(), static_cast<int>(std::min<size_t>(message->size(), INT_MAX)), MPI_BYTE, 0, kJobErrorTag,
+              MPI_COMM_WORLD, &sent);
     MPI_Irecv(heard.get(), 1, MPI_INT, 0, kJobErrorsHeardTag, MPI_COMM_WORLD, &word);
     const auto deadline = after(2 * seconds);
     for (;;) {
