@@ -194,29 +194,30 @@ int PoisonTensors(const std::string& dir, const std::string& name) {
   return changed;
 }
 
-// Expert 127 is held by rank 3 alone: its NaN fails that rank while the others wait for it in an
-// exchange. The job ends well before the exchange timeout, with rank 3's error and its rank.
+// Expert 127 is held by rank 3 alone (of 4), expert 0 by rank 0: a NaN in it fails that rank while
+// the others wait for it in an exchange. The job ends well before the exchange timeout, with the
+// rank's error and its number.
 TEST(EpRunCli, OneRanksErrorEndsTheJobWithItsRank) {
   const std::string dir = (std::filesystem::path(::testing::TempDir()) / "epmoe_run_cli_nan").string();
-  std::filesystem::remove_all(dir);
-  const CommandRun write = Shell(Binary() +
-                                     " checkpoint write --model qwen3-30b-a3b --hidden 64 --intermediate 32 "
-                                     "--layers 1 --dtype f32 --out " +
-                                     dir,
+  for (const auto& [expert, rank] : {std::pair{127, 3}, std::pair{0, 0}}) {
+    SCOPED_TRACE("NaN in expert " + std::to_string(expert));
+    std::filesystem::remove_all(dir);
+    const std::string args = " --model qwen3-30b-a3b --hidden 64 --intermediate 32 --layers 1 --dtype f32 --out ";
+    const CommandRun write = Shell(Binary() + " checkpoint write" + args + dir, true);
+    ASSERT_EQ(write.exit_code, 0) << write.out;
+    ASSERT_EQ(PoisonTensors(dir, "experts." + std::to_string(expert) + ".down_proj"), 1);
+    const auto start = std::chrono::steady_clock::now();
+    const CommandRun run = Shell(Mpirun(4) + Binary() + " run --model " + dir + " --weights " + dir +
+                                     " --option a2a --tokens 16 --steps 2 --layers 1 --comm-timeout 20 --no-progress",
                                  true);
-  ASSERT_EQ(write.exit_code, 0) << write.out;
-  ASSERT_EQ(PoisonTensors(dir, "experts.127.down_proj"), 1);
-  const auto start = std::chrono::steady_clock::now();
-  const CommandRun run = Shell(Mpirun(4) + Binary() + " run --model " + dir + " --weights " + dir +
-                                   " --option a2a --tokens 16 --steps 2 --layers 1 --comm-timeout 20 --no-progress",
-                               true);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_NE(run.exit_code, 0) << run.out;
-  EXPECT_NE(run.exit_code, 124) << "timed out: " << run.out;
-  EXPECT_LT(seconds, 15) << run.out;  // the healthy ranks would give up on rank 3 only after 20 s
-  EXPECT_NE(run.out.find("rank 3: "), std::string::npos) << run.out;
-  EXPECT_NE(run.out.find("is nan"), std::string::npos) << run.out;
-  EXPECT_EQ(run.out.find("still waiting"), std::string::npos) << run.out;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(run.exit_code, 0) << run.out;
+    EXPECT_NE(run.exit_code, 124) << "timed out: " << run.out;
+    EXPECT_LT(seconds, 15) << run.out;  // the healthy ranks would give up on it only after 20 s
+    EXPECT_NE(run.out.find("epmoe: rank " + std::to_string(rank) + ": "), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("is nan"), std::string::npos) << run.out;
+    EXPECT_EQ(run.out.find("still waiting"), std::string::npos) << run.out;
+  }
   std::filesystem::remove_all(dir);
 }
 
