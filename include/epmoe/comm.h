@@ -198,13 +198,14 @@ struct JobErrors {
 
 // Called by every rank whose command failed with `error` (not ok), so that a rank's error reaches
 // the user with its rank and the job ends, whether or not its peers failed too. Needs no
-// communicator (as AbortJob): point-to-point messages on MPI_COMM_WORLD with tags 32764 and 32765,
-// once per process. Every failed rank sends its error to rank 0; rank 0, when it failed too,
-// collects for up to `seconds` and, once every rank's error has come, tells each rank that it will
-// print them; a rank that hears nothing from rank 0 within twice `seconds` (rank 0 is working or
-// waits in an exchange for this rank) returns every_rank_reported false. So a refusal every rank
-// reaches alike is printed once, and an error of one rank ends the job within 2 x `seconds`.
-// Without MPI running (or in a world of one rank) returns at once, with every_rank_reported true.
+// communicator (as AbortJob): point-to-point messages on MPI_COMM_WORLD with tags 32764 and 32765
+// (a call that returns every_rank_reported false leaves its messages pending: the job must end
+// then). Every failed rank sends its error to rank 0; rank 0, when it failed too, collects for up
+// to `seconds` and, once every rank's error has come, tells each rank that it will print them; a
+// rank that hears nothing from rank 0 within twice `seconds` (rank 0 is working or waits in an
+// exchange for this rank) returns every_rank_reported false. So a refusal every rank reaches alike
+// is printed once, and an error of one rank ends the job within 2 x `seconds`. Without MPI running
+// (or in a world of one rank) returns at once, with every_rank_reported true.
 JobErrors GatherJobErrors(const Status& error, double seconds);
 
 }  // namespace epmoe
