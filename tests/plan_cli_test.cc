@@ -262,3 +262,21 @@ TEST(PlanCliTest, HardwareListAndShow) {
 }
 
 }  // namespace
+
+namespace {
+
+// Sizes whose byte counts overflow and report paths that are folders are refused with exit 1
+// (they printed negative sizes with exit 0, and ended in an uncaught ios_base::failure).
+TEST(PlanCliTest, RefusesOverflowingSizesAndFolderInputs) {
+  CommandRun run = Epmoe("plan --model glm-5.3 --hardware b300x8 --hidden 2000000000 --intermediate 2000000000");
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("weights in one matrix"), std::string::npos) << run.out;
+  run = Epmoe("plan --model glm-5.3 --hardware b300x8 --measured " + ::testing::TempDir());
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("cannot read run report"), std::string::npos) << run.out;
+  run = Epmoe("plot-balance " + ::testing::TempDir() + "/plot.svg --run a=" + ::testing::TempDir());
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("cannot read run report"), std::string::npos) << run.out;
+}
+
+}  // namespace

@@ -78,6 +78,8 @@ Status AtomicFile::Append(std::string_view bytes) {
 Status AtomicFile::WriteAt(int64_t offset, std::string_view bytes) {
   if (!error_.ok()) return error_;
   if (file_ == nullptr) return FailedPrecondition(fmt::format("{}: write after commit", path_));
+  // Flushed first, so that an error of the bytes buffered so far is reported as the write it is.
+  if (std::fflush(file_) != 0) return Fail("write failed", errno);
   if (::fseeko(file_, offset, SEEK_SET) != 0) return Fail("cannot seek", errno);
   EPMOE_RETURN_IF_ERROR(Append(bytes));
   if (::fseeko(file_, 0, SEEK_END) != 0) return Fail("cannot seek", errno);

@@ -122,6 +122,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   std::optional<Placement> current;
   if (!o.current.empty()) {
     EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
+    EPMOE_RETURN_IF_ERROR(CheckCurrentPlacement(*current, load.num_layers, load.num_experts, options.shape)
+                              .WithContext(fmt::format("--current {}", o.current)));
   }
   const Placement& current_placement = current ? *current : trivial;
   options.current = &current_placement;
@@ -258,7 +260,7 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--search-rounds", o->search_rounds, "per-step and cost: improving swaps per layer (bound)")
       ->check(kNonNegative)
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the even router")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
   AddFormatOption(cmd, &o->format, {"text", "json"});
   SetReportCallback(

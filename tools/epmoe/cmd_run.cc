@@ -22,6 +22,7 @@
 #include "epmoe/trace.h"
 #include "output.h"
 #include "run_eplb.h"
+#include "system_memory.h"
 #include "weights_option.h"
 
 namespace epmoe::cli {
@@ -191,14 +192,15 @@ class Inputs {
     }
     return Status::Ok();
   }
-  int steps() const { return steps_.empty() ? o_.steps : static_cast<int>(steps_.size()); }
-  int64_t tokens(int step) const { return steps_.empty() ? o_.tokens : steps_[step].rows; }
+  // A trace shorter than --steps is replayed from its start again, as `epmoe layer` does.
+  int steps() const { return o_.steps; }
+  int64_t tokens(int step) const { return steps_.empty() ? o_.tokens : Replayed(step).rows; }
 
   // Picks of global rows [first, first + rows.rows) of `step`, layer `layer` (the router's logits
   // on the pool's threads).
   Status PicksFor(int step, int layer, const Matrix& rows, int64_t first, Picks* picks, ThreadPool& pool) const {
     if (!steps_.empty()) {
-      const Picks& all = steps_[step].layers[layer];
+      const Picks& all = Replayed(step).layers[layer];
       const int k = all.k;
       *picks =
           Picks{rows.rows, k,
@@ -218,6 +220,8 @@ class Inputs {
   }
 
  private:
+  const StepPicks& Replayed(int step) const { return steps_[static_cast<size_t>(step) % steps_.size()]; }
+
   ModelConfig model_;
   RunOptions o_;
   std::unique_ptr<TraceReader> reader_;
@@ -412,6 +416,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   *is_root = comm->rank() == 0;
   const int g = comm->size();
   EPMOE_ASSIGN_OR_RETURN(const ModelConfig model, LoadCommandModel(o.model, o.hidden, o.intermediate, o.layers));
+  EPMOE_RETURN_IF_ERROR(CheckRowsFitInMemory(o.tokens, model.hidden));
   if (!o.trace.empty() && o.routing != "uniform")
     return InvalidArgument("--trace replays the trace's picks; do not combine it with --routing");
   ExecutorOptions base;
@@ -654,6 +659,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--max-buffer-mb", o->max_buffer_mb, "Bound on a rank's exchange buffers (MB); beyond it, rounds")
       ->check(kPositive)
+      ->check(CLI::Range(0.0, 1e9))  // 1 PB: larger values overflow the bound's bytes
       ->capture_default_str();
   cmd->add_option("--ranks-per-node", o->ranks_per_node, "Model nodes of this many ranks (0: real shared-memory nodes)")
       ->check(kNonNegative)
@@ -662,12 +668,14 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads per rank (0: every core the rank is bound to)")
-      ->check(kNonNegative)
+      ->check(kThreadCount)
       ->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);
-  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_flag("--check", o->check, "Compare every layer with the single-process layer; fail on a mismatch");
   cmd->add_flag("--interleave", o->interleave,
                 "With several options: run step 1 of each, then step 2 of each, ... (holds every option's weights "

@@ -16,9 +16,13 @@ namespace epmoe::cli {
 // Prints "epmoe: <message>" to stderr and returns the exit code for a failed command (1).
 int ReportError(const Status& status);
 
-// Validators with one-line messages ("must not be negative", "must be positive").
+// Validators with one-line messages ("must not be negative", "must be positive"); they refuse inf
+// and nan.
 extern const CLI::Validator kNonNegative;
 extern const CLI::Validator kPositive;
+// Worker threads: 0 (every usable core) to kMaxThreads; more is a typo, and creating them fails.
+constexpr int kMaxThreads = 1024;
+extern const CLI::Validator kThreadCount;
 
 // Adds `--format` with the given allowed values.
 void AddFormatOption(CLI::App* command, std::string* format, const std::vector<std::string>& allowed);

@@ -55,9 +55,14 @@ Result<PlacementPtr> EplbInitialPlacement(const EplbRunOptions& o, const ModelCo
                                          "--option whole)", EpOptionName(option)));
   if (!(o.threshold > 0 && o.threshold <= 1))
     return InvalidArgument(fmt::format("--eplb-threshold {} must be in (0, 1]", o.threshold));
-  if ((model.num_experts + o.redundant) % comm.size() != 0)
-    return InvalidArgument(fmt::format("--eplb-redundant {}: {} experts + {} copies do not divide over {} ranks",
-                                       o.redundant, model.num_experts, o.redundant, comm.size()));
+  // The shape the rebalancer will place, refused now rather than at the first rebalance.
+  EPMOE_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(o.policy));
+  BalanceShape shape;
+  shape.num_ranks = comm.size();
+  shape.num_nodes = comm.num_nodes();
+  shape.num_redundant = o.redundant;
+  EPMOE_RETURN_IF_ERROR(ValidatePolicyShape(policy, shape, model.num_experts)
+                            .WithContext(fmt::format("--eplb-policy {} --eplb-redundant {}", o.policy, o.redundant)));
   EPMOE_ASSIGN_OR_RETURN(Placement p, Placement::Trivial(layers, model.num_experts, o.redundant, comm.size(),
                                                          comm.num_nodes()));
   return std::make_shared<const Placement>(std::move(p));
@@ -127,7 +132,7 @@ Status EplbSession::EndStep(int64_t steps_done, double step_seconds,
     if (outcome.checked || outcome.started) windowed_balancedness_ = outcome.window_balancedness;
     metrics_->RecordBalance(picks_balancedness, windowed_balancedness_);
     for (; reported_ < rebalancer_->reports().size(); ++reported_) metrics_->RecordRebalance(rebalancer_->reports()[reported_]);
-    EPMOE_RETURN_IF_ERROR(metrics_->Write());
+    metrics_->Update();
   }
   return Status::Ok();
 }
