@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -277,6 +278,12 @@ TEST(PlanCliTest, RefusesOverflowingSizesAndFolderInputs) {
   run = Epmoe("plot-balance " + ::testing::TempDir() + "/plot.svg --run a=" + ::testing::TempDir());
   EXPECT_EQ(run.exit_code, 1) << run.out;
   EXPECT_NE(run.out.find("cannot read run report"), std::string::npos) << run.out;
+  // An output that cannot be written is refused before the minute of measuring.
+  const auto start = std::chrono::steady_clock::now();
+  run = Epmoe("calibrate --out /nonexistent/x.json");
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("/nonexistent/x.json: cannot create"), std::string::npos) << run.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10);
 }
 
 }  // namespace

@@ -173,7 +173,7 @@ TEST(RebalanceCli, RefusesImpossibleShapesAndMetricsPathsAtTheStart) {
                                  true);
   EXPECT_NE(run.exit_code, 0);
   // Named by the flags, as the start's check words it (the first rebalance's would name a step).
-  EXPECT_NE(run.out.find("--eplb-policy deepseek-guarded --eplb-redundant 66: 66 redundant copies: at most 64"),
+  EXPECT_NE(run.out.find("--eplb-policy deepseek-guarded --eplb-redundant 66: 65 slots per rank cannot hold distinct"),
             std::string::npos)
       << run.out;
   const auto dir = std::filesystem::temp_directory_path() / "epmoe_rebalance_cli_metrics_dir";

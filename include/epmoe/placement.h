@@ -79,8 +79,8 @@ class Placement {
 // JSON: {"num_layers", "num_experts", "num_slots", "num_ranks", "num_nodes", "phy2log": [[..]..],
 // "log2phy": [[[..]..]..], "logcnt": [[..]..]}. Reading needs phy2log and the shape fields; log2phy
 // and logcnt, when present, must agree with phy2log. `source` names the data in errors.
-// At most E * (G - 1) redundant copies: one copy of every expert on every rank. More would only
-// repeat an expert on a rank, and a huge count (a typo, an overflow) would allocate without bound.
+// At most E * G redundant copies (twice as many slots per rank as experts): DeepSeek's policy may
+// repeat an expert on a rank, but a huge count (a typo, an overflow) would allocate without bound.
 Status CheckRedundantCopies(int num_experts, int num_redundant, int num_ranks);
 
 std::string PlacementToJson(const Placement& placement);

@@ -74,12 +74,10 @@ Result<Placement> Placement::Trivial(int num_layers, int num_experts, int num_re
 }
 
 Status CheckRedundantCopies(int num_experts, int num_redundant, int num_ranks) {
-  const int64_t most = static_cast<int64_t>(num_experts) * std::max(num_ranks - 1, 0);
+  const int64_t most = static_cast<int64_t>(num_experts) * std::max(num_ranks, 1);
   if (num_redundant > most)
-    return InvalidArgument(
-        fmt::format("{} redundant copies: at most {} for {} experts on {} ranks (every expert on "
-                    "every rank)",
-                    num_redundant, most, num_experts, num_ranks));
+    return InvalidArgument(fmt::format("{} redundant copies: at most {} for {} experts on {} ranks", num_redundant,
+                                       most, num_experts, num_ranks));
   return Status::Ok();
 }
 
