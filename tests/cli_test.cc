@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -127,6 +128,51 @@ TEST(Cli, ReplayRefusesAMismatchedModelOrAMissingTrace) {
   r = Epmoe("layer --model " + WriteFlameShapedModel() + " --routing replay --trace /nonexistent/trace.bin");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("/nonexistent/trace.bin"), std::string::npos) << r.out;
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Cli, RefusesThreadCountsAndSeedsOutOfRangeAtParse) {
+  for (const char* cmd :
+       {"layer --threads 100000", "layer --seed -1", "layer --tokens inf", "layer --tokens nan",
+        "checkpoint write --model qwen3-30b-a3b --out x --threads 100000", "trace gen x.bin --seed -1"}) {
+    const CommandResult r = Epmoe(cmd);
+    EXPECT_EQ(r.exit_code, 2) << cmd << ": " << r.out;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << cmd << ": " << r.out;
+  }
+}
+
+// Rows whose one fp32 copy exceeds the machine's memory are refused before allocating (no bad_alloc).
+TEST(Cli, RefusesRowsThatCannotFitBeforeAllocating) {
+  const CommandResult r = Epmoe("layer --tokens 100000000 --layers 1");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("--tokens 100000000 rows of 2048 numbers"), std::string::npos) << r.out;
+}
+
+// Inputs read whole are bounded: a device that never ends or a directory is refused, not read.
+TEST(Cli, RefusesEndlessAndDirectoryInputs) {
+  CommandResult r = Epmoe("model show /dev/zero");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("larger than"), std::string::npos) << r.out;
+  const std::string folder = ::testing::TempDir() + "/epmoe_cli_folder.json";
+  std::filesystem::create_directories(folder);
+  r = Epmoe("hardware show " + folder);  // (a folder given as a model is a checkpoint's, read for config.json)
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("cannot read hardware profile file: Is a directory"), std::string::npos) << r.out;
+  std::filesystem::remove(folder);
+  // Sizes whose byte counts would overflow are refused, not printed negative.
+  r = Epmoe("layer --hidden 2000000000 --intermediate 2000000000");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("weights in one matrix"), std::string::npos) << r.out;
+}
+
+// Output that does not reach stdout (a full disk, a closed pipe) fails the command.
+TEST(Cli, AnOutputThatCannotBeWrittenFailsTheCommand) {
+  const CommandResult r =
+      epmoe::testing::RunCommand(epmoe::testing::EpmoeBinary() + " model list > /dev/full 2>/dev/null; echo $?", false);
+  EXPECT_EQ(r.out, "1\n");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // one rank's error ending the job.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -219,6 +220,51 @@ TEST(EpRunCli, OneRanksErrorEndsTheJobWithItsRank) {
     EXPECT_EQ(run.out.find("still waiting"), std::string::npos) << run.out;
   }
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+// Numbers that overflow or mean nothing are refused before MPI starts or any memory is taken.
+TEST(EpRunCli, RefusesNumbersThatOverflowBeforeAnyWork) {
+  for (const char* flags : {"--comm-timeout inf", "--comm-timeout nan", "--max-buffer-mb inf", "--max-buffer-mb 1e300",
+                            "--seed -1", "--threads 100000"}) {
+    const CommandRun run = Shell(Binary() + " run " + flags, true);
+    EXPECT_EQ(run.exit_code, 2) << flags << ": " << run.out;
+    EXPECT_EQ(std::count(run.out.begin(), run.out.end(), '\n'), 1) << flags << ": " << run.out;
+  }
+  CommandRun run = Shell(Binary() + " run --comm-timeout 1e10" + std::string(kSmall), true);
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("communication timeout 10000000000 s: must be from 0"), std::string::npos) << run.out;
+  run = Shell(Binary() + " run --tokens 2147483647 --no-progress", true);
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("use fewer --tokens"), std::string::npos) << run.out;
+  run = Shell(Binary() + " run --option a2a --eplb --eplb-redundant 1000000000" + std::string(kSmall), true);
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("1000000000 redundant copies: at most 128"), std::string::npos) << run.out;
+}
+
+TEST(EpRunCli, AReportThatCannotBeWrittenFailsTheRun) {
+  const CommandRun run =
+      Shell(Binary() + " run --format json" + std::string(kSmall) + " > /dev/full 2>/dev/null; echo $?", false);
+  EXPECT_EQ(run.out, "1\n");
+}
+
+// A trace shorter than --steps is replayed from its start, as `epmoe layer` does; --steps holds.
+TEST(EpRunCli, AShortTraceIsReplayedForEveryStep) {
+  const std::string trace = ::testing::TempDir() + "/epmoe_run_short_trace.bin";
+  CommandRun run =
+      Shell(Binary() + " trace gen " + trace + " --model qwen3-30b-a3b --layers 2 --steps 2 --batch 9", true);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  run = Shell(Binary() + " run --trace " + trace +
+                  " --format json --hidden 64 --intermediate 32 --steps 5 --layers 2 "
+                  "--no-progress --check",
+              false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  EXPECT_EQ(j["steps"], 5);
+  EXPECT_EQ(j["options"][0]["step_ms"].size(), 5u);
 }
 
 }  // namespace

@@ -136,3 +136,27 @@ TEST(EplbBalanceCli, HeldOutTableHasTheReferenceLinesAndAutosCandidates) {
 }
 
 }  // namespace
+
+namespace {
+
+// A --current placement of another shape is refused for every policy, naming both shapes, instead
+// of an internal check's abort; a redundant count that would allocate without bound is refused.
+TEST(EplbBalanceCli, RefusesACurrentPlacementOfAnotherShapeAndHugeCopyCounts) {
+  const std::string out = std::string(EPMOE_BINARY_DIR) + "/eplb_balance_cli_test_other_shape.json";
+  ASSERT_EQ(Epmoe("balance --trace " + Decode() + " --ranks 8 --redundant 8 --policy deepseek --train 1 --out " + out)
+                .exit_code,
+            0);
+  for (const char* policy : {"deepseek", "cost", "min-move"}) {
+    const CommandResult r =
+        Epmoe("balance --trace " + Decode() + " --ranks 4 --redundant 4 --policy " + policy + " --current " + out);
+    EXPECT_EQ(r.exit_code, 1) << policy << ": " << r.out;
+    EXPECT_NE(r.out.find("the current placement has 8 layers, 64 experts, 72 slots, 8 ranks"), std::string::npos)
+        << policy << ": " << r.out;
+  }
+  std::remove(out.c_str());
+  const CommandResult huge = Epmoe("balance --trace " + Decode() + " --ranks 8 --redundant 2000000000");
+  EXPECT_EQ(huge.exit_code, 1) << huge.out;
+  EXPECT_NE(huge.out.find("2000000000 redundant copies: at most 512"), std::string::npos) << huge.out;
+}
+
+}  // namespace

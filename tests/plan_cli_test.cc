@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -259,6 +260,30 @@ TEST(PlanCliTest, HardwareListAndShow) {
   const CommandRun show = Epmoe("hardware show mi355xx8");
   ASSERT_EQ(show.exit_code, 0) << show.out;
   EXPECT_EQ(nlohmann::json::parse(show.out)["gpus_per_node"], 8);
+}
+
+}  // namespace
+
+namespace {
+
+// Sizes whose byte counts overflow and report paths that are folders are refused with exit 1
+// (they printed negative sizes with exit 0, and ended in an uncaught ios_base::failure).
+TEST(PlanCliTest, RefusesOverflowingSizesAndFolderInputs) {
+  CommandRun run = Epmoe("plan --model glm-5.3 --hardware b300x8 --hidden 2000000000 --intermediate 2000000000");
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("weights in one matrix"), std::string::npos) << run.out;
+  run = Epmoe("plan --model glm-5.3 --hardware b300x8 --measured " + ::testing::TempDir());
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("cannot read run report"), std::string::npos) << run.out;
+  run = Epmoe("plot-balance " + ::testing::TempDir() + "/plot.svg --run a=" + ::testing::TempDir());
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("cannot read run report"), std::string::npos) << run.out;
+  // An output that cannot be written is refused before the minute of measuring.
+  const auto start = std::chrono::steady_clock::now();
+  run = Epmoe("calibrate --out /nonexistent/x.json");
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("/nonexistent/x.json: cannot create"), std::string::npos) << run.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10);
 }
 
 }  // namespace

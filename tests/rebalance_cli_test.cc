@@ -152,14 +152,12 @@ TEST(RebalanceCli, RefusesWithOneLineReasons) {
   EXPECT_NE(run.out.find("--eplb-threshold 2"), std::string::npos) << run.out;
   run = RunCommand(kMpirun + EpmoeBinary() + " run --option a2a --eplb --eplb-redundant 1 --model olmoe-1b-7b", true);
   EXPECT_NE(run.exit_code, 0);
-  EXPECT_NE(run.out.find("do not divide over 2 ranks"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("do not split evenly over 2 ranks"), std::string::npos) << run.out;
   run = RunCommand(EpmoeBinary() + " run --option a2a --eplb --eplb-trigger sometimes", true);
   EXPECT_NE(run.exit_code, 0);
   run = RunCommand(EpmoeBinary() + " run --option a2a --eplb --eplb-policy magic", true);
   EXPECT_NE(run.exit_code, 0);
 }
-
-}  // namespace
 
 // Measure, place, run: a run records its load, `epmoe balance` places from it, a run starts from
 // that placement (and matches the single-process layer); a placement of another shape is refused
@@ -198,3 +196,30 @@ TEST(RebalanceCli, RecordedLoadPlacesTheNextRun) {
   std::remove(load.c_str());
   std::remove(placement.c_str());
 }
+
+// Shapes the policy cannot place are refused before the first step, not at the first rebalance;
+// a metrics path that cannot be written is refused before the first step and leaves nothing.
+TEST(RebalanceCli, RefusesImpossibleShapesAndMetricsPathsAtTheStart) {
+  CommandResult run = RunCommand(kMpirun + EpmoeBinary() +
+                                     " run --option a2a --eplb --eplb-policy deepseek-guarded "
+                                     "--eplb-redundant 66 --eplb-interval 30 --steps 40" +
+                                     kShape.substr(0, kShape.find(" --tokens")),
+                                 true);
+  EXPECT_NE(run.exit_code, 0);
+  // Named by the flags, as the start's check words it (the first rebalance's would name a step).
+  EXPECT_NE(run.out.find("--eplb-policy deepseek-guarded --eplb-redundant 66: 65 slots per rank cannot hold distinct"),
+            std::string::npos)
+      << run.out;
+  const auto dir = std::filesystem::temp_directory_path() / "epmoe_rebalance_cli_metrics_dir";
+  std::filesystem::create_directories(dir);
+  run = RunCommand(EpmoeBinary() + " run --option a2a --eplb --metrics-file " + dir.string() +
+                       " --hidden 64 --intermediate 32 --no-progress",
+                   true);
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("is a directory"), std::string::npos) << run.out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.parent_path()))
+    EXPECT_EQ(entry.path().filename().string().find("epmoe_rebalance_cli_metrics_dir.tmp"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace

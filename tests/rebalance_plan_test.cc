@@ -1,10 +1,12 @@
 // Move plans, the rebalance trigger and the metrics file: the parts of live rebalancing that need
 // no MPI.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-
-#include <gtest/gtest.h>
+#include <thread>
+#include <vector>
 
 #include "epmoe/metrics.h"
 #include "epmoe/move_plan.h"
@@ -161,6 +163,34 @@ TEST(Metrics, RendersPrometheusTextAndRewritesAtomically) {
   EXPECT_FALSE(std::filesystem::exists(path.string() + ".tmp"));
   std::filesystem::remove(path);
   EXPECT_FALSE(MetricsFile("/nonexistent-dir/x.prom").Write().ok());
+}
+
+// A running job's metrics are best effort: a path that cannot be written is warned about and the
+// caller goes on; two writers of one path (two runs) both succeed.
+TEST(Metrics, BestEffortWritesNeverFailTheRun) {
+  MetricsFile lost("/nonexistent-dir/x.prom");
+  ASSERT_TRUE(lost.Declare("epmoe_steps_total", "counter", "Steps run").ok());
+  EXPECT_FALSE(lost.WriteOrWarnOnce());
+  EXPECT_FALSE(lost.WriteOrWarnOnce());
+  const auto path = std::filesystem::temp_directory_path() / "epmoe_metrics_shared.prom";
+  MetricsFile first(path.string()), second(path.string());
+  int written[2] = {0, 0};
+  std::vector<std::thread> runs;
+  for (int r = 0; r < 2; ++r) {
+    runs.emplace_back([&, r] {
+      MetricsFile& m = r == 0 ? first : second;
+      if (!m.Declare("epmoe_steps_total", "counter", "Steps run").ok()) return;
+      for (int step = 0; step < 200; ++step) {
+        m.Set("epmoe_steps_total", step);
+        written[r] += m.WriteOrWarnOnce();
+      }
+    });
+  }
+  for (std::thread& run : runs) run.join();
+  EXPECT_EQ(written[0], 200);
+  EXPECT_EQ(written[1], 200);
+  std::filesystem::remove(path);
+  EXPECT_FALSE(MetricsFile(std::filesystem::temp_directory_path().string()).Write().ok());
 }
 
 }  // namespace

@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "run_command.h"
 
@@ -94,6 +97,59 @@ TEST(TraceCli, GenStatsAndShow) {
   auto c = nlohmann::json::parse(counts.out);
   EXPECT_EQ(c["has_picks"], false);
   EXPECT_EQ(c["per_layer"][0]["hottest"][0]["expert"], 0);
+}
+
+}  // namespace
+
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// No command leaves a partial file: an output that is the input is refused, a failed convert keeps
+// the good file it would have replaced, and a full disk reports the error with nothing left behind.
+TEST(TraceCli, OutputsAreWholeOrUntouched) {
+  const std::string dir = TempDir() + "/outputs";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string good = dir + "/good.bin";
+  ASSERT_EQ(Epmoe("trace gen " + good + " --layers 2 --experts 8 --top-k 2 --steps 3 --batch 4").exit_code, 0);
+  const std::string bytes = ReadAll(good);
+  CommandResult r = Epmoe("trace convert " + good + " " + good);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("the output is the input"), std::string::npos) << r.out;
+  EXPECT_EQ(ReadAll(good), bytes);
+
+  const std::string corrupt = dir + "/corrupt.bin";
+  std::ofstream(corrupt, std::ios::binary) << bytes.substr(0, bytes.size() - 20);
+  const std::string target = dir + "/target.bin";
+  std::filesystem::copy_file(good, target);
+  r = Epmoe("trace convert " + corrupt + " " + target);
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_EQ(ReadAll(target), bytes);
+
+  r = Epmoe("trace gen /dev/full --layers 2 --experts 8 --top-k 2 --steps 3 --batch 4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/dev/full: write failed"), std::string::npos) << r.out;
+  r = Epmoe("trace convert " + good + " " + dir);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("is a directory"), std::string::npos) << r.out;
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"corrupt.bin", "good.bin", "target.bin"}));
+}
+
+TEST(TraceCli, RefusesJsonNestedTooDeep) {
+  const std::string deep = TempDir() + "/deep.json";
+  std::ofstream(deep) << std::string(100000, '[') << std::string(100000, ']') << "\n";
+  const CommandResult r = Epmoe("trace stats " + deep + " --from sglang-json");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("nested deeper than 512"), std::string::npos) << r.out;
 }
 
 }  // namespace

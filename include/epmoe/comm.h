@@ -41,7 +41,7 @@ struct CommOptions {
   // node is a real machine on a cluster); n > 0 groups consecutive ranks n at a time to model
   // several nodes on one machine.
   int ranks_per_node = 0;
-  // Longest wait for one exchange before it fails with Unavailable; 0 waits forever.
+  // Longest wait for one exchange before it fails with Unavailable; 0 waits forever. At most 1e8 s.
   double timeout_seconds = 600;
 };
 

@@ -48,7 +48,8 @@ Result<std::unique_ptr<Routing>> ModelRouting(const ModelConfig& model, const We
 Result<std::unique_ptr<Routing>> SimulatedRouting(const ModelConfig& model, RoutingMode mode, uint64_t seed);
 
 // Picks replayed from a routing trace with per-row picks, read whole (at most max_steps steps;
-// the model must have the trace's experts and top-k, at least `layers` layers).
+// the model must have the trace's experts and top-k, at least `layers` layers). A run longer than
+// the trace replays it from its start again, as `epmoe layer` does.
 class TraceRouting final : public Routing {
  public:
   static Result<std::unique_ptr<TraceRouting>> Open(const std::string& path, const ModelConfig& model, int layers,
@@ -56,10 +57,11 @@ class TraceRouting final : public Routing {
   Status Route(int64_t step, int layer, const Matrix& rows, int64_t first_row, Picks* picks,
                ThreadPool& pool) const override;
   int64_t num_steps() const { return static_cast<int64_t>(steps_.size()); }
-  int64_t rows(int64_t step) const { return steps_[step].rows; }
+  int64_t rows(int64_t step) const { return Replayed(step).rows; }
 
  private:
   TraceRouting() = default;
+  const StepPicks& Replayed(int64_t step) const { return steps_[static_cast<size_t>(step) % steps_.size()]; }
   std::vector<StepPicks> steps_;
 };
 

@@ -66,6 +66,14 @@ std::vector<Policy> AllPolicies();
 // window of steps should pass them as steps, not summed.
 bool PolicyValidates(Policy policy);
 
+// ValidateBalanceShape, and for every policy but deepseek (which may repeat an expert on a rank)
+// that each rank's slots can hold distinct experts: ComputePlacement's refusals of a shape, for a
+// caller to make before any work (e.g. before a live run's first step).
+Status ValidatePolicyShape(Policy policy, const BalanceShape& shape, int num_experts);
+
+// Refuses, naming both shapes, a current placement of other layers, experts, slots, ranks or nodes.
+Status CheckCurrentPlacement(const Placement& current, int num_layers, int num_experts, const BalanceShape& shape);
+
 struct PolicyOptions {
   Policy policy = Policy::kDeepseek;
   BalanceShape shape;

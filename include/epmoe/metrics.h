@@ -1,9 +1,9 @@
 // MetricsFile: a Prometheus text-format (exposition format 0.0.4) file, rewritten atomically.
 //
 // A long run sets gauges and counters as it goes and calls Write() now and then; Write renders every
-// metric into PATH.tmp and renames it over PATH, so a scraper (node_exporter's textfile collector,
-// or a person with cat) never sees a half-written file. Names must match [a-zA-Z_:][a-zA-Z0-9_:]*;
-// label values are escaped. Thread-compatible (one writer).
+// metric into a temporary beside PATH and renames it over PATH (an AtomicFile), so a scraper (node_exporter's textfile
+// collector, or a person with cat) never sees a half-written file. Names must match [a-zA-Z_:][a-zA-Z0-9_:]*; label
+// values are escaped. Thread-compatible (one writer).
 #pragma once
 
 #include <map>
@@ -28,8 +28,12 @@ class MetricsFile {
 
   // The whole file's text as Write would store it.
   std::string Render() const;
-  // Writes PATH.tmp and renames it to PATH; errors name the path.
+  // Writes the file through an AtomicFile; errors name the path.
   Status Write() const;
+  // Write for a long run, where metrics are best effort: a failure (a full disk, another run
+  // replacing the file, a path that stopped being writable) is printed once to stderr and the run
+  // goes on; later failures are silent. Returns whether the file was written.
+  bool WriteOrWarnOnce();
 
   const std::string& path() const { return path_; }
 
@@ -41,6 +45,7 @@ class MetricsFile {
   };
   std::string path_;
   std::map<std::string, Family> families_;
+  bool warned_ = false;
 };
 
 }  // namespace epmoe

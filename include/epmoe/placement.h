@@ -32,6 +32,7 @@ class Placement {
                                   std::vector<std::vector<int32_t>> phy2log);
 
   // The original order: slot s holds expert s mod E (so the first R experts get a second copy).
+  // Refuses R redundant copies that CheckRedundantCopies refuses, before allocating.
   static Result<Placement> Trivial(int num_layers, int num_experts, int num_redundant, int num_ranks,
                                    int num_nodes);
 
@@ -78,6 +79,10 @@ class Placement {
 // JSON: {"num_layers", "num_experts", "num_slots", "num_ranks", "num_nodes", "phy2log": [[..]..],
 // "log2phy": [[[..]..]..], "logcnt": [[..]..]}. Reading needs phy2log and the shape fields; log2phy
 // and logcnt, when present, must agree with phy2log. `source` names the data in errors.
+// At most E * G redundant copies (twice as many slots per rank as experts): DeepSeek's policy may
+// repeat an expert on a rank, but a huge count (a typo, an overflow) would allocate without bound.
+Status CheckRedundantCopies(int num_experts, int num_redundant, int num_ranks);
+
 std::string PlacementToJson(const Placement& placement);
 Result<Placement> PlacementFromJson(const std::string& json_text, const std::string& source);
 Status WritePlacementFile(const Placement& placement, const std::string& path);

@@ -185,11 +185,15 @@ class RebalanceMetrics {
   void RecordStep(double seconds, const std::vector<std::pair<std::string, double>>& stages);
   void RecordBalance(double current, double windowed);
   void RecordRebalance(const RebalanceReport& report);
+  // Writes the file: the first write, before any step, so that a path that cannot be written is
+  // refused at the start. Update() is the best-effort write of a running job (metrics.h).
   Status Write();
+  void Update();
   const MetricsFile& file() const { return file_; }
 
  private:
   explicit RebalanceMetrics(const std::string& path) : file_(path) {}
+  void SetTotals();  // the series Write and Update compute from the recorded steps
   MetricsFile file_;
   std::vector<double> step_seconds_;  // ring of the last 1000 steps
   int64_t steps_ = 0;

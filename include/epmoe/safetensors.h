@@ -121,7 +121,7 @@ struct TensorToWrite {
 
 // Writes a safetensors file: the header padded with spaces to a multiple of 8 bytes (as the
 // reference implementation does), then the tensors in the given order, contiguous. Writes
-// path + ".tmp" and renames it, so a failed write leaves no partial file under `path`. Refuses
+// through an AtomicFile, so a failed write leaves no partial file under `path`. Refuses
 // (InvalidArgument) duplicate names, "__metadata__" as a name, names or metadata that are not
 // UTF-8, negative dimensions, wrong byte counts and unknown dtypes.
 Status WriteSafetensors(const std::string& path, std::span<const TensorToWrite> tensors,

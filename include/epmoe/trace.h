@@ -25,11 +25,11 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "epmoe/atomic_file.h"
 #include "epmoe/load.h"
 #include "epmoe/router.h"
 #include "epmoe/status.h"
@@ -120,11 +120,11 @@ class TraceReader {
 //   step    u32 "STEP" i64 rows, then per layer: picks: i32 ids[rows*k] (+ f32 weights[rows*k]);
 //           counts only: i64 counts[experts]
 //   trailer u32 "TEND" i64 steps i64 total_picks
-// Not thread-safe.
+// The file appears under `path` only when Close() succeeds (through an AtomicFile); a writer destroyed
+// before that leaves `path` as it was. Not thread-safe.
 class TraceWriter {
  public:
   static Result<std::unique_ptr<TraceWriter>> Create(const std::string& path, const TraceInfo& info);
-  ~TraceWriter();
   // Checks the step against the header's shape (ids in range, distinct per row, finite weights,
   // counts matching rows * k) before writing it.
   Status Append(const StepPicks& step);
@@ -134,7 +134,8 @@ class TraceWriter {
   TraceWriter() = default;
   std::string path_;
   TraceInfo info_;
-  std::ofstream out_;
+  std::unique_ptr<AtomicFile> file_;
+  std::string buffer_;  // the record being built, appended whole
   int64_t steps_ = 0;
   int64_t total_picks_ = 0;
   bool closed_ = false;

@@ -12,6 +12,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "epmoe/atomic_file.h"
 #include "epmoe/quantize.h"
 #include "epmoe/thread_pool.h"
 
@@ -826,21 +827,6 @@ Status AddGptOssExperts(const ModelConfig& model, const WeightSource& source, in
   return shard->Add(names.Down("_bias"), {e_count, h}, down_bias, value_dtype);
 }
 
-// Writes `text` to `path` through a temporary name, so that `path` holds all of it or is untouched.
-Status WriteWhole(const fs::path& path, const std::string& text) {
-  const fs::path temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary);
-    out << text << "\n";
-    if (!out) return IoError(fmt::format("{}: cannot write", temporary.string()));
-  }
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  if (error)
-    return IoError(fmt::format("{}: cannot rename to {}: {}", temporary.string(), path.string(), error.message()));
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const WeightSource& source, int num_layers,
@@ -941,12 +927,12 @@ Status WriteCheckpoint(const std::string& dir, const ModelConfig& model, const W
   }
 
   const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-  EPMOE_RETURN_IF_ERROR(WriteWhole(fs::path(dir) / kIndexFile, index.dump(2)));
+  EPMOE_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / kIndexFile).string(), index.dump(2) + "\n"));
   // The model of the layers written, as a config.json, so that `--model DIR` reads it.
   ModelConfig written = model;
   written.num_layers = model.num_dense_layers + num_layers;
   const Result<std::string> config = ModelToHfConfig(written);
-  if (config.ok()) EPMOE_RETURN_IF_ERROR(WriteWhole(fs::path(dir) / "config.json", *config));
+  if (config.ok()) EPMOE_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(), *config + "\n"));
   return Status::Ok();
 }
 

@@ -3,11 +3,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
+#include <utility>
+
+#include "epmoe/bounded_input.h"
 
 namespace epmoe {
 namespace {
+
+// Presets and profiles are a few KB; the bound refuses a device such as /dev/zero.
+constexpr int64_t kMaxConfigBytes = 16 << 20;
 
 bool LooksLikePath(std::string_view s) {
   return s.find('/') != std::string_view::npos || (s.size() > 5 && s.substr(s.size() - 5) == ".json");
@@ -26,11 +30,9 @@ Result<ConfigText> ReadConfig(std::string_view name_or_path, const BuiltinConfig
                               std::string_view folder) {
   if (LooksLikePath(name_or_path)) {
     std::string path(name_or_path);
-    std::ifstream in(path);
-    if (!in) return NotFound(fmt::format("{}: cannot open {} file", path, kind));
-    std::stringstream text;
-    text << in.rdbuf();
-    return ConfigText{text.str(), path};
+    EPMOE_ASSIGN_OR_RETURN(std::string text, ReadFileText(path, kMaxConfigBytes, fmt::format("{} file", kind)));
+    EPMOE_RETURN_IF_ERROR(CheckJsonDepth(text, path));
+    return ConfigText{std::move(text), path};
   }
   for (const auto& [name, text] : builtin) {
     if (name == name_or_path) return ConfigText{std::string(text), fmt::format("configs/{}/{}.json", folder, name)};

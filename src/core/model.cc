@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <utility>
 
 #include "epmoe/config_file.h"
 
@@ -159,6 +160,26 @@ Status ValidateModel(const ModelConfig& m, std::string_view source) {
   if (m.expert_bias && m.num_shared_experts > 0)
     return InvalidArgument(
         fmt::format("{}: field 'expert_bias' with shared experts (biases are read for routed experts only)", source));
+  // Bounds that keep every derived count and byte size far from int64 overflow (the largest presets
+  // are below 1e8 weights per matrix and 1e13 in all).
+  constexpr double kMaxMatrixWeights = 1e10, kMaxModelWeights = 1e15;
+  const double hidden = m.hidden;
+  for (const auto& [field, size] : {std::pair<const char*, int>{"expert_intermediate", m.expert_intermediate},
+                                    {"shared_intermediate", m.shared_intermediate},
+                                    {"dense_intermediate", m.dense_intermediate}})
+    if (hidden * size > kMaxMatrixWeights)
+      return OutOfRange(
+          fmt::format("{}: hidden {} x {} {} = {:.3g} weights in one matrix, over the {:.0e} epmoe "
+                      "handles",
+                      source, m.hidden, field, size, hidden * size, kMaxMatrixWeights));
+  const double weights =
+      3 * hidden *
+      (static_cast<double>(m.num_moe_layers()) * (static_cast<double>(m.num_experts) * m.expert_intermediate +
+                                                  static_cast<double>(m.num_shared_experts) * m.shared_intermediate) +
+       static_cast<double>(m.num_dense_layers) * m.dense_intermediate);
+  if (weights > kMaxModelWeights)
+    return OutOfRange(
+        fmt::format("{}: {:.3g} FFN weights in all, over the {:.0e} epmoe handles", source, weights, kMaxModelWeights));
   return Status::Ok();
 }
 

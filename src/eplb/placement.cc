@@ -1,11 +1,14 @@
 #include "epmoe/placement.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include "epmoe/atomic_file.h"
+#include "epmoe/bounded_input.h"
 
 namespace epmoe {
 
@@ -63,10 +66,19 @@ Result<Placement> Placement::Trivial(int num_layers, int num_experts, int num_re
   if (num_layers < 1) return InvalidArgument(fmt::format("placement: num_layers {} must be >= 1", num_layers));
   if (num_experts < 1 || num_redundant < 0)
     return InvalidArgument(fmt::format("placement: {} experts and {} redundant copies", num_experts, num_redundant));
+  EPMOE_RETURN_IF_ERROR(CheckRedundantCopies(num_experts, num_redundant, num_ranks));
   const int num_slots = num_experts + num_redundant;
   std::vector<int32_t> order(num_slots);
   for (int slot = 0; slot < num_slots; ++slot) order[slot] = slot % num_experts;
   return Create(num_experts, num_ranks, num_nodes, std::vector<std::vector<int32_t>>(num_layers, order));
+}
+
+Status CheckRedundantCopies(int num_experts, int num_redundant, int num_ranks) {
+  const int64_t most = static_cast<int64_t>(num_experts) * std::max(num_ranks, 1);
+  if (num_redundant > most)
+    return InvalidArgument(fmt::format("{} redundant copies: at most {} for {} experts on {} ranks", num_redundant,
+                                       most, num_experts, num_ranks));
+  return Status::Ok();
 }
 
 int64_t Placement::MovedCopies(const Placement& other) const {
@@ -122,6 +134,7 @@ Result<int> IntField(const nlohmann::json& json, const char* field, const std::s
 }  // namespace
 
 Result<Placement> PlacementFromJson(const std::string& json_text, const std::string& source) {
+  EPMOE_RETURN_IF_ERROR(CheckJsonDepth(json_text, source));
   nlohmann::json json = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded() || !json.is_object())
     return InvalidArgument(fmt::format("{}: not a JSON object", source));
@@ -192,20 +205,13 @@ Result<Placement> PlacementFromJson(const std::string& json_text, const std::str
 }
 
 Status WritePlacementFile(const Placement& placement, const std::string& path) {
-  std::ofstream out(path);
-  if (!out) return IoError(fmt::format("{}: cannot open for writing", path));
-  out << PlacementToJson(placement) << "\n";
-  out.close();
-  if (!out) return IoError(fmt::format("{}: write failed", path));
-  return Status::Ok();
+  return WriteFileAtomically(path, PlacementToJson(placement) + "\n");
 }
 
 Result<Placement> ReadPlacementFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFound(fmt::format("{}: cannot open placement file", path));
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return PlacementFromJson(buffer.str(), path);
+  // 64 MiB holds thousands of layers of thousands of slots.
+  EPMOE_ASSIGN_OR_RETURN(const std::string text, ReadFileText(path, int64_t{64} << 20, "placement file"));
+  return PlacementFromJson(text, path);
 }
 
 Result<std::string> PlacementToSglangJson(const Placement& placement, const std::vector<int>& layer_ids,

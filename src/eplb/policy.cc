@@ -52,6 +52,7 @@ Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {
         fmt::format("expert groups {} must be >= 1 and divide the experts ({})", shape.num_groups, num_experts));
   if (shape.num_redundant < 0)
     return InvalidArgument(fmt::format("redundant copies {} must not be negative", shape.num_redundant));
+  EPMOE_RETURN_IF_ERROR(CheckRedundantCopies(num_experts, shape.num_redundant, shape.num_ranks));
   const int num_slots = num_experts + shape.num_redundant;
   if (num_slots % shape.num_ranks != 0)
     return InvalidArgument(fmt::format("{} experts + {} redundant = {} slots do not split evenly over {} ranks",
@@ -60,6 +61,18 @@ Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {
     if (num_slots % shape.num_nodes != 0)
       return InvalidArgument(fmt::format("{} slots do not split evenly over {} nodes", num_slots, shape.num_nodes));
   }
+  return Status::Ok();
+}
+
+Status CheckCurrentPlacement(const Placement& current, int num_layers, int num_experts, const BalanceShape& shape) {
+  const int num_slots = num_experts + shape.num_redundant;
+  if (current.num_layers() != num_layers || current.num_experts() != num_experts || current.num_slots() != num_slots ||
+      current.num_ranks() != shape.num_ranks || current.num_nodes() != shape.num_nodes)
+    return InvalidArgument(
+        fmt::format("the current placement has {} layers, {} experts, {} slots, {} ranks, {} nodes; the load and "
+                    "shape need {}, {}, {}, {}, {}",
+                    current.num_layers(), current.num_experts(), current.num_slots(), current.num_ranks(),
+                    current.num_nodes(), num_layers, num_experts, num_slots, shape.num_ranks, shape.num_nodes));
   return Status::Ok();
 }
 
@@ -204,15 +217,20 @@ double MaxRankLoad(std::span<const double> weight, std::span<const int32_t> phy2
                                 num_ranks);
 }
 
+Status ValidatePolicyShape(Policy policy, const BalanceShape& shape, int num_experts) {
+  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, num_experts));
+  if (policy != Policy::kDeepseek) EPMOE_RETURN_IF_ERROR(CheckGuardPossible(shape, num_experts));
+  return Status::Ok();
+}
+
 namespace eplb_internal {
 
 Status CheckPolicyInputs(const LoadMatrix& load, const PolicyOptions& options) {
   EPMOE_RETURN_IF_ERROR(ValidateLoadMatrix(load, "load"));
   const BalanceShape& shape = options.shape;
   const int num_experts = load.num_experts;
-  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, num_experts));
   const Policy policy = options.policy;
-  if (policy != Policy::kDeepseek) EPMOE_RETURN_IF_ERROR(CheckGuardPossible(shape, num_experts));
+  EPMOE_RETURN_IF_ERROR(ValidatePolicyShape(policy, shape, num_experts));
   if (options.search_rounds < 0)
     return InvalidArgument(fmt::format("search rounds {} must not be negative", options.search_rounds));
   if (!(options.uniform_prior >= 0 && options.uniform_prior <= 1))
@@ -225,17 +243,10 @@ Status CheckPolicyInputs(const LoadMatrix& load, const PolicyOptions& options) {
         "cost model: bytes per expert {}, bandwidth {}, flops per row {}, peak {}, fixed {}: need positive "
         "bytes, bandwidth and peak, non-negative flops and fixed time",
         cost.bytes_per_expert, cost.memory_bandwidth, cost.flops_per_row, cost.peak_flops, cost.fixed_seconds));
-  const int num_slots = num_experts + shape.num_redundant;
-  const Placement* current = options.current;
-  if (policy == Policy::kMinMove && current == nullptr) return InvalidArgument("min-move needs the current placement");
-  if (current != nullptr && (current->num_layers() != load.num_layers || current->num_experts() != num_experts ||
-                             current->num_slots() != num_slots || current->num_ranks() != shape.num_ranks ||
-                             current->num_nodes() != shape.num_nodes))
-    return InvalidArgument(fmt::format(
-        "{}: the current placement has {} layers, {} experts, {} slots, {} ranks, {} nodes; the load "
-        "and shape need {}, {}, {}, {}, {}",
-        PolicyName(policy), current->num_layers(), current->num_experts(), current->num_slots(), current->num_ranks(),
-        current->num_nodes(), load.num_layers, num_experts, num_slots, shape.num_ranks, shape.num_nodes));
+  if (policy == Policy::kMinMove && options.current == nullptr)
+    return InvalidArgument("min-move needs the current placement");
+  if (options.current != nullptr)
+    EPMOE_RETURN_IF_ERROR(CheckCurrentPlacement(*options.current, load.num_layers, num_experts, shape));
   if ((policy == Policy::kMinMove || policy == Policy::kAuto) && !(options.min_move_factor >= 1))
     return InvalidArgument(fmt::format("min-move factor {} must be >= 1", options.min_move_factor));
   if (PolicyValidates(policy) && !(options.validation_fraction > 0 && options.validation_fraction < 1))

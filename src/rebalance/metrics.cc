@@ -1,10 +1,12 @@
 #include "epmoe/metrics.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 
-#include <fmt/format.h>
+#include "epmoe/atomic_file.h"
 
 namespace epmoe {
 namespace {
@@ -75,17 +77,19 @@ std::string MetricsFile::Render() const {
 }
 
 Status MetricsFile::Write() const {
-  const std::string tmp = path_ + ".tmp";
-  {
-    std::ofstream file(tmp, std::ios::trunc);
-    if (!file) return IoError(fmt::format("{}: cannot open for writing", tmp));
-    file << Render();
-    file.flush();
-    if (!file) return IoError(fmt::format("{}: write failed", tmp));
+  return WriteFileAtomically(path_, Render());
+}
+
+bool MetricsFile::WriteOrWarnOnce() {
+  const Status status = Write();
+  if (!status.ok() && !warned_) {
+    warned_ = true;
+    std::fprintf(stderr,
+                 "epmoe: warning: %s (the metrics file is best effort: the run goes on, further failures "
+                 "to write it are not reported)\n",
+                 status.message().c_str());
   }
-  if (std::rename(tmp.c_str(), path_.c_str()) != 0)
-    return IoError(fmt::format("{}: cannot rename {} over it", path_, tmp));
-  return Status::Ok();
+  return status.ok();
 }
 
 }  // namespace epmoe

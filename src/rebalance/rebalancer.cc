@@ -685,7 +685,7 @@ void RebalanceMetrics::RecordRebalance(const RebalanceReport& report) {
   stall_seconds_ += report.stall_seconds_max;
 }
 
-Status RebalanceMetrics::Write() {
+void RebalanceMetrics::SetTotals() {
   file_.Set("epmoe_rebalances_total", static_cast<double>(rebalances_));
   file_.Set("epmoe_rebalance_bytes_moved_total", static_cast<double>(bytes_moved_));
   file_.Set("epmoe_rebalance_stall_seconds_total", stall_seconds_);
@@ -699,7 +699,16 @@ Status RebalanceMetrics::Write() {
     }
   }
   for (const auto& [stage, value] : stage_totals_) file_.Set("epmoe_stage_seconds_total", value, {{"stage", stage}});
+}
+
+Status RebalanceMetrics::Write() {
+  SetTotals();
   return file_.Write();
+}
+
+void RebalanceMetrics::Update() {
+  SetTotals();
+  file_.WriteOrWarnOnce();
 }
 
 }  // namespace epmoe

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <unordered_set>
 
+#include "epmoe/atomic_file.h"
 #include "epmoe/weight_format.h"
 
 namespace epmoe {
@@ -554,29 +555,13 @@ Status WriteSafetensors(const std::string& path, std::span<const TensorToWrite> 
     return InvalidArgument(fmt::format("{}: the header would take {} bytes, over the limit of {} bytes", path,
                                        text.size(), kMaxHeaderBytes));
 
-  const std::string temporary = path + ".tmp";
-  std::FILE* file = std::fopen(temporary.c_str(), "wb");
-  if (file == nullptr) return IoError(fmt::format("{}: cannot open for writing: {}", temporary, std::strerror(errno)));
-  const auto put = [&](const void* bytes, size_t count) {
-    return count == 0 || std::fwrite(bytes, 1, count, file) == count;
-  };
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path));
   const uint64_t header_bytes = text.size();
-  bool written = put(&header_bytes, 8) && put(text.data(), text.size());
-  for (const TensorToWrite& tensor : tensors) written = written && put(tensor.bytes.data(), tensor.bytes.size());
-  // fsync before the rename, so that after a crash `path` holds the old file or all of the new.
-  written = written && std::fflush(file) == 0 && ::fsync(::fileno(file)) == 0;
-  const int write_error = errno;
-  written = std::fclose(file) == 0 && written;
-  if (!written) {
-    std::remove(temporary.c_str());
-    return IoError(fmt::format("{}: write failed: {}", temporary, std::strerror(write_error)));
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int rename_error = errno;
-    std::remove(temporary.c_str());
-    return IoError(fmt::format("{}: cannot rename {} over it: {}", path, temporary, std::strerror(rename_error)));
-  }
-  return Status::Ok();
+  EPMOE_RETURN_IF_ERROR(file->Append(&header_bytes, 8));
+  EPMOE_RETURN_IF_ERROR(file->Append(text));
+  for (const TensorToWrite& tensor : tensors)
+    EPMOE_RETURN_IF_ERROR(file->Append(tensor.bytes.data(), tensor.bytes.size()));
+  return file->Commit();
 }
 
 Status EncodeFloats(std::span<const float> values, TensorDtype dtype, std::vector<std::byte>* out) {

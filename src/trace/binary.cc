@@ -217,8 +217,8 @@ Result<std::unique_ptr<TraceReader>> OpenBinaryTrace(std::unique_ptr<std::istrea
 
 namespace {
 template <typename T>
-void WriteValue(std::ofstream& out, T value) {
-  out.write(reinterpret_cast<const char*>(&value), sizeof(T));
+void WriteValue(std::string& out, T value) {
+  out.append(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 }  // namespace
 
@@ -242,10 +242,8 @@ Result<std::unique_ptr<TraceWriter>> TraceWriter::Create(const std::string& path
   writer->path_ = path;
   writer->info_ = info;
   writer->info_.layer_ids = layer_ids;
-  writer->out_.open(path, std::ios::binary | std::ios::trunc);
-  if (!writer->out_) return IoError(fmt::format("{}: cannot create", path));
-  std::ofstream& out = writer->out_;
-  out.write(kTraceMagic, sizeof(kTraceMagic));
+  EPMOE_ASSIGN_OR_RETURN(writer->file_, AtomicFile::Create(path));
+  std::string out(kTraceMagic, sizeof(kTraceMagic));
   WriteValue<uint32_t>(out, kTraceVersion);
   WriteValue<uint32_t>(out, (info.has_picks ? kFlagPicks : 0) | (info.has_weights ? kFlagWeights : 0));
   WriteValue<uint32_t>(out, static_cast<uint32_t>(info.num_layers));
@@ -254,12 +252,8 @@ Result<std::unique_ptr<TraceWriter>> TraceWriter::Create(const std::string& path
   WriteValue<uint32_t>(out, 0);
   WriteValue<int64_t>(out, 0);  // steps: filled in by Close
   for (int id : layer_ids) WriteValue<int32_t>(out, id);
-  if (!out) return IoError(fmt::format("{}: write failed", path));
+  EPMOE_RETURN_IF_ERROR(writer->file_->Append(out));
   return writer;
-}
-
-TraceWriter::~TraceWriter() {
-  if (!closed_) (void)Close();
 }
 
 Status TraceWriter::Append(const StepPicks& step) {
@@ -285,15 +279,14 @@ Status TraceWriter::Append(const StepPicks& step) {
       Status status = ValidatePicks(checked, E);
       if (!status.ok()) return status.WithContext(fmt::format("{} layer {}", where, l));
     }
-    WriteValue<uint32_t>(out_, kStepMagic);
-    WriteValue<int64_t>(out_, step.rows);
+    buffer_.clear();
+    WriteValue<uint32_t>(buffer_, kStepMagic);
+    WriteValue<int64_t>(buffer_, step.rows);
     for (int l = 0; l < L; ++l) {
       const Picks& picks = step.layers[l];
-      out_.write(reinterpret_cast<const char*>(picks.experts.data()),
-                 static_cast<std::streamsize>(picks.experts.size() * 4));
+      buffer_.append(reinterpret_cast<const char*>(picks.experts.data()), picks.experts.size() * 4);
       if (info_.has_weights)
-        out_.write(reinterpret_cast<const char*>(picks.weights.data()),
-                   static_cast<std::streamsize>(picks.weights.size() * 4));
+        buffer_.append(reinterpret_cast<const char*>(picks.weights.data()), picks.weights.size() * 4);
     }
     total_picks_ += step.rows * k * L;
   } else {
@@ -315,28 +308,29 @@ Status TraceWriter::Append(const StepPicks& step) {
                                            sum, step.rows > 0 && k > 0 ? step.rows * k : first_sum));
       total += sum;
     }
-    WriteValue<uint32_t>(out_, kStepMagic);
-    WriteValue<int64_t>(out_, step.rows);
-    out_.write(reinterpret_cast<const char*>(step.counts.data()), static_cast<std::streamsize>(step.counts.size() * 8));
+    buffer_.clear();
+    WriteValue<uint32_t>(buffer_, kStepMagic);
+    WriteValue<int64_t>(buffer_, step.rows);
+    buffer_.append(reinterpret_cast<const char*>(step.counts.data()), step.counts.size() * 8);
     total_picks_ += total;
   }
   ++steps_;
-  if (!out_) return IoError(fmt::format("{}: write failed", where));
-  return Status::Ok();
+  return file_->Append(buffer_);
 }
 
 Status TraceWriter::Close() {
   using namespace trace_internal;
   if (closed_) return Status::Ok();
   closed_ = true;
-  WriteValue<uint32_t>(out_, kTrailerMagic);
-  WriteValue<int64_t>(out_, steps_);
-  WriteValue<int64_t>(out_, total_picks_);
-  out_.seekp(kStepsOffset);
-  WriteValue<int64_t>(out_, steps_);
-  out_.close();
-  if (out_.fail()) return IoError(fmt::format("{}: write failed", path_));
-  return Status::Ok();
+  std::string trailer;
+  WriteValue<uint32_t>(trailer, kTrailerMagic);
+  WriteValue<int64_t>(trailer, steps_);
+  WriteValue<int64_t>(trailer, total_picks_);
+  EPMOE_RETURN_IF_ERROR(file_->Append(trailer));
+  std::string steps;
+  WriteValue<int64_t>(steps, steps_);
+  EPMOE_RETURN_IF_ERROR(file_->WriteAt(kStepsOffset, steps));
+  return file_->Commit();
 }
 
 }  // namespace epmoe

@@ -1,22 +1,10 @@
 // WriteTrace: a trace from any reader into the binary format or a CSV / JSON export.
-#include <fstream>
-
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "epmoe/trace.h"
 
 namespace epmoe {
-namespace {
-
-// Writes `text` to the stream or reports which file failed.
-Status Flush(std::ofstream& out, const std::string& text, const std::string& path) {
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  if (!out) return IoError(fmt::format("{}: write failed", path));
-  return Status::Ok();
-}
-
-}  // namespace
 
 Status WriteTrace(TraceReader* reader, const std::string& path, const std::string& format) {
   const TraceInfo& info = reader->info();
@@ -37,8 +25,7 @@ Status WriteTrace(TraceReader* reader, const std::string& path, const std::strin
     }
     return writer->Close();
   }
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return IoError(fmt::format("{}: cannot create", path));
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> out, AtomicFile::Create(path));
   const int L = info.num_layers, E = info.num_experts, k = info.top_k;
   std::string text;
   if (format == "jsonl") {
@@ -95,14 +82,12 @@ Status WriteTrace(TraceReader* reader, const std::string& path, const std::strin
         }
     }
     if (text.size() > (size_t{1} << 20)) {
-      EPMOE_RETURN_IF_ERROR(Flush(out, text, path));
+      EPMOE_RETURN_IF_ERROR(out->Append(text));
       text.clear();
     }
   }
-  EPMOE_RETURN_IF_ERROR(Flush(out, text, path));
-  out.close();
-  if (out.fail()) return IoError(fmt::format("{}: write failed", path));
-  return Status::Ok();
+  EPMOE_RETURN_IF_ERROR(out->Append(text));
+  return out->Commit();
 }
 
 }  // namespace epmoe

@@ -1,13 +1,14 @@
 // Count-only sources: OLMoE-style expert count CSVs, SGLang-style per-pass JSON records and epmoe's
 // counts CSV export.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
+#include "epmoe/bounded_input.h"
 #include "trace/imported.h"
 #include "trace/text_input.h"
 
@@ -374,6 +375,7 @@ Result<ImportedTrace> ImportSglangJson(std::istream& in, const std::string& sour
   whole << in.rdbuf();
   const std::string text = whole.str();
   if (text.empty()) return InvalidArgument(fmt::format("{}: empty file", source));
+  EPMOE_RETURN_IF_ERROR(CheckJsonDepth(text, source));
   nlohmann::json document = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!document.is_discarded()) {
     if (document.is_array() && !document.empty() && document[0].is_object()) {

@@ -7,6 +7,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "epmoe/bounded_input.h"
 #include "trace/imported.h"
 #include "trace/text_input.h"
 
@@ -256,6 +257,7 @@ Result<ImportedTrace> ImportJsonl(std::istream& in, const std::string& source, c
     EPMOE_ASSIGN_OR_RETURN(bool more, lines.Next(&line));
     if (!more) break;
     if (line.find_first_not_of(" \t") == std::string_view::npos) continue;
+    EPMOE_RETURN_IF_ERROR(CheckJsonDepth(line, fmt::format("{} line {}", source, lines.line_number())));
     nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (record.is_discarded() || !record.is_object()) return lines.Error("not a JSON object");
     if (!record.contains("experts")) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "epmoe/atomic_file.h"
 #include "epmoe/balance.h"
 #include "epmoe/eplb_policy.h"
 #include "epmoe/load_matrix.h"
@@ -151,6 +152,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   std::optional<Placement> current;
   if (!o.current.empty()) {
     EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
+    EPMOE_RETURN_IF_ERROR(CheckCurrentPlacement(*current, load.num_layers, load.num_experts, options.shape)
+                              .WithContext(fmt::format("--current {}", o.current)));
   }
   const Placement& current_placement = current ? *current : trivial;
   options.current = &current_placement;
@@ -276,9 +279,7 @@ Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>
     if (!o.out_sglang.empty()) {
       // Layer l of the matrix is hidden layer l, as in SGLang's own recorder dumps.
       EPMOE_ASSIGN_OR_RETURN(std::string sglang, PlacementToSglangJson(*placement, {}, 0));
-      std::ofstream out(o.out_sglang);
-      out << sglang << "\n";
-      if (!out) return IoError(fmt::format("{}: cannot write", o.out_sglang));
+      EPMOE_RETURN_IF_ERROR(WriteFileAtomically(o.out_sglang, sglang + "\n"));
     }
   }
   *report = {{"trace", o.load},
@@ -411,7 +412,7 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--validation", o->validation,
                   "auto and min-move: fraction of the fitted steps, the latest, that validates a fit (0, 1)")
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the even router")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
   cmd->get_option("--load")->excludes("--train");  // a load matrix is fitted whole
   cmd->add_option("--out-sglang", o->out_sglang,

@@ -224,7 +224,7 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"auto", "avx512", "avx2", "reference"}))
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
-      ->check(kNonNegative)
+      ->check(kThreadCount)
       ->capture_default_str();
   cmd->add_option("--reps", o->repetitions, "Timed runs per point (median)")->check(kPositive)->capture_default_str();
   cmd->add_option("--seconds-per-point", o->seconds_per_point, "Stop repeating a point after this long")
@@ -252,7 +252,7 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--skew", o->skew, "Routing skew: expert popularity ~ exp(skew * N(0,1))")
       ->check(kNonNegative)
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "Seed of weights, rows and routing")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of weights, rows and routing")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--max-memory-gb", o->max_memory_gb,
                   "Memory budget: formats that would need more are refused before anything runs (0: 80% of "
                   "available memory)")

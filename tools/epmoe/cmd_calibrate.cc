@@ -6,6 +6,8 @@
 //                                                         MPI latency and bandwidth between ranks
 // The two parts run separately so that idle MPI ranks never compete with the kernel measurements
 // for the cores. Machine measurements come from the kernels module (machine_limits, kernel_bench).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,9 +20,8 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "commands.h"
+#include "epmoe/atomic_file.h"
 #include "epmoe/comm.h"
 #include "epmoe/expert_ffn.h"
 #include "epmoe/hardware.h"
@@ -50,18 +51,24 @@ std::string Today() {
   return text;
 }
 
-Status WriteProfile(const HardwareProfile& profile, const std::string& path) {
-  EPMOE_RETURN_IF_ERROR(ValidateHardware(profile, path.empty() ? "calibrated profile" : path));
+// Writes the profile to `out`, opened before the measuring so that a path that cannot be written is
+// refused at once, not after a minute of work; null prints it.
+Status WriteProfile(const HardwareProfile& profile, AtomicFile* out) {
+  EPMOE_RETURN_IF_ERROR(ValidateHardware(profile, out == nullptr ? "calibrated profile" : out->path()));
   const std::string text = HardwareToJson(profile) + "\n";
-  if (path.empty()) {
+  if (out == nullptr) {
     std::printf("%s", text.c_str());
     return Status::Ok();
   }
-  std::ofstream out(path);
-  out << text;
-  if (!out) return IoError(fmt::format("{}: cannot write the profile", path));
-  std::fprintf(stderr, "epmoe calibrate: wrote %s\n", path.c_str());
+  EPMOE_RETURN_IF_ERROR(out->Append(text));
+  EPMOE_RETURN_IF_ERROR(out->Commit());
+  std::fprintf(stderr, "epmoe calibrate: wrote %s\n", out->path().c_str());
   return Status::Ok();
+}
+
+Result<std::unique_ptr<AtomicFile>> OpenProfileOutput(const std::string& path) {
+  if (path.empty()) return std::unique_ptr<AtomicFile>();
+  return AtomicFile::Create(path);
 }
 
 // Memory bandwidth, peaks and one fitted kernel line per format, on this process's threads.
@@ -305,14 +312,22 @@ int RunCalibrate(const CalibrateFlags& f) {
           s.find("inter_node") == 0)
         kept.push_back(s);
     profile.sources = kept;
+    auto out = OpenProfileOutput(f.out);
+    if (!out.ok()) return ReportError(out.status());
     if (Status s = CalibrateMachine(f, &profile); !s.ok()) return ReportError(s);
-    if (Status s = WriteProfile(profile, f.out); !s.ok()) return ReportError(s);
+    if (Status s = WriteProfile(profile, out->get()); !s.ok()) return ReportError(s);
     return 0;
   }
   auto comm = WorldCommunicator(CommOptions{});
   if (!comm.ok()) return ReportError(comm.status());
   if ((*comm)->size() < 2)
     return ReportError(InvalidArgument("calibrate --links needs at least 2 ranks: run it under mpirun -np 2 (or more)"));
+  std::unique_ptr<AtomicFile> out;
+  if ((*comm)->rank() == 0) {
+    auto opened = OpenProfileOutput(f.out);
+    if (!opened.ok()) AbortJob(ReportError(opened.status()));  // the other ranks would wait for rank 0
+    out = std::move(*opened);
+  }
   std::erase_if(profile.sources, [](const std::string& s) {
     return s.find("--links") != std::string::npos || s.find("intra_node") == 0 || s.find("inter_node") == 0;
   });
@@ -321,7 +336,7 @@ int RunCalibrate(const CalibrateFlags& f) {
     // What was measured, as the machine part reports its figures.
     for (const auto& s : profile.sources)
       if (s.find("--links") != std::string::npos) std::fprintf(stderr, "epmoe calibrate: %s\n", s.c_str());
-    if (Status s = WriteProfile(profile, f.out); !s.ok()) return ReportError(s);
+    if (Status s = WriteProfile(profile, out.get()); !s.ok()) return ReportError(s);
   }
   return 0;
 }
@@ -339,7 +354,7 @@ void AddCalibrateCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
   cmd->add_option("--threads", f->threads, "Threads (0: every core this process may use)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kThreadCount)
       ->capture_default_str();
   cmd->add_option("--prefill-tokens", f->prefill_tokens, "Tokens of the arithmetic-bound point")
       ->check(CLI::Range(int64_t{64}, int64_t{1} << 16))

@@ -169,7 +169,7 @@ void AddCheckpointCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--layers", o->layers, "MoE layers to write (the first ones)")
       ->check(kPositive)
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights")->check(kNonNegative)->capture_default_str();
   cmd->add_option("--dtype", o->dtype, "Value type of the tensors (mxfp4: gpt-oss's experts as it ships them)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "mxfp4"}))
       ->capture_default_str();
@@ -180,7 +180,7 @@ void AddCheckpointCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--out", o->out, "Folder to write (created; files in it are replaced)")->required();
   cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
-      ->check(kNonNegative)
+      ->check(kThreadCount)
       ->capture_default_str();
   AddFormatOption(cmd, &o->format, {"text", "json"});
   SetReportCallback(

@@ -217,7 +217,9 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--steps", o->steps, "Steps (each with new rows); times are medians over steps")
       ->check(kPositive)
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_option("--routing", o->routing, "How picks are made")
       ->check(CLI::IsMember({"scores", "round_robin", "uniform", "replay"}))
       ->capture_default_str();
@@ -232,7 +234,7 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
                   "Highest instruction set for the kernels and the router (auto, or a lower one to force it)")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (0: every core this process may use)")
-      ->check(kNonNegative)
+      ->check(kThreadCount)
       ->capture_default_str();
   AddWeightsOption(cmd, &o->weights);
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);

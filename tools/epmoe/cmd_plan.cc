@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "epmoe/atomic_file.h"
 #include "epmoe/hardware.h"
 #include "epmoe/model.h"
 #include "epmoe/plan.h"
@@ -549,9 +550,8 @@ int RunPlanCommand(const PlanFlags& f) {
   }
 
   if (!f.plot.empty()) {
-    std::ofstream out(f.plot);
-    out << PlanPlotSvg(*result, *model, trace_copies);
-    if (!out) return ReportError(IoError(fmt::format("{}: cannot write the plot", f.plot)));
+    if (Status s = WriteFileAtomically(f.plot, PlanPlotSvg(*result, *model, trace_copies)); !s.ok())
+      return ReportError(s);
   }
   if (f.format == "json") {
     json j = {{"model", result->model}, {"hardware", result->hardware},
@@ -616,7 +616,9 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"auto", "sliced", "copied"}))
       ->capture_default_str();
   cmd->add_option("--samples", f->samples, "Layer loads priced per batch")->check(CLI::Range(1, 4096))->capture_default_str();
-  cmd->add_option("--seed", f->seed, "Seed of the even router and of batch thinning")->capture_default_str();
+  cmd->add_option("--seed", f->seed, "Seed of the even router and of batch thinning")
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_option("--placement", f->placement,
                   "Whole experts' placement: trivial, or a balancer policy (deepseek, deepseek-guarded, per-step, cost) "
                   "fitted on half of the trace")

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "epmoe/atomic_file.h"
 #include "epmoe/line_chart.h"
 #include "output.h"
 
@@ -94,12 +95,10 @@ Status RunPlotBalance(const PlotBalanceOptions& o, nlohmann::json* report) {
   chart.y_min = o.y_min >= 0 ? o.y_min : std::max(0.0, std::floor(lowest * 10 - 1) / 10);
   // Balancedness never exceeds 1: the band above it holds the legend (14 px a line of 240).
   chart.y_max = 1 + (1 - chart.y_min) * (14.0 * static_cast<double>(o.runs.size()) + 8) / 240;
-  std::ofstream out(o.out);
-  if (!out) return IoError(fmt::format("{}: cannot write the plot", o.out));
-  out << LineChartsDocument({chart}, fmt::format("per-step picks balancedness, averaged over the MoE layers; mean of "
-                                                 "the last {} steps", o.smooth));
-  out.close();
-  if (!out) return IoError(fmt::format("{}: writing the plot failed", o.out));
+  EPMOE_RETURN_IF_ERROR(WriteFileAtomically(
+      o.out, LineChartsDocument({chart}, fmt::format("per-step picks balancedness, averaged over the MoE layers; "
+                                                     "mean of the last {} steps",
+                                                     o.smooth))));
   *report = {{"out", o.out}, {"smooth_steps", o.smooth}, {"y_min", chart.y_min}, {"y_max", chart.y_max},
              {"series", series}};
   return Status::Ok();

@@ -240,10 +240,6 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   int steps = o.steps;
   if (!o.trace.empty()) {
     EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, o.steps));
-    if (trace->num_steps() < o.steps && *is_root)
-      std::fprintf(stderr, "note: --trace %s holds %lld steps; running %lld, not --steps %d\n", o.trace.c_str(),
-                   static_cast<long long>(trace->num_steps()), static_cast<long long>(trace->num_steps()), o.steps);
-    steps = static_cast<int>(trace->num_steps());
   } else {
     EPMOE_ASSIGN_OR_RETURN(const RoutingMode mode, ParseRoutingMode(o.routing));
     if (mode == RoutingMode::kScores) {
@@ -442,6 +438,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--max-buffer-mb", o->max_buffer_mb, "Bound on a rank's exchange buffers (MB); beyond it, rounds")
       ->check(kPositive)
+      ->check(CLI::Range(0.0, 1e9))  // 1 PB: larger values overflow the bound's bytes
       ->capture_default_str();
   cmd->add_option("--ranks-per-node", o->ranks_per_node, "Model nodes of this many ranks (0: real shared-memory nodes)")
       ->check(kNonNegative)
@@ -454,12 +451,14 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads per rank (0: every core the rank is bound to)")
-      ->check(kNonNegative)
+      ->check(kThreadCount)
       ->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);
-  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "Seed of the synthetic weights, rows and uniform routing")
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_flag("--check", o->check, "Compare every layer with the single-process layer; fail on a mismatch");
   cmd->add_flag("--interleave", o->interleave,
                 "With several options: run step 1 of each, then step 2 of each, ... (holds every option's weights "

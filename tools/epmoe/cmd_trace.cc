@@ -1,14 +1,15 @@
 // `epmoe trace convert|gen|stats|show`: routing traces in epmoe's binary format, importers for
 // real traces, synthetic generators and statistics. See docs/traces.md.
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
 #include "commands.h"
+#include "epmoe/atomic_file.h"
 #include "epmoe/model.h"
 #include "epmoe/trace.h"
 #include "epmoe/trace_gen.h"
@@ -56,6 +57,7 @@ struct ConvertOptions {
 };
 
 int Convert(const ConvertOptions& o) {
+  if (Status status = CheckOutputIsNotInput(o.input, o.output); !status.ok()) return ReportError(status);
   auto reader = TraceReader::Open(o.input, o.read);
   if (!reader.ok()) return ReportError(reader.status());
   std::string to = o.to;
@@ -264,7 +266,7 @@ void AddTraceCommand(CLI::App& app, int* exit_code) {
   auto* top_k = g->add_option("--top-k", gen->gen.top_k, "Picks per row")->check(kPositive);
   g->add_option("--steps", gen->gen.steps, "Steps")->check(kNonNegative);
   g->add_option("--batch", gen->gen.batch, "Rows per step")->check(kPositive);
-  g->add_option("--seed", gen->gen.seed, "Seed");
+  g->add_option("--seed", gen->gen.seed, "Seed")->check(kNonNegative);
   g->add_option("--zipf-s", gen->gen.zipf_exponent, "Zipf exponent s (popularity of the r-th expert ~ 1/(r+1)^s)")
       ->check(CLI::Range(0.0, 100.0));
   g->add_option("--temperature", gen->gen.temperature, "Gaussian: softmax temperature of N(0,1) logits")

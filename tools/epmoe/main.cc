@@ -1,5 +1,7 @@
 // epmoe: the command-line program. See `epmoe --help` and docs/cli.md.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include "commands.h"
 
@@ -28,6 +30,11 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "epmoe: %s (see --help)\n", e.what());
     return 2;
+  }
+  // A report that did not reach its destination (`> /dev/full`, a closed pipe) is a failure.
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "epmoe: writing the output failed: %s\n", std::strerror(errno));
+    return 1;
   }
   return exit_code;
 }

@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <iterator>
+
+#include "epmoe/bounded_input.h"
 
 #include "epmoe/comm.h"
 
@@ -44,9 +44,9 @@ int ReportJobError(const Status& status, double comm_timeout_seconds) {
 }
 
 Result<nlohmann::json> ReadRunReport(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFound(fmt::format("{}: cannot open the run report", path));
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // A report holds every step's time per option: a few MB for a run of 100,000 steps.
+  EPMOE_ASSIGN_OR_RETURN(const std::string text, ReadFileText(path, int64_t{64} << 20, "run report"));
+  EPMOE_RETURN_IF_ERROR(CheckJsonDepth(text, path));
   nlohmann::json report = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (report.is_discarded()) return IoError(fmt::format("{}: not JSON (write it with `epmoe run --format json`)", path));
   if (!report.is_object() || !report.contains("options") || !report["options"].is_array())
@@ -66,6 +66,7 @@ CLI::Validator SignValidator(bool allow_zero) {
         } catch (const std::exception&) {
           return "'" + input + "' is not a number";
         }
+        if (!std::isfinite(value)) return input + " is not a finite number";
         if (allow_zero ? value < 0 : value <= 0)
           return input + (allow_zero ? " must not be negative" : " must be positive");
         return "";
@@ -76,6 +77,14 @@ CLI::Validator SignValidator(bool allow_zero) {
 
 const CLI::Validator kNonNegative = SignValidator(true);
 const CLI::Validator kPositive = SignValidator(false);
+const CLI::Validator kThreadCount = CLI::Validator(
+    [](std::string& input) -> std::string {
+      const std::string sign = kNonNegative(input);
+      if (!sign.empty()) return sign;
+      if (std::stod(input) > kMaxThreads) return fmt::format("{} threads: at most {}", input, kMaxThreads);
+      return "";
+    },
+    "THREADS");
 
 void AddFormatOption(CLI::App* command, std::string* format, const std::vector<std::string>& allowed) {
   command->add_option("--format", *format, "Output format")->check(CLI::IsMember(allowed))->capture_default_str();

@@ -25,9 +25,13 @@ int ReportError(const Status& status);
 // (Unavailable, which names the ranks) is printed and ends the job at once.
 int ReportJobError(const Status& status, double comm_timeout_seconds);
 
-// Validators with one-line messages ("must not be negative", "must be positive").
+// Validators with one-line messages ("must not be negative", "must be positive"); they refuse inf
+// and nan.
 extern const CLI::Validator kNonNegative;
 extern const CLI::Validator kPositive;
+// Worker threads: 0 (every usable core) to kMaxThreads; more is a typo, and creating them fails.
+constexpr int kMaxThreads = 1024;
+extern const CLI::Validator kThreadCount;
 
 // Adds `--format` with the given allowed values.
 void AddFormatOption(CLI::App* command, std::string* format, const std::vector<std::string>& allowed);

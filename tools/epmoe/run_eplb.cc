@@ -82,6 +82,17 @@ Status SetEplbEngineOptions(const EplbRunOptions& o, const ModelConfig& model, i
     return InvalidArgument("--record-load records one option's run: name one --option");
   if (!(o.threshold > 0 && o.threshold <= 1))
     return InvalidArgument(fmt::format("--eplb-threshold {} must be in (0, 1]", o.threshold));
+  if (o.enabled) {
+    // The shape the rebalancer will place, refused now rather than at the first rebalance.
+    EPMOE_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(o.policy));
+    BalanceShape shape;
+    shape.num_ranks = comm.size();
+    shape.num_nodes = comm.num_nodes();
+    shape.num_groups = model.num_expert_groups;
+    shape.num_redundant = o.redundant;
+    EPMOE_RETURN_IF_ERROR(ValidatePolicyShape(policy, shape, model.num_experts)
+                              .WithContext(fmt::format("--eplb-policy {} --eplb-redundant {}", o.policy, o.redundant)));
+  }
   if ((model.num_experts + o.redundant) % comm.size() != 0)
     return InvalidArgument(fmt::format("--eplb-redundant {}: {} experts + {} copies do not divide over {} ranks",
                                        o.redundant, model.num_experts, o.redundant, comm.size()));

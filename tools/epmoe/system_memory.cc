@@ -13,6 +13,8 @@
 
 #include "output.h"
 
+#include "output.h"
+
 namespace epmoe::cli {
 namespace {
 

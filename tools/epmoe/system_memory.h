@@ -8,6 +8,8 @@
 #include "epmoe/layer.h"
 #include "epmoe/status.h"
 
+#include "epmoe/status.h"
+
 namespace epmoe::cli {
 
 // MemAvailable from /proc/meminfo in bytes (or 8 GB when it cannot be read).

@@ -833,8 +833,11 @@ JobErrors GatherJobErrors(const Status& error, double seconds) {
 Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& options) {
   if (options.ranks_per_node < 0)
     return InvalidArgument(fmt::format("ranks per node must not be negative, got {}", options.ranks_per_node));
-  if (options.timeout_seconds < 0)
-    return InvalidArgument(fmt::format("communication timeout must not be negative, got {}", options.timeout_seconds));
+  // The deadline is kept in nanoseconds: beyond about 292 years it would overflow into the past.
+  constexpr double kMaxTimeoutSeconds = 1e8;
+  if (!(options.timeout_seconds >= 0 && options.timeout_seconds <= kMaxTimeoutSeconds))
+    return InvalidArgument(fmt::format("communication timeout {} s: must be from 0 (wait forever) to {:.0e} s",
+                                       options.timeout_seconds, kMaxTimeoutSeconds));
   int initialized = 0;
   MPI_Initialized(&initialized);
   int thread_level = MPI_THREAD_SINGLE;
