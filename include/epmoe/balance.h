@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "epmoe/load.h"
+#include "epmoe/load_figures.h"
 #include "epmoe/placement.h"
 
 namespace epmoe {
@@ -39,9 +40,6 @@ void RankCopiesRead(const Placement& placement, int layer, std::span<const int64
                     std::span<double> out);
 void RankSeconds(const Placement& placement, int layer, std::span<const int64_t> counts, const CostModel& cost,
                  std::span<double> out);
-
-// mean / max of per-rank values; 1 when every value is 0 (nothing to balance).
-double Balancedness(std::span<const double> per_rank);
 
 // A placement scored on a load (each step and layer, then averaged).
 struct PlacementScore {

@@ -52,13 +52,6 @@ void RankSeconds(const Placement& placement, int layer, std::span<const int64_t>
   }
 }
 
-double Balancedness(std::span<const double> per_rank) {
-  if (per_rank.empty()) return 1;
-  const double max = *std::max_element(per_rank.begin(), per_rank.end());
-  if (max <= 0) return 1;
-  return std::accumulate(per_rank.begin(), per_rank.end(), 0.0) / per_rank.size() / max;
-}
-
 namespace {
 
 double Max(std::span<const double> values) { return *std::max_element(values.begin(), values.end()); }
