@@ -1,38 +1,34 @@
-#include "epmoe/eplb_policy.h"
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <numeric>
 
-#include <fmt/format.h>
-
+#include "epmoe/enum_names.h"
+#include "epmoe/eplb_policy.h"
 #include "solver.h"
 
 namespace epmoe {
 
 using eplb_internal::CopyWeight;
 
+namespace {
+constexpr EnumNames<Policy, 5> kPolicies("policy", {{{Policy::kDeepseek, "deepseek"},
+                                                     {Policy::kDeepseekGuarded, "deepseek-guarded"},
+                                                     {Policy::kPerStep, "per-step"},
+                                                     {Policy::kCost, "cost"},
+                                                     {Policy::kMinMove, "min-move"}}});
+}  // namespace
+
 const char* PolicyName(Policy policy) {
-  switch (policy) {
-    case Policy::kDeepseek: return "deepseek";
-    case Policy::kDeepseekGuarded: return "deepseek-guarded";
-    case Policy::kPerStep: return "per-step";
-    case Policy::kCost: return "cost";
-    case Policy::kMinMove: return "min-move";
-  }
-  return "?";
+  return kPolicies.Name(policy);
 }
-
 std::vector<Policy> AllPolicies() {
-  return {Policy::kDeepseek, Policy::kDeepseekGuarded, Policy::kPerStep, Policy::kCost, Policy::kMinMove};
+  return kPolicies.All();
 }
-
 Result<Policy> ParsePolicy(std::string_view name) {
-  for (Policy policy : AllPolicies())
-    if (name == PolicyName(policy)) return policy;
-  return InvalidArgument(fmt::format(
-      "unknown policy \"{}\" (deepseek, deepseek-guarded, per-step, cost, min-move)", name));
+  return kPolicies.Parse(name);
 }
 
 Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {

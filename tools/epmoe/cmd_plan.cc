@@ -118,7 +118,7 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
     for (const auto& measured : run.at("options")) {
       const Result<EpOption> option = ParseEpOption(measured.value("option", ""));
       if (!option.ok() || !measured.contains("step_ms_median")) continue;
-      auto& times = steps[static_cast<int>(*option)][r];
+      auto& times = steps[std::find(options.begin(), options.end(), *option) - options.begin()][r];
       if (measured.contains("step_ms")) {
         times = measured["step_ms"].get<std::vector<double>>();
       } else {
