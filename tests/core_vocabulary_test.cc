@@ -6,6 +6,7 @@
 #include "epmoe/enum_names.h"
 #include "epmoe/ep_options.h"
 #include "epmoe/load_figures.h"
+#include "epmoe/weight_format.h"
 
 namespace epmoe {
 namespace {
@@ -62,6 +63,13 @@ TEST(EnumNames, NameParseAllList) {
   EXPECT_EQ(*kColors.Parse("red"), Color::kRed);
   EXPECT_EQ(*kColors.Parse("navy", {{"navy", Color::kBlue}}), Color::kBlue);
   EXPECT_EQ(kColors.Parse("green").status().message(), "unknown color 'green' (red, blue)");
+}
+
+TEST(EnumNames, WeightFormatsParseAndList) {
+  for (WeightFormat format : AllWeightFormats()) EXPECT_EQ(*ParseWeightFormat(WeightFormatName(format)), format);
+  EXPECT_EQ(AllWeightFormats().size(), 5u);
+  EXPECT_EQ(ParseWeightFormat("fp8").status().message(),
+            "unknown weight format 'fp8' (fp32, bf16, int8, nvfp4, mxfp4)");
 }
 
 TEST(LoadFigures, Balancedness) {
