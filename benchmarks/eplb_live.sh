@@ -4,7 +4,8 @@
 #   1. a drifting synthetic load: zipf popularity (s = 1) whose popular set changes every 200 steps,
 #      800 steps of 64 rows, OLMoE's routing shape (64 experts, top-8), 4 MoE layers;
 #   2. FLAME-MoE-290M's 10 recorded decode steps (64 rows, top-6) replayed 40 times (400 steps),
-#      8 MoE layers, from ../shared/data/traces (read in place, never copied into the repository).
+#      8 MoE layers, from the full routing data beside the repository (../shared/data/traces, or the
+#      folder EPMOE_TRACES names; tests/data holds only a 32-sequence excerpt of it).
 # Experts are benchmark-sized (hidden 512, intermediate 256, bf16), R = 4 redundant slots,
 # deepseek-guarded. "off" runs the plain placement (no redundant slots), recording the picks but
 # never looking (--eplb-interval 1000000), so it reports the same per-step figures; "sync" and
@@ -23,6 +24,10 @@ PLOT_DIR=${3:-}
 BIN=$(realpath "$BUILD/epmoe")
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 TRACES=${EPMOE_TRACES:-$HERE/../shared/data/traces}
+if [ ! -d "$TRACES/flame_moe_290m/decode_64seqs_pos1-10" ]; then
+  echo "eplb_live: $TRACES/flame_moe_290m/decode_64seqs_pos1-10 not found; set EPMOE_TRACES to the folder of the full routing traces" >&2
+  exit 1
+fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1

@@ -51,7 +51,8 @@ const ExpertLoad& Summed() {
 
 void BM_Policy(benchmark::State& state) {
   const Policy policy = static_cast<Policy>(state.range(0));
-  const bool summed = policy == Policy::kDeepseek || policy == Policy::kDeepseekGuarded;
+  const bool summed =
+      policy == Policy::kDeepseek || policy == Policy::kDeepseekGuarded || policy == Policy::kUniform;
   const ExpertLoad& load = summed ? Summed() : Series();
   PolicyOptions options;
   options.policy = policy;
@@ -69,7 +70,7 @@ void BM_Policy(benchmark::State& state) {
   }
   state.SetLabel(std::string(PolicyName(policy)) + (summed ? " (summed load)" : " (1000 steps)"));
 }
-BENCHMARK(BM_Policy)->DenseRange(0, 4)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Policy)->DenseRange(0, static_cast<int>(Policy::kAuto))->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // One MoE layer of Qwen3-30B-A3B (128 experts, top-8) at reduced width, bf16, T = 64 rows.
 void BM_LayerForward(benchmark::State& state) {

@@ -3,13 +3,14 @@
 // from a placement equals, bit for bit, one that installs the same placement live; the recorder's
 // per-slot picks are what the dispatch tables sent; the load file a run records.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
-#include <unistd.h>
 
 #include "epmoe/comm.h"
 #include "epmoe/engine.h"
@@ -18,6 +19,7 @@
 #include "epmoe/thread_pool.h"
 #include "epmoe/trace.h"
 #include "mpi_world.h"
+#include "tiny_model.h"
 
 namespace epmoe {
 namespace {
@@ -25,28 +27,16 @@ namespace {
 constexpr uint64_t kSeed = 11;
 constexpr int kLayers = 2;
 
-Communicator& World() { return testing::SharedWorld(120); }
+Communicator& World() {
+  return testing::SharedWorld(120);
+}
 
 ThreadPool& Pool() {
   static ThreadPool pool(1);
   return pool;
 }
 
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.hidden = 64;
-  m.num_experts = 16;
-  m.expert_intermediate = 32;
-  m.top_k = 4;
-  m.num_shared_experts = 1;
-  m.shared_intermediate = 32;
-  m.num_layers = kLayers;
-  m.scoring = Scoring::kSoftmax;
-  m.renormalize = true;
-  EPMOE_CHECK(ValidateModel(m, "tiny").ok());
-  return m;
-}
+ModelConfig TinyModel() { return testing::TinyModel(1); }
 
 EngineOptions FloatOptions(EpOption option, int ranks) {
   EngineOptions o;
@@ -60,8 +50,12 @@ EngineOptions FloatOptions(EpOption option, int ranks) {
   return o;
 }
 
-int64_t First(int64_t total) { return RowBegin(total, World().size(), World().rank()); }
-int64_t Count(int64_t total) { return RowBegin(total, World().size(), World().rank() + 1) - First(total); }
+int64_t First(int64_t total) {
+  return RowBegin(total, World().size(), World().rank());
+}
+int64_t Count(int64_t total) {
+  return RowBegin(total, World().size(), World().rank() + 1) - First(total);
+}
 
 // Every option, three steps of the model's router on this rank's rows, against the layers run
 // in one process on all rows: this rank's rows of the residual stream after every step.
@@ -227,6 +221,48 @@ TEST(EngineStep, RecordsTheLoadItRan) {
     }
     ASSERT_TRUE(World().Barrier().ok());
   }
+}
+
+// Two nodes and a model whose expert groups divide over them: live rebalancing places groups on
+// nodes (DeepSeek's hierarchical policy), so every copy of a group's experts is on the group's node.
+TEST(EngineStep, RebalancesGroupsOntoNodes) {
+  const int g = World().size();
+  if (g % 2 != 0) GTEST_SKIP() << "two nodes need an even rank count";
+  CommOptions two_nodes;
+  two_nodes.ranks_per_node = g / 2;
+  two_nodes.timeout_seconds = 120;
+  auto comm = WorldCommunicator(two_nodes);
+  ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+  ASSERT_EQ((*comm)->num_nodes(), 2);
+  ModelConfig model = TinyModel();
+  model.num_expert_groups = 4;
+  model.topk_groups = 2;
+  EngineOptions o = FloatOptions(EpOption::kA2a, g);
+  auto trivial = Placement::Trivial(kLayers, model.num_experts, g, g, 2);
+  ASSERT_TRUE(trivial.ok());
+  o.executor.placement = std::make_shared<const Placement>(*trivial);
+  o.rebalance = true;
+  o.rebalancer.trigger.interval_steps = 2;
+  auto engine = Engine::Create(**comm, model, o, Pool());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  const int64_t total = 12 * g;
+  for (int step = 0; step < 3; ++step) {
+    Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+    ASSERT_TRUE((*engine)->Step(&x, First(total), **routing).ok());
+  }
+  ASSERT_EQ((*engine)->rebalancer()->reports().size(), 1u);
+  const PlacementPtr placed = (*engine)->live_placement()->placement();
+  const int per_group = model.num_experts / model.num_expert_groups;
+  for (int l = 0; l < kLayers; ++l)
+    for (int group = 0; group < model.num_expert_groups; ++group) {
+      std::set<int> nodes;
+      for (int e = group * per_group; e < (group + 1) * per_group; ++e)
+        for (int32_t slot : placed->copies(l, e)) nodes.insert(placed->node_of_rank(placed->rank_of_slot(slot)));
+      EXPECT_EQ(nodes.size(), 1u) << "layer " << l << " group " << group;
+    }
+  ASSERT_TRUE((*engine)->Close().ok());
 }
 
 TEST(EngineStep, RefusesRebalancingAnOptionWithoutPlacement) {

@@ -11,6 +11,7 @@
 #include "epmoe/thread_pool.h"
 #include "epmoe/weight_format.h"
 #include "mpi_world.h"
+#include "tiny_model.h"
 
 namespace epmoe {
 namespace {
@@ -24,21 +25,7 @@ ThreadPool& Pool() {
   return pool;
 }
 
-ModelConfig TinyModel(int shared) {
-  ModelConfig m;
-  m.name = "tiny";
-  m.hidden = 64;
-  m.num_experts = 16;
-  m.expert_intermediate = 32;
-  m.top_k = 4;
-  m.num_shared_experts = shared;
-  m.shared_intermediate = shared ? 32 : 0;
-  m.num_layers = 2;
-  m.scoring = Scoring::kSoftmax;
-  m.renormalize = true;
-  EPMOE_CHECK(ValidateModel(m, "tiny").ok());
-  return m;
-}
+using testing::TinyModel;
 
 // gpt-oss's kind of layer: a router bias added to the logits, expert biases (sliced options carry
 // the down bias on the first slice only) and the clamped activation, its limit low enough to bite.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -16,12 +17,16 @@ namespace {
 using epmoe::testing::CommandResult;
 using epmoe::testing::Epmoe;
 
-std::string Traces() {
-  return epmoe::testing::TracesDir();
+std::string Decode() {
+  return EPMOE_TEST_DATA_DIR "/flame_moe_290m/decode_32seqs_pos1-10";
 }
 
-std::string Decode() {
-  return Traces() + "/flame_moe_290m/decode_64seqs_pos1-10";
+// The result row of one policy.
+nlohmann::json Row(const nlohmann::json& report, const std::string& policy) {
+  for (const auto& p : report["results"])
+    if (p["policy"] == policy) return p;
+  ADD_FAILURE() << "no row for " << policy;
+  return {};
 }
 
 TEST(EplbBalanceCli, HelpAndOneLineRefusals) {
@@ -32,7 +37,10 @@ TEST(EplbBalanceCli, HelpAndOneLineRefusals) {
   for (const std::string& args : std::vector<std::string>{
            "balance --bogus", "balance" + trace + " --ranks 0 --redundant 8", "balance" + trace + " --ranks 8",
            "balance" + trace + " --ranks 8 --redundant 8 --policy magic",
-           "balance" + trace + " --ranks 8 --redundant 8 --train 1.5", "balance" + trace + " --ranks 3 --redundant 0",
+           "balance" + trace + " --ranks 8 --redundant 8 --train 1.5",
+           "balance" + trace + " --ranks 8 --redundant 8 --policy auto --validation 1",
+           "balance" + trace + " --ranks 8 --redundant 8 --policy per-step --uniform-prior -1",
+           "balance" + trace + " --ranks 3 --redundant 0",
            "balance" + trace + " --ranks 8 --redundant 8 --out /tmp/x.json",
            "balance --trace /nonexistent/trace --ranks 8 --redundant 8",
            "balance" + trace + " --ranks 8 --redundant 8 --model deepseek-v3"}) {
@@ -45,7 +53,6 @@ TEST(EplbBalanceCli, HelpAndOneLineRefusals) {
 }
 
 TEST(EplbBalanceCli, ScoresEveryPolicyHeldOutAndWritesAPlacement) {
-  if (!std::ifstream(Traces() + "/README.md").good()) GTEST_SKIP() << "traces not found";
   const CommandResult r = Epmoe("balance --trace " + Decode() + " --ranks 8 --redundant 8 --format json");
   ASSERT_EQ(r.exit_code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
@@ -58,10 +65,10 @@ TEST(EplbBalanceCli, ScoresEveryPolicyHeldOutAndWritesAPlacement) {
     const double b = p["held_out"]["balancedness"];
     EXPECT_GT(b, 0.3) << p["policy"];
     EXPECT_LE(b, 1.0) << p["policy"];
-    EXPECT_NEAR(p["held_out"]["mean_picks_per_rank"].get<double>(), 64 * 6 / 8.0, 1e-9);
+    EXPECT_NEAR(p["held_out"]["mean_picks_per_rank"].get<double>(), 32 * 6 / 8.0, 1e-9);
   }
   EXPECT_EQ(names, (std::vector<std::string>{"trivial", "even-router", "deepseek", "deepseek-guarded", "per-step",
-                                             "cost", "min-move"}));
+                                             "cost", "min-move", "uniform", "auto"}));
   EXPECT_TRUE(j["results"][2].contains("solve_seconds"));
 
   const std::string out = std::string(EPMOE_BINARY_DIR) + "/eplb_balance_cli_test_placement.json";
@@ -81,8 +88,51 @@ TEST(EplbBalanceCli, ScoresEveryPolicyHeldOutAndWritesAPlacement) {
       Epmoe("balance --trace " + Decode() +
             " --ranks 8 --redundant 8 --policy min-move --train 1 --format json --current " + out);
   ASSERT_EQ(keep.exit_code, 0) << keep.out;
-  EXPECT_EQ(nlohmann::json::parse(keep.out)["results"][1]["moved_copies"], 0);
+  EXPECT_EQ(Row(nlohmann::json::parse(keep.out), "min-move")["moved_copies"], 0);
   std::remove(out.c_str());
+}
+
+TEST(EplbBalanceCli, HeldOutTableHasTheReferenceLinesAndAutosCandidates) {
+  // A synthetic trace (8 experts, top-2), so the test needs no shared data.
+  const std::string trace = std::string(EPMOE_BINARY_DIR) + "/eplb_balance_cli_test_trace.bin";
+  ASSERT_EQ(
+      Epmoe("trace gen " + trace + " --experts 8 --top-k 2 --layers 2 --steps 40 --batch 32 --dist zipf").exit_code, 0);
+  const std::string args = "balance --trace " + trace + " --ranks 4 --redundant 4 --policy auto";
+  const CommandResult text = Epmoe(args);
+  ASSERT_EQ(text.exit_code, 0) << text.out;
+  // One table line each for trivial, uniform, deepseek and auto, with held-out and fitted balancedness.
+  for (const std::string policy : {"trivial", "uniform", "deepseek", "auto"}) {
+    const size_t at = text.out.find("\n" + policy + " ");
+    ASSERT_NE(at, std::string::npos) << policy << "\n" << text.out;
+    const std::string line = text.out.substr(at + 1, text.out.find('\n', at + 1) - at - 1);
+    double held_out = 0, fitted = 0;
+    ASSERT_EQ(std::sscanf(line.c_str() + policy.size(), "%lf %lf", &held_out, &fitted), 2) << line;
+    EXPECT_GT(held_out, 0.2) << line;
+    EXPECT_LE(fitted, 1.0) << line;
+  }
+  EXPECT_NE(text.out.find("balanced  fit bal"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("auto: fitted on the first 10 of those steps, validated on the other 10"), std::string::npos)
+      << text.out;
+  // The same figures in JSON: every row fitted and held out; auto's candidates, one chosen.
+  const CommandResult json = Epmoe(args + " --format json");
+  ASSERT_EQ(json.exit_code, 0) << json.out;
+  const auto j = nlohmann::json::parse(json.out);
+  EXPECT_EQ(j["held_out_steps"], 20);
+  for (const std::string policy : {"trivial", "deepseek", "uniform", "auto"}) {
+    const auto row = Row(j, policy);
+    EXPECT_TRUE(row.contains("held_out") && row.contains("train")) << policy;
+    const std::string needle = "\n" + policy + " ";
+    const size_t at = text.out.find(needle);
+    ASSERT_NE(at, std::string::npos);
+    EXPECT_NEAR(std::stod(text.out.substr(at + needle.size())), row["held_out"]["balancedness"].get<double>(), 1e-4)
+        << policy;
+  }
+  const nlohmann::json candidates = Row(j, "auto")["validation"]["candidates"];
+  int chosen = 0;
+  for (const auto& c : candidates) chosen += c["chosen"].get<bool>();
+  EXPECT_EQ(chosen, 1);
+  EXPECT_EQ(candidates.size(), 7u);  // current (the trivial one), uniform, deepseek, guarded, min-move, per-step, cost
+  std::remove(trace.c_str());
 }
 
 }  // namespace

@@ -143,6 +143,15 @@ TEST(EplbRecorder, CountsBalancednessAndWindows) {
   EXPECT_EQ(sum.num_steps, 1);
   EXPECT_EQ(sum.at(0, 0)[0], 12);  // 3 steps kept x 4
   EXPECT_DOUBLE_EQ(stat->Balance().current, 0.5);  // only layer 0 recorded
+  // Series keeps the steps in every mode, consecutive ones summed into at most max_steps.
+  const ExpertLoad steps = stat->Series(8);
+  ASSERT_EQ(steps.num_steps, 3);
+  for (int64_t step = 0; step < 3; ++step) EXPECT_EQ(steps.at(step, 0)[0], 4);
+  const ExpertLoad two = stat->Series(2);
+  ASSERT_EQ(two.num_steps, 2);
+  EXPECT_EQ(two.at(0, 0)[0], 4);  // step 0 of the window
+  EXPECT_EQ(two.at(1, 0)[0], 8);  // steps 1 and 2
+  EXPECT_EQ(two.rows[1], 8);
   // A placement installed during a step applies from the next step; a wrong shape is refused.
   auto swapped = Placement::Create(4, 2, 1, {{0, 2, 1, 3}, {0, 2, 1, 3}});
   ASSERT_TRUE(stat->Record(0, picks).ok());

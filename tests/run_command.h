@@ -40,9 +40,4 @@ inline CommandResult Epmoe(const std::string& args) {
   return RunCommand(EpmoeBinary() + " " + args);
 }
 
-// The shared routing traces: ../shared/data/traces beside the source tree (as CI lays it out).
-inline std::string TracesDir() {
-  return std::string(EPMOE_SOURCE_DIR) + "/../shared/data/traces";
-}
-
 }  // namespace epmoe::testing

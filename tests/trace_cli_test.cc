@@ -14,8 +14,8 @@ namespace {
 using epmoe::testing::CommandResult;
 using epmoe::testing::Epmoe;
 
-const std::string kTraces = epmoe::testing::TracesDir();
-const std::string kDecode = kTraces + "/flame_moe_290m/decode_64seqs_pos1-10";
+const std::string kTraces = EPMOE_TEST_DATA_DIR;
+const std::string kDecode = kTraces + "/flame_moe_290m/decode_32seqs_pos1-10";
 
 std::string TempDir() {
   const auto dir = std::filesystem::path(EPMOE_BINARY_DIR) / "trace_cli_test";
@@ -58,7 +58,7 @@ TEST(TraceCli, ConvertRoundTripKeepsTheStats) {
     ASSERT_EQ(r.exit_code, 0) << file << ": " << r.out;
     auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["steps"], 10);
-    EXPECT_EQ(j["rows"], 640);
+    EXPECT_EQ(j["rows"], 320);
     EXPECT_EQ(j["per_layer"][0]["layer"], 2);
     const std::string per_layer = j["per_layer"].dump();
     if (first.empty()) first = per_layer;
@@ -83,7 +83,7 @@ TEST(TraceCli, GenStatsAndShow) {
   const CommandResult text = Epmoe("trace stats " + file + " --ranks 4");
   ASSERT_EQ(text.exit_code, 0);
   EXPECT_NE(text.out.find("balancedness"), std::string::npos);
-  const CommandResult show = Epmoe("trace show " + kTraces + "/flame_moe_290m/prefill_32seqs_x64tok --rows 1");
+  const CommandResult show = Epmoe("trace show " + kTraces + "/flame_moe_290m/prefill_4seqs_x64tok --rows 1");
   ASSERT_EQ(show.exit_code, 0) << show.out;
   EXPECT_NE(show.out.find("row 0: 34:0.0998 28:0.0523 21:0.0417 47:0.0384 3:0.0326 12:0.0296"), std::string::npos)
       << show.out;

@@ -20,8 +20,8 @@ namespace epmoe {
 namespace {
 
 namespace fs = std::filesystem;
-const std::string kTraces = std::string(EPMOE_SOURCE_DIR) + "/../shared/data/traces";
-const std::string kDecode = kTraces + "/flame_moe_290m/decode_64seqs_pos1-10";
+const std::string kTraces = EPMOE_TEST_DATA_DIR;
+const std::string kDecode = kTraces + "/flame_moe_290m/decode_32seqs_pos1-10";
 const std::string kCounts = kTraces + "/olmoe_paper_expert_counts/expert_counts.csv";
 
 class TraceFormatTest : public ::testing::Test {
@@ -122,7 +122,7 @@ TEST_F(TraceFormatTest, FlameDecodeRoundTripsThroughEveryPerRowFormat) {
     EXPECT_EQ(back->info.top_k, 6) << format;
     for (size_t s = 0; s < back->steps.size(); ++s) {
       EXPECT_EQ(back->steps[s].counts, original->steps[s].counts) << format;
-      EXPECT_EQ(back->steps[s].rows, 64) << format;
+      EXPECT_EQ(back->steps[s].rows, 32) << format;
     }
   }
 }
@@ -398,7 +398,7 @@ TEST_F(TraceFormatTest, TruncatedRealFilesAreRefusedOrConsistent) {
   // Cut the real files at many points: the importers either refuse them or return a trace that
   // passes every check (a cut at a line end is a shorter, valid file); they never crash.
   const std::vector<std::pair<std::string, std::string>> files = {
-      {kTraces + "/flame_moe_290m/prefill_32seqs_x64tok_topk_derived.csv", "flame-topk-csv"},
+      {kTraces + "/flame_moe_290m/prefill_4seqs_x64tok_topk_derived.csv", "flame-topk-csv"},
       {kDecode + "/pos01/layer02.csv", "flame-csv"},
       {kCounts, "expert-counts-csv"},
   };

@@ -317,15 +317,14 @@ TEST(TraceStats, MatchesAPlainReferenceOnASkewedTrace) {
 }
 
 TEST(TraceStats, RealFlameDecodeTrace) {
-  auto reader = TraceReader::Open(std::string(EPMOE_SOURCE_DIR) +
-                                      "/../shared/data/traces/flame_moe_290m/decode_64seqs_pos1-10", {});
+  auto reader = TraceReader::Open(EPMOE_TEST_DATA_DIR "/flame_moe_290m/decode_32seqs_pos1-10", {});
   ASSERT_TRUE(reader.ok()) << reader.status().ToString();
   auto stats = ComputeTraceStats(reader->get(), 8);
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->steps, 10);
-  EXPECT_EQ(stats->rows, 640);
+  EXPECT_EQ(stats->rows, 320);
   for (const LayerTraceStats& l : stats->layers) {
-    EXPECT_EQ(l.picks, 10 * 64 * 6);
+    EXPECT_EQ(l.picks, 10 * 32 * 6);
     EXPECT_GT(l.balancedness_mean, 0.5);
     EXPECT_LE(l.balancedness_mean, 1.0);
     EXPECT_GT(l.ranks_per_row_mean, 1.0);

@@ -36,21 +36,23 @@ double ExpertCopySeconds(const CostModel& cost, double rows);
 // Per rank, for one layer and one step's per-expert counts (E values): picks (even split over
 // copies), expected distinct copies read, and predicted seconds. Each output gets G values.
 void RankPicks(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out);
-void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts,
-                    std::span<double> out);
+void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out);
 void RankSeconds(const Placement& placement, int layer, std::span<const int64_t> counts, const CostModel& cost,
                  std::span<double> out);
 
+// Mean over the load's steps of one layer's balancedness (mean/max picks per rank); 1 without steps.
+double LayerBalancedness(const Placement& placement, int layer, const ExpertLoad& load);
+
 // A placement scored on a load (each step and layer, then averaged).
 struct PlacementScore {
-  double balancedness = 1;        // mean over steps and layers of mean/max picks per rank
-  double max_picks = 0;           // mean over steps and layers of the busiest rank's picks
-  double mean_picks = 0;          // mean over steps and layers of the mean rank's picks
-  double byte_balancedness = 1;   // mean over steps and layers of mean/max bytes read per rank
-  double max_bytes = 0;           // mean over steps and layers of the most bytes one rank reads
+  double balancedness = 1;       // mean over steps and layers of mean/max picks per rank
+  double max_picks = 0;          // mean over steps and layers of the busiest rank's picks
+  double mean_picks = 0;         // mean over steps and layers of the mean rank's picks
+  double byte_balancedness = 1;  // mean over steps and layers of mean/max bytes read per rank
+  double max_bytes = 0;          // mean over steps and layers of the most bytes one rank reads
   double mean_bytes = 0;
-  double step_seconds = 0;        // mean over steps of the sum over layers of the slowest rank's time
-  double mean_rank_seconds = 0;   // the same with the mean rank's time (no waiting)
+  double step_seconds = 0;       // mean over steps of the sum over layers of the slowest rank's time
+  double mean_rank_seconds = 0;  // the same with the mean rank's time (no waiting)
 };
 PlacementScore ScorePlacement(const Placement& placement, const ExpertLoad& load, const CostModel& cost);
 

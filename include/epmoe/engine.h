@@ -91,20 +91,20 @@ using StageSeconds = std::array<double, kNumStages>;
 
 // One step's figures, gathered over every rank (the same on every rank).
 struct StepReport {
-  int64_t step = 0;                 // counted from 0
-  double seconds = 0;               // the slowest rank's wall time over the layers
-  StageSeconds stage_seconds{};     // mean over ranks, summed over layers
-  double picks_balancedness = 1;    // mean/max picks per rank, averaged over layers
-  double bytes_balancedness = 1;    // mean/max expert bytes read per rank, averaged over layers
-  std::vector<int64_t> rank_picks;  // picks each rank computed, summed over layers
-  int64_t rows = 0;                 // rows of the step (each counted at its home rank)
-  double copies_per_row = 0;        // ranks a row was delivered to, averaged over rows and layers
+  int64_t step = 0;                            // counted from 0
+  double seconds = 0;                          // the slowest rank's wall time over the layers
+  StageSeconds stage_seconds{};                // mean over ranks, summed over layers
+  double picks_balancedness = 1;               // mean/max picks per rank, averaged over layers
+  double bytes_balancedness = 1;               // mean/max expert bytes read per rank, averaged over layers
+  std::vector<int64_t> rank_picks;             // picks each rank computed, summed over layers
+  int64_t rows = 0;                            // rows of the step (each counted at its home rank)
+  double copies_per_row = 0;                   // ranks a row was delivered to, averaged over rows and layers
   int64_t bytes_sent = 0, bytes_received = 0;  // over all ranks and layers
-  int64_t peak_buffer_bytes = 0;    // the largest on any rank
-  int rounds = 0;                   // the most exchange rounds of any layer and rank
-  double max_error = 0;             // with check: the largest normalized error of any layer and rank
-  BoundaryOutcome boundary;         // with rebalance: what the step boundary did
-  double boundary_seconds = 0;      // this rank's time in the step boundary
+  int64_t peak_buffer_bytes = 0;               // the largest on any rank
+  int rounds = 0;                              // the most exchange rounds of any layer and rank
+  double max_error = 0;                        // with check: the largest normalized error of any layer and rank
+  BoundaryOutcome boundary;                    // with rebalance: what the step boundary did
+  double boundary_seconds = 0;                 // this rank's time in the step boundary
 };
 
 class Engine {
@@ -147,9 +147,9 @@ class Engine {
   std::shared_ptr<LivePlacement> live_;
   std::unique_ptr<LoadRecorder> recorder_;
   std::unique_ptr<Rebalancer> rebalancer_;
-  std::unique_ptr<RebalanceMetrics> metrics_;  // rank 0 with a metrics file
-  size_t metrics_reported_ = 0;                // rebalances already in the metrics
-  double windowed_balancedness_ = 1;           // at the trigger's last look
+  std::unique_ptr<RebalanceMetrics> metrics_;          // rank 0 with a metrics file
+  size_t metrics_reported_ = 0;                        // rebalances already in the metrics
+  double windowed_balancedness_ = 1;                   // at the trigger's last look
   std::vector<std::unique_ptr<MoeLayer>> references_;  // with check
   std::unique_ptr<TraceWriter> load_file_;             // rank 0 with record_load_path
   std::vector<int64_t> run_load_;                      // stat: [layer][expert] summed over ranks and steps

@@ -3,14 +3,14 @@
 // Defined as constants next to the enum's functions; immutable and thread-safe.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <array>
 #include <cstddef>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "epmoe/status.h"
 

@@ -48,8 +48,8 @@ struct KernelBenchOptions {
   // usual expert-parallel layout). Round-robin by default: on a Zen 5 VM a contiguous share lies
   // in one region of memory, and regions read 7 - 20% faster than one another in a pattern that
   // changed from process to process, so each rank's samples ran faster or slower than their bytes
-  // said; round-robin shares spread every rank over all regions (session 27: the ranks' speeds
-  // 1.05 - 1.14 x apart with contiguous shares, 1.01 - 1.03 x round-robin).
+  // said; round-robin shares spread every rank over all regions (the ranks' speeds 1.05 - 1.14 x
+  // apart with contiguous shares, 1.01 - 1.03 x round-robin).
   bool decode_contiguous_shares = false;
   // Passes of the decode experiment over all of its samples, each a timed run of every sample (a
   // sample's time is the median of its runs): at least decode_repetitions, then more until the
@@ -57,9 +57,9 @@ struct KernelBenchOptions {
   // whose memory's speed wandered between 28 and 56 GB/s from run to run, a 4-bit sample's runs
   // (0.3 - 0.7 ms) spread by 11 - 13% (their coefficient of variation), fp32's (4 - 6 ms) by 7%, and
   // r(bytes) of nvfp4 / mxfp4 / int8 went 0.895 / 0.932 / 0.935 with 9 runs a sample, 0.982 / 0.981
-  // / 0.989 with 21, 0.987 / 0.987 / 0.991 with 32 (session 27). A budget in seconds gives the short
-  // samples those runs at the cost of their own length: in 30 s here 4-bit samples get about 24
-  // runs, fp32's about 10. (9 runs and no budget in sessions 17 - 26, 5 before.)
+  // / 0.989 with 21, 0.987 / 0.987 / 0.991 with 32. A budget in seconds gives the short samples
+  // those runs at the cost of their own length: in 30 s there 4-bit samples get about 24 runs,
+  // fp32's about 10.
   int decode_repetitions = 9;
   double decode_seconds = 30;
   // The MemoryReadProbe read before each timed run and before each read of the run's weights: it
@@ -174,7 +174,7 @@ struct DecodeExperiment {
   // its runs of each run's time x the read rate of its weights just before it): what is left once
   // the memory's own changes of speed between runs are taken out, and the differences between
   // regions of memory (on a Zen 5 VM one rank's experts read 7 - 20% faster than another's, in a
-  // pattern that changed from process to process: session 27).
+  // pattern that changed from process to process).
   double correlation_bytes_steady = 0;
   // The experiment's memory speed: the median of the largest band of the reads beside its runs, a
   // band being the reads within kDecodeSpeedTolerance of one of them (DensestBandMedian). A run

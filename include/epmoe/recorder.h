@@ -42,8 +42,8 @@ struct RecorderOptions {
 
 // Balancedness averaged over the last n finished steps (fewer when fewer were recorded).
 struct BalanceReport {
-  int64_t steps = 0;              // finished steps so far
-  double current = 1, last10 = 1, last100 = 1, last1000 = 1;                  // picks
+  int64_t steps = 0;                                                                  // finished steps so far
+  double current = 1, last10 = 1, last100 = 1, last1000 = 1;                          // picks
   double bytes_current = 1, bytes_last10 = 1, bytes_last100 = 1, bytes_last1000 = 1;  // bytes read
 };
 
@@ -60,6 +60,9 @@ class LoadRecorder {
   BalanceReport Balance() const;
   // stat: one step holding the sum over the window; per-step / per-token: the window's steps.
   ExpertLoad Load() const;
+  // The window as steps in every mode, oldest first, consecutive steps summed into at most
+  // `max_steps` (>= 1) steps: for policies that validate on the later part of the window.
+  ExpertLoad Series(int64_t max_steps) const;
   // per-token: the picks of window step `index` (0 = oldest kept) and layer, concatenated over the
   // Record calls of that step. Empty in the other modes.
   const Picks& TokenPicks(int64_t index, int layer) const;
@@ -74,7 +77,9 @@ class LoadRecorder {
 
  private:
   LoadRecorder() = default;
-  int64_t RingIndex(int64_t index) const { return (next_ - kept_ + index + options_.window_steps) % options_.window_steps; }
+  int64_t RingIndex(int64_t index) const {
+    return (next_ - kept_ + index + options_.window_steps) % options_.window_steps;
+  }
 
   RecorderOptions options_;
   std::shared_ptr<const LivePlacement> live_;
@@ -83,23 +88,23 @@ class LoadRecorder {
   int num_slots_ = 0;
   int num_ranks_ = 0;
   int num_experts_ = 0;
-  std::vector<int64_t> current_;           // [layer][expert] of the step being recorded
-  std::vector<int64_t> current_slots_;     // [layer][slot] of the step being recorded
+  std::vector<int64_t> current_;                   // [layer][expert] of the step being recorded
+  std::vector<int64_t> current_slots_;             // [layer][slot] of the step being recorded
   std::vector<int64_t> call_counts_, call_slots_;  // one Record call's picks per expert and slot
-  std::vector<int64_t> current_rows_;      // rows recorded per layer in this step
+  std::vector<int64_t> current_rows_;              // rows recorded per layer in this step
   std::vector<bool> layer_recorded_;
-  std::vector<int32_t> ring_;              // [window][layer][expert]
-  std::vector<int64_t> ring_rows_;         // rows per kept step
+  std::vector<int32_t> ring_;                    // [window][layer][expert]
+  std::vector<int64_t> ring_rows_;               // rows per kept step
   std::vector<std::vector<Picks>> ring_tokens_;  // per-token: [window][layer]
   std::vector<Picks> current_tokens_;
-  int64_t next_ = 0;                       // ring position of the next step
+  int64_t next_ = 0;  // ring position of the next step
   int64_t kept_ = 0;
   int64_t steps_ = 0;
-  std::vector<double> balance_history_;    // ring of 1000 per-step values
+  std::vector<double> balance_history_;  // ring of 1000 per-step values
   std::vector<double> byte_balance_history_;
-  std::vector<int64_t> last_expert_;       // [layer][expert]
-  std::vector<double> last_slot_;          // [layer][slot]
-  std::vector<double> last_rank_;          // [layer][rank]
+  std::vector<int64_t> last_expert_;  // [layer][expert]
+  std::vector<double> last_slot_;     // [layer][slot]
+  std::vector<double> last_rank_;     // [layer][rank]
 };
 
 }  // namespace epmoe

@@ -1,10 +1,10 @@
 #include "epmoe/engine.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "epmoe/balance.h"
 #include "epmoe/thread_pool.h"
@@ -83,8 +83,8 @@ Result<std::unique_ptr<Routing>> SimulatedRouting(const ModelConfig& model, Rout
   return std::unique_ptr<Routing>(new SimulatedPicks(model, mode, seed));
 }
 
-Result<std::unique_ptr<TraceRouting>> TraceRouting::Open(const std::string& path, const ModelConfig& model,
-                                                         int layers, int64_t max_steps) {
+Result<std::unique_ptr<TraceRouting>> TraceRouting::Open(const std::string& path, const ModelConfig& model, int layers,
+                                                         int64_t max_steps) {
   EPMOE_ASSIGN_OR_RETURN(auto reader, TraceReader::Open(path, LoadReadOptions{}));
   const TraceInfo& info = reader->info();
   if (!info.has_picks)
@@ -117,10 +117,10 @@ Status TraceRouting::Route(int64_t step, int layer, const Matrix& rows, int64_t 
     return InvalidArgument(fmt::format("trace routing: rows [{}, {}) outside step {}'s {} rows", first_row,
                                        first_row + rows.rows, step, all.rows));
   const int k = all.k;
-  *picks = Picks{rows.rows, k,
-                 std::vector<int32_t>(all.experts.begin() + first_row * k,
-                                      all.experts.begin() + (first_row + rows.rows) * k),
-                 std::vector<float>(all.weights.begin() + first_row * k, all.weights.begin() + (first_row + rows.rows) * k)};
+  *picks = Picks{
+      rows.rows, k,
+      std::vector<int32_t>(all.experts.begin() + first_row * k, all.experts.begin() + (first_row + rows.rows) * k),
+      std::vector<float>(all.weights.begin() + first_row * k, all.weights.begin() + (first_row + rows.rows) * k)};
   return Status::Ok();
 }
 
@@ -149,9 +149,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(Communicator& comm, const ModelCo
   const EpOption option = options.executor.option;
   const bool follows_placement = option == EpOption::kA2a || option == EpOption::kWhole;
   if (options.rebalance && !follows_placement)
-    return InvalidArgument(fmt::format(
-        "rebalancing moves the experts of a2a and whole, not {} (their experts follow no placement)",
-        EpOptionName(option)));
+    return InvalidArgument(
+        fmt::format("rebalancing moves the experts of a2a and whole, not {} (their experts follow no placement)",
+                    EpOptionName(option)));
   if (!options.metrics_file.empty() && !options.rebalance)
     return InvalidArgument("a metrics file is written by a rebalancing run");
   EPMOE_RETURN_IF_ERROR(CheckExecutorShape(model, options.executor, comm.size()));
@@ -235,14 +235,13 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
                               .WithContext(fmt::format("step {} layer {}: routing", steps_done_, layer)));
     const double route_us = SecondsSince(start) * 1e6;
     if (recorder_) {
-      EPMOE_RETURN_IF_ERROR(
-          recorder_->Record(layer, tensor_parallel ? DataParallelShare(picks, g, me) : picks));
+      EPMOE_RETURN_IF_ERROR(recorder_->Record(layer, tensor_parallel ? DataParallelShare(picks, g, me) : picks));
     }
     Matrix out;
     StepStats st;
-    EPMOE_RETURN_IF_ERROR(executor_->Forward(layer, *rows, picks, &out, &st)
-                              .WithContext(fmt::format("{} step {} layer {}", EpOptionName(executor_->option()),
-                                                       steps_done_, layer)));
+    EPMOE_RETURN_IF_ERROR(
+        executor_->Forward(layer, *rows, picks, &out, &st)
+            .WithContext(fmt::format("{} step {} layer {}", EpOptionName(executor_->option()), steps_done_, layer)));
     st.route_us = route_us;
     if (options_.settle_each_step && layer + 1 == layers) {
       const auto settle = std::chrono::steady_clock::now();
@@ -258,9 +257,10 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
                                             options_.executor.pack.format);
       EPMOE_ASSIGN_OR_RETURN(const int64_t any_bad, comm_.AllreduceMax(error <= allowed ? 0 : 1));
       if (any_bad)
-        return Internal(fmt::format("check: {} step {} layer {} differs from the single-process layer on rank {}: "
-                                    "normalized max error {:.3g} (allowed {:.1g})",
-                                    EpOptionName(executor_->option()), steps_done_, layer, me, error, allowed));
+        return Internal(
+            fmt::format("check: {} step {} layer {} differs from the single-process layer on rank {}: "
+                        "normalized max error {:.3g} (allowed {:.1g})",
+                        EpOptionName(executor_->option()), steps_done_, layer, me, error, allowed));
       max_error = std::max(max_error, error);
     }
     for (const StageField& stage : kStages) times.push_back(st.*stage.us);
@@ -313,7 +313,8 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
   report.rows = layers > 0 ? row_visits / layers : 0;  // each layer counts the step's rows
   report.copies_per_row = row_visits > 0 ? static_cast<double>(copies) / static_cast<double>(row_visits) : 0;
   ++steps_done_;
-  if (recorder_) EPMOE_RETURN_IF_ERROR(Boundary(report.stage_seconds, report.seconds, report.picks_balancedness, &report));
+  if (recorder_)
+    EPMOE_RETURN_IF_ERROR(Boundary(report.stage_seconds, report.seconds, report.picks_balancedness, &report));
   return report;
 }
 
@@ -364,8 +365,8 @@ Status Engine::AppendRecordedLoad(int64_t rows) {
       std::vector<float> weights = mine.weights;
       weights.resize(mine.rows * k, static_cast<float>(model_.routed_scaling / k));
       const std::vector<int64_t> id_offsets = PrefixOffsets(id_bytes), weight_offsets = PrefixOffsets(weight_bytes);
-      EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(mine.experts.data(), id_bytes[comm_.rank()], all.experts.data(),
-                                             id_bytes, std::span(id_offsets).first(g)));
+      EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(mine.experts.data(), id_bytes[comm_.rank()], all.experts.data(), id_bytes,
+                                             std::span(id_offsets).first(g)));
       EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(weights.data(), weight_bytes[comm_.rank()], all.weights.data(),
                                              weight_bytes, std::span(weight_offsets).first(g)));
       step.rows = all.rows;

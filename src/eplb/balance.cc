@@ -25,8 +25,7 @@ void RankPicks(const Placement& placement, int layer, std::span<const int64_t> c
   }
 }
 
-void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts,
-                    std::span<double> out) {
+void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out) {
   EPMOE_CHECK(static_cast<int>(counts.size()) == placement.num_experts() &&
               static_cast<int>(out.size()) == placement.num_ranks());
   std::fill(out.begin(), out.end(), 0.0);
@@ -47,14 +46,26 @@ void RankSeconds(const Placement& placement, int layer, std::span<const int64_t>
   auto logcnt = placement.logcnt(layer);
   for (int slot = 0; slot < placement.num_slots(); ++slot) {
     const int expert = phy2log[slot];
-    out[placement.rank_of_slot(slot)] +=
-        ExpertCopySeconds(cost, static_cast<double>(counts[expert]) / logcnt[expert]);
+    out[placement.rank_of_slot(slot)] += ExpertCopySeconds(cost, static_cast<double>(counts[expert]) / logcnt[expert]);
   }
+}
+
+double LayerBalancedness(const Placement& placement, int layer, const ExpertLoad& load) {
+  if (load.num_steps == 0) return 1;
+  std::vector<double> per_rank(placement.num_ranks());
+  double sum = 0;
+  for (int64_t step = 0; step < load.num_steps; ++step) {
+    RankPicks(placement, layer, load.at(step, layer), per_rank);
+    sum += Balancedness(per_rank);
+  }
+  return sum / static_cast<double>(load.num_steps);
 }
 
 namespace {
 
-double Max(std::span<const double> values) { return *std::max_element(values.begin(), values.end()); }
+double Max(std::span<const double> values) {
+  return *std::max_element(values.begin(), values.end());
+}
 double Mean(std::span<const double> values) {
   return std::accumulate(values.begin(), values.end(), 0.0) / values.size();
 }
@@ -87,8 +98,8 @@ class ScoreAccumulator {
   PlacementScore Finish() const {
     PlacementScore out = score_;
     if (layers_ == 0) return PlacementScore{};
-    for (double* v : {&out.balancedness, &out.max_picks, &out.mean_picks, &out.byte_balancedness, &out.max_bytes,
-                      &out.mean_bytes})
+    for (double* v :
+         {&out.balancedness, &out.max_picks, &out.mean_picks, &out.byte_balancedness, &out.max_bytes, &out.mean_bytes})
       *v /= layers_;
     out.step_seconds /= std::max<int64_t>(steps_, 1);
     out.mean_rank_seconds /= std::max<int64_t>(steps_, 1);

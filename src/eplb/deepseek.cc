@@ -87,12 +87,14 @@ Packing BalancedPacking(std::span<const double> weight, int num_packs, const std
 }
 
 // Replicates n experts into num_slots slots: slot i < n holds expert i, each further slot the
-// expert with the largest weight per copy (at most max_copies copies each).
+// expert with the largest weight per copy (at most max_copies copies each); with `uniform`, the
+// expert with the fewest copies, the largest weight per copy among those.
 struct Replication {
   std::vector<int> slot_expert;
   std::vector<int> copies;
 };
-Replication Replicate(const std::function<double(int, int)>& copy_weight, int n, int num_slots, int max_copies) {
+Replication Replicate(const std::function<double(int, int)>& copy_weight, int n, int num_slots, int max_copies,
+                      bool uniform) {
   Replication out{std::vector<int>(num_slots), std::vector<int>(n, 1)};
   std::iota(out.slot_expert.begin(), out.slot_expert.begin() + n, 0);
   std::vector<double> per_copy(n);
@@ -100,7 +102,10 @@ Replication Replicate(const std::function<double(int, int)>& copy_weight, int n,
   for (int slot = n; slot < num_slots; ++slot) {
     int best = -1;
     for (int e = 0; e < n; ++e)
-      if (out.copies[e] < max_copies && (best < 0 || per_copy[e] > per_copy[best])) best = e;
+      if (out.copies[e] < max_copies &&
+          (best < 0 || (uniform && out.copies[e] < out.copies[best]) ||
+           ((!uniform || out.copies[e] == out.copies[best]) && per_copy[e] > per_copy[best])))
+        best = e;
     EPMOE_CHECK_MSG(best >= 0, "replication ran out of experts below the copy cap");
     out.slot_expert[slot] = best;
     per_copy[best] = copy_weight(best, ++out.copies[best]);
@@ -114,8 +119,8 @@ int RegionRanks(const BalanceShape& shape) {
   return shape.num_groups % shape.num_nodes == 0 ? shape.num_ranks / shape.num_nodes : shape.num_ranks;
 }
 
-std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, const BalanceShape& shape,
-                                   bool guarded, const std::vector<int32_t>* fixed_copies) {
+std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, const BalanceShape& shape, bool guarded,
+                                   const std::vector<int32_t>* fixed_copies, bool uniform_copies) {
   const int num_slots = num_experts + shape.num_redundant;
   const bool hierarchical = shape.num_groups % shape.num_nodes == 0;
   const int groups = hierarchical ? shape.num_groups : 1;
@@ -155,15 +160,14 @@ std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, co
         for (int c = 1; c < replication.copies[local]; ++c) replication.slot_expert.push_back(local);
       EPMOE_CHECK(static_cast<int>(replication.slot_expert.size()) == slots_per_node);
     } else {
-      replication =
-          Replicate(local_weight, experts_per_node, slots_per_node, guarded ? ranks_per_node : slots_per_node);
+      replication = Replicate(local_weight, experts_per_node, slots_per_node, guarded ? ranks_per_node : slots_per_node,
+                              uniform_copies);
     }
     // Step 3: copies to the node's ranks.
     std::vector<double> copy_weight(slots_per_node);
     for (int i = 0; i < slots_per_node; ++i)
       copy_weight[i] = local_weight(replication.slot_expert[i], replication.copies[replication.slot_expert[i]]);
-    const Packing packing =
-        BalancedPacking(copy_weight, ranks_per_node, guarded ? &replication.slot_expert : nullptr);
+    const Packing packing = BalancedPacking(copy_weight, ranks_per_node, guarded ? &replication.slot_expert : nullptr);
     for (int i = 0; i < slots_per_node; ++i) {
       const int slot = node * slots_per_node + packing.pack[i] * slots_per_rank + packing.rank_in_pack[i];
       phy2log[slot] = local_to_expert[replication.slot_expert[i]];

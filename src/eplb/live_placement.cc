@@ -1,8 +1,8 @@
 #include "epmoe/live_placement.h"
 
-#include <utility>
-
 #include <fmt/format.h>
+
+#include <utility>
 
 namespace epmoe {
 

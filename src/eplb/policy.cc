@@ -14,22 +14,20 @@ namespace epmoe {
 using eplb_internal::CopyWeight;
 
 namespace {
-constexpr EnumNames<Policy, 5> kPolicies("policy", {{{Policy::kDeepseek, "deepseek"},
-                                                     {Policy::kDeepseekGuarded, "deepseek-guarded"},
-                                                     {Policy::kPerStep, "per-step"},
-                                                     {Policy::kCost, "cost"},
-                                                     {Policy::kMinMove, "min-move"}}});
+constexpr EnumNames<Policy, 7> kPolicies("policy", {{{Policy::kDeepseek, "deepseek"},
+                                                      {Policy::kDeepseekGuarded, "deepseek-guarded"},
+                                                      {Policy::kPerStep, "per-step"},
+                                                      {Policy::kCost, "cost"},
+                                                      {Policy::kMinMove, "min-move"},
+                                                      {Policy::kUniform, "uniform"},
+                                                      {Policy::kAuto, "auto"}}});
 }  // namespace
 
-const char* PolicyName(Policy policy) {
-  return kPolicies.Name(policy);
-}
-std::vector<Policy> AllPolicies() {
-  return kPolicies.All();
-}
-Result<Policy> ParsePolicy(std::string_view name) {
-  return kPolicies.Parse(name);
-}
+const char* PolicyName(Policy policy) { return kPolicies.Name(policy); }
+std::vector<Policy> AllPolicies() { return kPolicies.All(); }
+Result<Policy> ParsePolicy(std::string_view name) { return kPolicies.Parse(name); }
+
+bool PolicyValidates(Policy policy) { return policy == Policy::kAuto || policy == Policy::kMinMove; }
 
 Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {
   if (num_experts < 1) return InvalidArgument(fmt::format("{} experts: need at least 1", num_experts));
@@ -61,9 +59,9 @@ Status CheckGuardPossible(const BalanceShape& shape, int num_experts) {
   const int region_ranks = eplb_internal::RegionRanks(shape);
   const int region_experts = num_experts / (shape.num_ranks / region_ranks);
   if (num_slots / shape.num_ranks > region_experts)
-    return InvalidArgument(fmt::format(
-        "{} slots per rank cannot hold distinct experts: only {} experts per {}", num_slots / shape.num_ranks,
-        region_experts, region_ranks == shape.num_ranks ? "layer" : "node"));
+    return InvalidArgument(fmt::format("{} slots per rank cannot hold distinct experts: only {} experts per {}",
+                                       num_slots / shape.num_ranks, region_experts,
+                                       region_ranks == shape.num_ranks ? "layer" : "node"));
   return Status::Ok();
 }
 
@@ -73,6 +71,16 @@ std::vector<double> UsableWeights(std::span<const double> weight) {
   if (std::any_of(weight.begin(), weight.end(), [](double w) { return w > 0; }))
     return std::vector<double>(weight.begin(), weight.end());
   return std::vector<double>(weight.size(), 1.0);
+}
+
+// Uniform replication, packed by load with the guard (as deepseek-guarded packs).
+std::vector<int32_t> UniformLayer(std::span<const double> raw_weight, const BalanceShape& shape) {
+  const std::vector<double> weight = UsableWeights(raw_weight);
+  const int num_experts = static_cast<int>(weight.size());
+  const CopyWeight per_copy = [&](int e, int n) { return weight[e] / n; };
+  std::vector<int32_t> phy2log = eplb_internal::SolveDeepseek(per_copy, num_experts, shape, true, nullptr, true);
+  EPMOE_CHECK(eplb_internal::ImproveGuarded(per_copy, num_experts, shape, &phy2log));
+  return phy2log;
 }
 
 std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const BalanceShape& shape) {
@@ -119,14 +127,21 @@ std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
 }
 
 // Per-step search for one layer: values from the series (`per_copy_value` maps a copy's rows to
-// its cost), started from each candidate and the best result kept.
+// its cost), started from each candidate and the best result kept. Each step's picks of an expert
+// are shrunk toward the step's mean over experts by `uniform_prior` (0: the picks as counted), so
+// the search does not chase which expert happened to be busy in a step.
 std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const BalanceShape& shape, double fixed,
                                  const std::function<double(double)>& per_copy_value,
-                                 std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes) {
+                                 std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes,
+                                 double uniform_prior) {
   const int64_t steps = std::max<int64_t>(load.num_steps, 1);
   bool any_load = false;
-  for (int64_t s = 0; s < load.num_steps && !any_load; ++s)
-    for (int64_t c : load.at(s, layer)) any_load = any_load || c > 0;
+  std::vector<double> step_mean(steps, 0.0);  // picks per expert, mean over the step's experts
+  for (int64_t s = 0; s < load.num_steps; ++s)
+    for (int64_t c : load.at(s, layer)) {
+      any_load = any_load || c > 0;
+      step_mean[s] += static_cast<double>(c) / load.num_experts;
+    }
   // Memoized per (expert, copies): the starts and the search ask for the same series.
   std::map<std::pair<int, int>, std::vector<float>> memo;
   const eplb_internal::StepValues values = [&](int expert, int copies, std::span<float> out) {
@@ -134,7 +149,9 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
     if (known.empty()) {
       known.resize(steps);
       for (int64_t s = 0; s < steps; ++s) {
-        const double rows = any_load ? static_cast<double>(load.at(s, layer)[expert]) : 1.0;
+        const double rows = any_load ? (1 - uniform_prior) * static_cast<double>(load.at(s, layer)[expert]) +
+                                           uniform_prior * step_mean[s]
+                                     : 1.0;
         known[s] = static_cast<float>(per_copy_value(rows / copies));
       }
     }
@@ -144,8 +161,8 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
   size_t best_start = 0;
   double best_objective = 0;
   for (size_t i = 0; i < starts.size(); ++i) {
-    const double objective = eplb_internal::PerStepObjective(values, load.num_experts, steps, fixed, starts[i],
-                                                             shape.num_ranks);
+    const double objective =
+        eplb_internal::PerStepObjective(values, load.num_experts, steps, fixed, starts[i], shape.num_ranks);
     if (i == 0 || objective < best_objective) best_start = i, best_objective = objective;
   }
   std::vector<int32_t> phy2log = std::move(starts[best_start]);
@@ -172,11 +189,13 @@ Result<std::vector<int32_t>> DeepseekLayer(std::span<const double> weight, const
 }
 
 double MaxRankLoad(std::span<const double> weight, std::span<const int32_t> phy2log, int num_ranks) {
-  return eplb_internal::MaxLoad([&](int e, int n) { return weight[e] / n; }, phy2log,
-                                static_cast<int>(weight.size()), num_ranks);
+  return eplb_internal::MaxLoad([&](int e, int n) { return weight[e] / n; }, phy2log, static_cast<int>(weight.size()),
+                                num_ranks);
 }
 
-Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options) {
+namespace eplb_internal {
+
+Status CheckPolicyInputs(const ExpertLoad& load, const PolicyOptions& options) {
   EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, "load"));
   const BalanceShape& shape = options.shape;
   const int num_experts = load.num_experts;
@@ -185,8 +204,10 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
   if (policy != Policy::kDeepseek) EPMOE_RETURN_IF_ERROR(CheckGuardPossible(shape, num_experts));
   if (options.search_rounds < 0)
     return InvalidArgument(fmt::format("search rounds {} must not be negative", options.search_rounds));
+  if (!(options.uniform_prior >= 0 && options.uniform_prior <= 1))
+    return InvalidArgument(fmt::format("uniform prior {} must be in [0, 1]", options.uniform_prior));
   const CostModel& cost = options.cost;
-  if (policy == Policy::kCost &&
+  if ((policy == Policy::kCost || policy == Policy::kAuto) &&
       !(cost.bytes_per_expert > 0 && cost.memory_bandwidth > 0 && cost.flops_per_row >= 0 && cost.peak_flops > 0 &&
         cost.fixed_seconds >= 0))
     return InvalidArgument(fmt::format(
@@ -194,20 +215,39 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
         "bytes, bandwidth and peak, non-negative flops and fixed time",
         cost.bytes_per_expert, cost.memory_bandwidth, cost.flops_per_row, cost.peak_flops, cost.fixed_seconds));
   const int num_slots = num_experts + shape.num_redundant;
-  if (policy == Policy::kMinMove) {
-    const Placement* current = options.current;
-    if (current == nullptr) return InvalidArgument("min-move needs the current placement");
-    if (current->num_layers() != load.num_layers || current->num_experts() != num_experts ||
-        current->num_slots() != num_slots || current->num_ranks() != shape.num_ranks ||
-        current->num_nodes() != shape.num_nodes)
-      return InvalidArgument(fmt::format(
-          "min-move: the current placement has {} layers, {} experts, {} slots, {} ranks, {} nodes; the load "
-          "and shape need {}, {}, {}, {}, {}",
-          current->num_layers(), current->num_experts(), current->num_slots(), current->num_ranks(),
-          current->num_nodes(), load.num_layers, num_experts, num_slots, shape.num_ranks, shape.num_nodes));
-    if (!(options.min_move_factor >= 1))
-      return InvalidArgument(fmt::format("min-move factor {} must be >= 1", options.min_move_factor));
-  }
+  const Placement* current = options.current;
+  if (policy == Policy::kMinMove && current == nullptr) return InvalidArgument("min-move needs the current placement");
+  if (current != nullptr && (current->num_layers() != load.num_layers || current->num_experts() != num_experts ||
+                             current->num_slots() != num_slots || current->num_ranks() != shape.num_ranks ||
+                             current->num_nodes() != shape.num_nodes))
+    return InvalidArgument(fmt::format(
+        "{}: the current placement has {} layers, {} experts, {} slots, {} ranks, {} nodes; the load "
+        "and shape need {}, {}, {}, {}, {}",
+        PolicyName(policy), current->num_layers(), current->num_experts(), current->num_slots(), current->num_ranks(),
+        current->num_nodes(), load.num_layers, num_experts, num_slots, shape.num_ranks, shape.num_nodes));
+  if ((policy == Policy::kMinMove || policy == Policy::kAuto) && !(options.min_move_factor >= 1))
+    return InvalidArgument(fmt::format("min-move factor {} must be >= 1", options.min_move_factor));
+  if (PolicyValidates(policy) && !(options.validation_fraction > 0 && options.validation_fraction < 1))
+    return InvalidArgument(fmt::format("validation fraction {} must be in (0, 1): the later steps that validate",
+                                       options.validation_fraction));
+  return Status::Ok();
+}
+
+Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& options) {
+  const BalanceShape& shape = options.shape;
+  const int num_experts = load.num_experts;
+  const Policy policy = options.policy;
+  const CostModel& cost = options.cost;
+  EPMOE_CHECK(policy != Policy::kAuto);
+  // Starts of the searches besides their own: uniform replication and the placement in use.
+  auto extra_starts = [&](std::span<const double> weight, int layer) {
+    std::vector<std::vector<int32_t>> starts = {UniformLayer(weight, shape)};
+    if (options.current != nullptr) {
+      auto in_use = options.current->phy2log(layer);
+      starts.emplace_back(in_use.begin(), in_use.end());
+    }
+    return starts;
+  };
 
   const std::vector<std::vector<double>> weights = LayerWeights(load);
   std::vector<std::vector<int32_t>> phy2log(load.num_layers);
@@ -222,8 +262,12 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
       case Policy::kPerStep: {
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> plain, DeepseekLayer(weight, shape, false));
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> guarded, DeepseekLayer(weight, shape, true));
-        phy2log[layer] = SearchLayer(load, layer, shape, 0.0, [](double rows) { return rows; },
-                                     {std::move(plain), std::move(guarded)}, options.search_rounds, false);
+        std::vector<std::vector<int32_t>> starts = extra_starts(weight, layer);
+        starts.push_back(std::move(plain));
+        starts.push_back(std::move(guarded));
+        phy2log[layer] = SearchLayer(
+            load, layer, shape, 0.0, [](double rows) { return rows; }, std::move(starts), options.search_rounds, false,
+            options.uniform_prior);
         break;
       }
       case Policy::kCost: {
@@ -244,22 +288,31 @@ Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& 
         std::vector<int32_t> timed = eplb_internal::SolveDeepseek(time_per_copy, num_experts, shape, true);
         eplb_internal::ImproveGuarded(time_per_copy, num_experts, shape, &timed);
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> guarded, DeepseekLayer(weight, shape, true));
-        phy2log[layer] = SearchLayer(load, layer, shape, cost.fixed_seconds,
-                                     [&](double rows) { return ExpertCopySeconds(cost, rows); },
-                                     {std::move(timed), std::move(guarded)}, options.search_rounds, true);
+        std::vector<std::vector<int32_t>> starts = extra_starts(weight, layer);
+        starts.push_back(std::move(timed));
+        starts.push_back(std::move(guarded));
+        phy2log[layer] = SearchLayer(
+            load, layer, shape, cost.fixed_seconds, [&](double rows) { return ExpertCopySeconds(cost, rows); },
+            std::move(starts), options.search_rounds, true, options.uniform_prior);
         break;
       }
       case Policy::kMinMove: {
         EPMOE_ASSIGN_OR_RETURN(std::vector<int32_t> reference, DeepseekLayer(weight, shape, true));
         const std::vector<double> usable = UsableWeights(weight);
         const double target = options.min_move_factor * MaxRankLoad(usable, reference, shape.num_ranks);
-        phy2log[layer] = eplb_internal::MinMoveLayer(usable, options.current->phy2log(layer), reference, target,
-                                                     shape);
+        phy2log[layer] = eplb_internal::MinMoveLayer(usable, options.current->phy2log(layer), reference, target, shape);
         break;
       }
+      case Policy::kUniform: {
+        phy2log[layer] = UniformLayer(weight, shape);
+        break;
+      }
+      case Policy::kAuto: break;  // checked above: auto fits through the other policies
     }
   }
   return Placement::Create(num_experts, shape.num_ranks, shape.num_nodes, std::move(phy2log));
 }
+
+}  // namespace eplb_internal
 
 }  // namespace epmoe

@@ -1,10 +1,10 @@
 #include "epmoe/recorder.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <limits>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "epmoe/balance.h"
 #include "epmoe/enum_names.h"
@@ -15,16 +15,19 @@ constexpr int kHistory = 1000;  // per-step balancedness values kept (the longes
 }  // namespace
 
 namespace {
-constexpr EnumNames<RecorderMode, 3> kRecorderModes(
-    "recorder mode",
-    {{{RecorderMode::kStat, "stat"}, {RecorderMode::kPerStep, "per-step"}, {RecorderMode::kPerToken, "per-token"}}});
+constexpr EnumNames<RecorderMode, 3> kRecorderModes("recorder mode", {{{RecorderMode::kStat, "stat"},
+                                                                       {RecorderMode::kPerStep, "per-step"},
+                                                                       {RecorderMode::kPerToken, "per-token"}}});
 }  // namespace
 
-const char* RecorderModeName(RecorderMode mode) { return kRecorderModes.Name(mode); }
-Result<RecorderMode> ParseRecorderMode(std::string_view name) { return kRecorderModes.Parse(name); }
+const char* RecorderModeName(RecorderMode mode) {
+  return kRecorderModes.Name(mode);
+}
+Result<RecorderMode> ParseRecorderMode(std::string_view name) {
+  return kRecorderModes.Parse(name);
+}
 
-Result<LoadRecorder> LoadRecorder::Create(const RecorderOptions& options,
-                                          std::shared_ptr<const LivePlacement> live) {
+Result<LoadRecorder> LoadRecorder::Create(const RecorderOptions& options, std::shared_ptr<const LivePlacement> live) {
   if (live == nullptr) return InvalidArgument("recorder: no placement");
   const PlacementPtr placement = live->placement();
   if (options.window_steps < 1)
@@ -61,15 +64,15 @@ Status LoadRecorder::Record(int layer, const Picks& picks) {
   if (layer < 0 || layer >= num_layers_)
     return InvalidArgument(fmt::format("recorder: layer {} outside [0, {})", layer, num_layers_));
   if (picks.k < 0 || picks.experts.size() != static_cast<size_t>(picks.rows) * picks.k)
-    return InvalidArgument(fmt::format("recorder: picks hold {} ids for {} rows x k {}", picks.experts.size(),
-                                       picks.rows, picks.k));
+    return InvalidArgument(
+        fmt::format("recorder: picks hold {} ids for {} rows x k {}", picks.experts.size(), picks.rows, picks.k));
   std::fill(call_counts_.begin(), call_counts_.end(), 0);
   const uint32_t limit = static_cast<uint32_t>(num_experts_);
   for (size_t i = 0; i < picks.experts.size(); ++i) {
     const int32_t expert = picks.experts[i];
     if (static_cast<uint32_t>(expert) >= limit)  // refused before anything is counted
-      return InvalidArgument(fmt::format("recorder: layer {} pick {} is expert {}, outside [0, {})", layer, i,
-                                         expert, num_experts_));
+      return InvalidArgument(
+          fmt::format("recorder: layer {} pick {} is expert {}, outside [0, {})", layer, i, expert, num_experts_));
     ++call_counts_[expert];
   }
   if (step_snapshot_ == nullptr) step_snapshot_ = live_->current();
@@ -123,13 +126,15 @@ void LoadRecorder::EndStep() {
     if (layer_recorded_[layer]) {
       balance_sum += Balancedness(ranks);
       std::fill(copies_read.begin(), copies_read.end(), 0.0);
-      for (int slot = 0; slot < num_slots; ++slot) copies_read[placement.rank_of_slot(slot)] += std::min(1.0, slots[slot]);
+      for (int slot = 0; slot < num_slots; ++slot)
+        copies_read[placement.rank_of_slot(slot)] += std::min(1.0, slots[slot]);
       byte_balance_sum += Balancedness(copies_read);  // bytes = copies x bytes_per_expert: same ratio
       ++layers;
     }
   }
   if (options_.mode == RecorderMode::kPerToken)
-    for (int layer = 0; layer < num_layers_; ++layer) ring_tokens_[next_][layer] = std::exchange(current_tokens_[layer], Picks{});
+    for (int layer = 0; layer < num_layers_; ++layer)
+      ring_tokens_[next_][layer] = std::exchange(current_tokens_[layer], Picks{});
   std::copy(current_.begin(), current_.end(), last_expert_.begin());
   if (balance_history_.size() < kHistory) {
     balance_history_.push_back(0), byte_balance_history_.push_back(0);
@@ -184,6 +189,20 @@ ExpertLoad LoadRecorder::Load() const {
     std::copy(ring, ring + per_step, out.counts.begin() + index * per_step);
     out.rows[index] = ring_rows_[RingIndex(index)];
   }
+  return out;
+}
+
+ExpertLoad LoadRecorder::Series(int64_t max_steps) const {
+  EPMOE_CHECK(max_steps >= 1);
+  const size_t per_step = static_cast<size_t>(num_layers_) * num_experts_;
+  const int64_t blocks = std::max<int64_t>(1, std::min(kept_, max_steps));
+  ExpertLoad out(blocks, num_layers_, num_experts_);
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t index = block * kept_ / blocks; index < (block + 1) * kept_ / blocks; ++index) {
+      const int32_t* ring = ring_.data() + static_cast<size_t>(RingIndex(index)) * per_step;
+      for (size_t i = 0; i < per_step; ++i) out.counts[block * per_step + i] += ring[i];
+      out.rows[block] += ring_rows_[RingIndex(index)];
+    }
   return out;
 }
 

@@ -20,9 +20,11 @@ int RegionRanks(const BalanceShape& shape);
 // DeepSeek's rebalance (hierarchical or global, as the reference chooses) on per-copy weights.
 // guarded: at most one copy of an expert per rank (copies capped at the region's ranks, packing
 // that skips ranks holding the expert, repaired by a swap when no rank is left).
-// fixed_copies: use these copy counts (per logical expert; each node's total must match its slots) instead of DeepSeek's replication.
-std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, const BalanceShape& shape,
-                                   bool guarded, const std::vector<int32_t>* fixed_copies = nullptr);
+// fixed_copies: use these copy counts (per logical expert; each node's total must match its slots) instead of
+// DeepSeek's replication. uniform_copies: each redundant slot to an expert of its node with the fewest copies (the most
+// loaded per copy among them), so copy counts differ by at most one inside a node.
+std::vector<int32_t> SolveDeepseek(const CopyWeight& weight, int num_experts, const BalanceShape& shape, bool guarded,
+                                   const std::vector<int32_t>* fixed_copies = nullptr, bool uniform_copies = false);
 
 // For small layers (at most kCopySearchMaxSlots slots): searches copy counts by
 // moving one or two copies between experts, each candidate packed with the guard, and returns the
@@ -47,6 +49,11 @@ bool HasDuplicateOnRank(std::span<const int32_t> phy2log, int num_ranks);
 }  // namespace epmoe::eplb_internal
 
 namespace epmoe::eplb_internal {
+
+// ComputePlacement's checks of the load, shape and options (every policy).
+Status CheckPolicyInputs(const ExpertLoad& load, const PolicyOptions& options);
+// A policy other than auto fitted on all of `load`, without validation (inputs already checked).
+Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& options);
 
 // Per-step values of one layer: values(expert, copies, out) writes, for each of num_steps steps,
 // what one copy of `expert` costs its rank when the expert has `copies` copies.

@@ -278,10 +278,8 @@ void KernelExpertStore::RunQuantized(const std::byte* rows, std::span<const int6
     const int64_t count = offsets[item.expert + 1] - first;
     const int64_t width = item.n_end - item.n_begin;
     const int64_t block = RowsPerBlock(count, hidden_stride);
-    // Per pool thread, kept across items and calls. Allocated per item (2 x 25 - 32 KB in prefill:
-    // a row block of 99 - 124 rows x 64 channels for 4-bit and int8 weights; 1,536 items at T =
-    // 1024), the pair cost nvfp4 and int8 T = 1024 0.02 - 0.05 of the bound in four sets of
-    // alternated runs of five, nothing in one (docs/performance.md, session 26).
+    // Per pool thread, kept across items and calls: allocated per item (2 x 25 - 32 KB in prefill,
+    // 1,536 items at T = 1024), the pair cost nvfp4 and int8 T = 1024 up to 0.05 of the bound.
     thread_local std::vector<float> gate, up;
     gate.resize(block * width);
     up.resize(block * width);

@@ -326,14 +326,14 @@ Result<KernelBenchReport> RunKernelBench(const KernelBenchOptions& o, ThreadPool
       }
       const std::vector<std::span<const std::byte>> weights = touched_bytes(*store, counts);
       // One untimed run first: Run's scratch grows to a point's rows on its first run, and on a
-      // virtual machine the first touch of a page can cost much (session 24: about 10 us a 4 KB
-      // page; fp32 T = 8192's 0.9 GB of scratch made its one timed run 4 x its bound, 0.25 of
-      // it). The time of a layer is that of its steady state.
+      // virtual machine the first touch of a page can cost much (about 10 us a 4 KB page: fp32
+      // T = 8192's 0.9 GB of scratch made its one timed run 4 x its bound). The time of a layer is
+      // that of its steady state.
       store->Run(rows.data.data(), offsets, out.data.data(), pool);
       // A run during which the host took CPU time from this machine is timed again (up to three
       // times the runs asked for): on a shared virtual machine the host's other work stalls both
-      // threads at once (session 10: phases twice as long, with 40 - 80 ms of steal time in each,
-      // none in the normal ones), which is not the kernel's time. Only if every run was disturbed
+      // threads at once (phases twice as long, with 40 - 80 ms of steal time in each, none in the
+      // normal ones), which is not the kernel's time. Only if every run was disturbed
       // are (as many as were asked for of) those runs kept.
       std::vector<double> times, read_gbps, disturbed_times, disturbed_reads;
       double spent = 0;

@@ -15,6 +15,11 @@
 namespace epmoe {
 namespace {
 
+// Steps of the window a validating policy (auto, min-move) receives: enough to split by time and
+// estimate the noise of the validation, few enough that summing them over ranks stays cheap
+// (32 x layers x experts counts).
+constexpr int64_t kValidatingPolicySteps = 32;
+
 // Adds one chunk's moves to the rebalance's report.
 void AddPlanToReport(const MovePlan& plan, RebalanceReport* r) {
   r->remote_copies += plan.remote_copies;
@@ -321,7 +326,9 @@ Result<BoundaryOutcome> Rebalancer::Boundary(int64_t steps_done, const LoadRecor
       start = SteadySeconds();
     }
     if (needs_load) {
-      ExpertLoad load = recorder.Load();
+      // auto and min-move validate on the later part of the window, so they need it as steps.
+      ExpertLoad load =
+          PolicyValidates(options_.policy.policy) ? recorder.Series(kValidatingPolicySteps) : recorder.Load();
       if (load.num_layers != Live()->num_layers() || load.num_experts != Live()->num_experts())
         return InvalidArgument(fmt::format("rebalancer: rank {} recorded {} layers x {} experts, the placement has {}",
                                            comm_.rank(), load.num_layers, load.num_experts, ShapeText(*Live())));

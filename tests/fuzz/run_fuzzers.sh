@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 seconds="${1:-8}"
 build="${EPMOE_FUZZ_BUILD_DIR:-build-fuzz}"
-traces="$(pwd)/../shared/data/traces"
+traces="$(pwd)/tests/data"
 if ! command -v clang++ >/dev/null; then
   echo "run_fuzzers: clang++ not found (scripts/setup installs it)" >&2
   exit 1

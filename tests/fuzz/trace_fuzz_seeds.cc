@@ -1,7 +1,8 @@
 // Writes a small seed corpus for each trace fuzz target into <dir>/<target>/: a generated binary
-// trace, and the first lines of the real traces (given as arguments: folder of ../shared/data/traces).
+// trace, and the first lines of the real trace excerpts (given as arguments: the folder tests/data).
 // Usage: trace_fuzz_seeds OUT_DIR TRACES_DIR
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -11,9 +12,14 @@
 
 namespace fs = std::filesystem;
 
-// The first `lines` lines of a file.
+// The first `lines` lines of a file; a missing file ends the program, so that a moved excerpt
+// cannot leave a target without its seed.
 static std::string Head(const fs::path& path, int lines) {
   std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::fprintf(stderr, "trace_fuzz_seeds: cannot read %s\n", path.string().c_str());
+    std::exit(1);
+  }
   std::string text, line;
   for (int i = 0; i < lines && std::getline(in, line); ++i) text += line + "\n";
   return text;
@@ -52,8 +58,8 @@ int main(int argc, char** argv) {
     }
     if (!(*writer)->Close().ok()) return 1;
   }
-  Write(out / "trace_flame_csv_fuzz" / "layer.csv", Head(flame / "decode_64seqs_pos1-10" / "pos01" / "layer02.csv", 4));
-  Write(out / "trace_topk_csv_fuzz" / "topk.csv", Head(flame / "prefill_32seqs_x64tok_topk_derived.csv", 6));
+  Write(out / "trace_flame_csv_fuzz" / "layer.csv", Head(flame / "decode_32seqs_pos1-10" / "pos01" / "layer02.csv", 4));
+  Write(out / "trace_topk_csv_fuzz" / "topk.csv", Head(flame / "prefill_4seqs_x64tok_topk_derived.csv", 6));
   Write(out / "trace_expert_counts_csv_fuzz" / "counts.csv",
         Head(traces / "olmoe_paper_expert_counts" / "expert_counts.csv", 20));
   Write(out / "trace_jsonl_fuzz" / "records.jsonl",

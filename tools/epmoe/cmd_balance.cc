@@ -1,5 +1,6 @@
 // `epmoe balance`: fits expert placements on the first part of a routing trace and scores them on
-// the rest (held-out), per policy, against the trivial placement and an even router.
+// the rest (held-out), per policy, against the trivial placement, uniform replication, DeepSeek's
+// placement and an even router; the fitted figures beside the held-out ones show overfitting.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -43,6 +44,8 @@ struct BalanceOptions {
   std::string current;
   double min_move_factor = 1.05;
   int search_rounds = 64;
+  double validation = 0.5;
+  double uniform_prior = 0.5;
   uint64_t seed = 1;
   std::string out;
   std::string format = "text";
@@ -57,14 +60,17 @@ nlohmann::json ScoreJson(const PlacementScore& s) {
 
 Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   if (!(o.train > 0 && o.train <= 1)) return InvalidArgument(fmt::format("--train {} must be in (0, 1]", o.train));
-  std::vector<Policy> policies;
-  if (o.policy == "all") {
-    policies = AllPolicies();
-  } else {
-    EPMOE_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(o.policy));
-    policies.push_back(policy);
+  std::optional<Policy> chosen;
+  if (o.policy != "all") {
+    EPMOE_ASSIGN_OR_RETURN(chosen, ParsePolicy(o.policy));
   }
-  if (!o.out.empty() && policies.size() != 1) return InvalidArgument("--out writes one placement: choose one --policy");
+  if (!o.out.empty() && !chosen) return InvalidArgument("--out writes one placement: choose one --policy");
+  // Every table has uniform replication and DeepSeek's placement (besides the trivial one), so
+  // the margin of a policy over them is visible.
+  std::vector<Policy> policies;
+  for (Policy policy : AllPolicies())
+    if (!chosen || policy == *chosen || policy == Policy::kUniform || policy == Policy::kDeepseek)
+      policies.push_back(policy);
 
   // Expert size and groups from the model preset, when given.
   CostModel cost;
@@ -116,6 +122,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   options.cost = cost;
   options.min_move_factor = o.min_move_factor;
   options.search_rounds = o.search_rounds;
+  options.validation_fraction = o.validation;
+  options.uniform_prior = o.uniform_prior;
   EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
   EPMOE_ASSIGN_OR_RETURN(Placement trivial,
                          Placement::Trivial(load.num_layers, load.num_experts, o.redundant, o.ranks, o.nodes));
@@ -128,7 +136,7 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
 
   nlohmann::json results = nlohmann::json::array();
   auto add = [&](const std::string& name, const Placement* placement, double solve_seconds,
-                 const std::optional<PlacementScore>& forced) {
+                 const std::optional<PlacementScore>& forced) -> nlohmann::json& {
     nlohmann::json r = {{"policy", name}};
     if (solve_seconds >= 0) r["solve_seconds"] = solve_seconds;
     if (placement != nullptr) r["moved_copies"] = placement->MovedCopies(current_placement);
@@ -139,17 +147,41 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
     }
     if (placement != nullptr) r["train"] = ScoreJson(ScorePlacement(*placement, train, cost));
     results.push_back(r);
+    return results.back();
   };
   add("trivial", &trivial, -1, std::nullopt);
   if (score) add("even-router", nullptr, -1, ScoreEvenRouter(trivial, test, cost, o.seed));
   for (Policy policy : policies) {
     options.policy = policy;
     const auto start = std::chrono::steady_clock::now();
-    auto placement = ComputePlacement(train, options);
+    // auto also reports what it saw of each candidate (fitted and validated inside the fit steps).
+    std::optional<ValidatedChoice> choice;
+    Result<Placement> placement = InvalidArgument("not computed");
+    if (policy == Policy::kAuto) {
+      auto chose = ChooseByValidation(train, options);
+      if (chose.ok()) {
+        choice.emplace(std::move(chose).value());
+        placement = choice->placement;
+      } else {
+        placement = chose.status();
+      }
+    } else {
+      placement = ComputePlacement(train, options);
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!placement.ok()) return placement.status().WithContext(fmt::format("policy {}", PolicyName(policy)));
-    add(PolicyName(policy), &*placement, seconds, std::nullopt);
-    if (!o.out.empty()) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
+    nlohmann::json& row = add(PolicyName(policy), &*placement, seconds, std::nullopt);
+    if (choice) {
+      nlohmann::json candidates = nlohmann::json::array();
+      for (const ValidatedCandidate& c : choice->candidates) {
+        nlohmann::json entry = {{"name", c.name}, {"fitted", c.fitted}, {"chosen", c.chosen}};
+        if (!std::isnan(c.validated)) entry["validated"] = c.validated;
+        candidates.push_back(entry);
+      }
+      row["validation"] = {
+          {"fit_steps", choice->fit_steps}, {"validation_steps", choice->validation_steps}, {"candidates", candidates}};
+    }
+    if (!o.out.empty() && policy == *chosen) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
   }
   *report = {{"trace", o.trace},
              {"layers", load.num_layers},
@@ -194,19 +226,34 @@ void PrintText(const nlohmann::json& r) {
       HumanBytes(static_cast<int64_t>(c["bytes_per_expert"].get<double>())).c_str(),
       c["memory_bandwidth"].get<double>() / 1e9, c["peak_flops"].get<double>() / 1e9,
       c["fixed_seconds"].get<double>() * 1e6);
-  std::printf("%-17s %8s %9s %9s %8s %11s %11s %7s %10s %9s\n", "policy", "balanced", "max pick", "mean pick",
-              "byte bal", "max bytes", "mean bytes", "moved", "step us", "solve ms");
+  std::printf("%-17s %8s %8s %9s %9s %8s %11s %11s %7s %10s %9s\n", "policy", "balanced", "fit bal", "max pick",
+              "mean pick", "byte bal", "max bytes", "mean bytes", "moved", "step us", "solve ms");
   for (const auto& p : r["results"]) {
     const auto& s = scored ? p["held_out"] : p["train"];
     std::printf(
-        "%-17s %8.4f %9.1f %9.1f %8.4f %11s %11s %7s %10.1f %9s\n", p["policy"].get<std::string>().c_str(),
-        s["balancedness"].get<double>(), s["max_picks_per_rank"].get<double>(), s["mean_picks_per_rank"].get<double>(),
+        "%-17s %8.4f %8s %9.1f %9.1f %8.4f %11s %11s %7s %10.1f %9s\n", p["policy"].get<std::string>().c_str(),
+        s["balancedness"].get<double>(),
+        p.contains("train") ? fmt::format("{:.4f}", p["train"]["balancedness"].get<double>()).c_str() : "-",
+        s["max_picks_per_rank"].get<double>(), s["mean_picks_per_rank"].get<double>(),
         s["byte_balancedness"].get<double>(),
         HumanBytes(static_cast<int64_t>(s["max_bytes_per_rank"].get<double>())).c_str(),
         HumanBytes(static_cast<int64_t>(s["mean_bytes_per_rank"].get<double>())).c_str(),
         p.contains("moved_copies") ? std::to_string(p["moved_copies"].get<int64_t>()).c_str() : "-",
         s["step_seconds"].get<double>() * 1e6,
         p.contains("solve_seconds") ? fmt::format("{:.2f}", p["solve_seconds"].get<double>() * 1e3).c_str() : "-");
+  }
+  for (const auto& p : r["results"]) {
+    if (!p.contains("validation")) continue;
+    const auto& v = p["validation"];
+    std::printf(
+        "%s: fitted on the first %lld of those steps, validated on the other %lld; per candidate: fitted / "
+        "validated balancedness\n",
+        p["policy"].get<std::string>().c_str(), static_cast<long long>(v["fit_steps"].get<int64_t>()),
+        static_cast<long long>(v["validation_steps"].get<int64_t>()));
+    for (const auto& c : v["candidates"])
+      std::printf("  %-17s %8.4f %8s%s\n", c["name"].get<std::string>().c_str(), c["fitted"].get<double>(),
+                  c.contains("validated") ? fmt::format("{:.4f}", c["validated"].get<double>()).c_str() : "-",
+                  c["chosen"].get<bool>() ? "  chosen" : "");
   }
   if (r.contains("out")) std::printf("placement written to %s\n", r["out"].get<std::string>().c_str());
 }
@@ -231,8 +278,12 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--redundant,-r", o->redundant, "Redundant copies per layer (R; P = E + R slots)")
       ->required()
       ->check(kNonNegative);
-  cmd->add_option("--policy", o->policy, "deepseek, deepseek-guarded, per-step, cost, min-move or all")
-      ->check(CLI::IsMember({"all", "deepseek", "deepseek-guarded", "per-step", "cost", "min-move"}))
+  std::vector<std::string> policy_names = {"all"};
+  for (Policy p : AllPolicies()) policy_names.push_back(PolicyName(p));
+  cmd->add_option("--policy", o->policy,
+                  "deepseek, deepseek-guarded, per-step, cost, min-move, uniform, auto or all (trivial, uniform "
+                  "and deepseek are always scored)")
+      ->check(CLI::IsMember(policy_names))
       ->capture_default_str();
   cmd->add_option("--train", o->train, "Fraction of steps to fit on (the rest is scored; 1: fit on all, no scoring)")
       ->capture_default_str();
@@ -257,6 +308,13 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--search-rounds", o->search_rounds, "per-step and cost: improving swaps per layer (bound)")
       ->check(kNonNegative)
+      ->capture_default_str();
+  cmd->add_option("--uniform-prior", o->uniform_prior,
+                  "per-step and cost: how far each step's picks are shrunk toward an even split over the experts "
+                  "[0, 1]")
+      ->capture_default_str();
+  cmd->add_option("--validation", o->validation,
+                  "auto and min-move: fraction of the fitted steps, the latest, that validates a fit (0, 1)")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");

@@ -119,8 +119,7 @@ class OptionRun {
     auto run = std::unique_ptr<OptionRun>(new OptionRun(comm, o, model, result));
     EPMOE_ASSIGN_OR_RETURN(run->engine_, Engine::Create(comm, model, options, pool));
     result->description = run->engine_->executor().description();
-    EPMOE_ASSIGN_OR_RETURN(result->resident_bytes,
-                           comm.AllreduceMax(run->engine_->executor().resident_weight_bytes()));
+    EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(run->engine_->executor().resident_weight_bytes()));
     if (options.rebalance) run->eplb_.emplace(o.eplb);
     run->tensor_parallel_ = options.executor.origin == RowOrigin::kTensorParallel;
     return run;
@@ -353,9 +352,9 @@ void PrintText(const nlohmann::json& r) {
       r["combine_format"].get<std::string>().c_str(), r["threads_per_rank"].get<int>());
   const std::string weights = DescribeWeights(r["weights"]);
   if (!weights.empty()) std::printf("%s\n", weights.c_str());
-  std::printf("%-7s %9s %9s | %8s %8s %8s %8s %8s %8s %8s | %10s %7s %6s %6s %10s %6s", "option", "step ms", "p90 ms",
-              "route", "pack", "dispatch", "experts", "combine", "unpack", "shared", "sent/rank", "copies", "bal.p",
-              "bal.b", "peak buf", "rounds");
+  std::printf("%-7s %9s %9s |", "option", "step ms", "p90 ms");
+  for (const StageField& stage : kStages) std::printf(" %8s", stage.name);
+  std::printf(" | %10s %7s %6s %6s %10s %6s", "sent/rank", "copies", "bal.p", "bal.b", "peak buf", "rounds");
   const bool checked = r["checked"].get<bool>();
   std::printf(checked ? " %9s\n" : "\n", "max err");
   for (const auto& o : r["options"]) {
@@ -364,16 +363,15 @@ void PrintText(const nlohmann::json& r) {
                   o["refused"].get<std::string>().c_str());
       continue;
     }
-    const auto& s = o["stage_ms_median"];
-    std::printf(
-        "%-7s %9.3f %9.3f | %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %10s %7.2f %6.2f %6.2f %10s %6d",
-        o["option"].get<std::string>().c_str(), o["step_ms_median"].get<double>(), o["step_ms_p90"].get<double>(),
-        s["route"].get<double>(), s["pack"].get<double>(), s["dispatch"].get<double>(), s["experts"].get<double>(),
-        s["combine"].get<double>(), s["unpack"].get<double>(), s["shared"].get<double>(),
-        HumanBytes(static_cast<int64_t>(o["bytes_sent_per_rank_step"].get<double>())).c_str(),
-        o["copies_per_row"].get<double>(), o["balancedness_picks"].get<double>(), o["balancedness_bytes"].get<double>(),
-        HumanBytes(static_cast<int64_t>(o["peak_buffer_bytes"].get<double>())).c_str(),
-        static_cast<int>(o["max_rounds"].get<double>()));
+    std::printf("%-7s %9.3f %9.3f |", o["option"].get<std::string>().c_str(), o["step_ms_median"].get<double>(),
+                o["step_ms_p90"].get<double>());
+    for (const StageField& stage : kStages) std::printf(" %8.3f", o["stage_ms_median"][stage.name].get<double>());
+    std::printf(" | %10s %7.2f %6.2f %6.2f %10s %6d",
+                HumanBytes(static_cast<int64_t>(o["bytes_sent_per_rank_step"].get<double>())).c_str(),
+                o["copies_per_row"].get<double>(), o["balancedness_picks"].get<double>(),
+                o["balancedness_bytes"].get<double>(),
+                HumanBytes(static_cast<int64_t>(o["peak_buffer_bytes"].get<double>())).c_str(),
+                static_cast<int>(o["max_rounds"].get<double>()));
     if (checked) std::printf(" %9.2g", o["max_normalized_error"].get<double>());
     std::printf("\n");
     if (o.contains("eplb")) PrintEplbText(o["eplb"]);
@@ -394,7 +392,8 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
       "run", "Run MoE layers across MPI ranks (start under mpirun) with one option or all of them side by side");
   cmd->add_option("--model", o->model, kModelOptionHelp)->capture_default_str();
-  cmd->add_option("--option", o->options, "How rows meet experts: one, several comma separated (run in that order), or all")
+  cmd->add_option("--option", o->options,
+                  "How rows meet experts: one, several comma separated (run in that order), or all")
       ->delimiter(',')
       ->check(CLI::IsMember({"sliced", "whole", "hybrid", "a2a", "dwdp", "all"}))
       ->capture_default_str();

@@ -1,10 +1,10 @@
 #include "run_eplb.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-
-#include <fmt/format.h>
 
 #include "output.h"
 
@@ -14,34 +14,46 @@ void AddEplbOptions(CLI::App* cmd, EplbRunOptions* o) {
   cmd->add_flag("--eplb", o->enabled,
                 "Rebalance live: record the picks, place the experts anew from the load window summed over ranks and "
                 "install the placement while steps run (a2a and whole)");
-  cmd->add_option("--eplb-interval", o->interval, "Steps between looks of the rebalance trigger")->check(kPositive)
+  cmd->add_option("--eplb-interval", o->interval, "Steps between looks of the rebalance trigger")
+      ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--eplb-trigger", o->trigger,
                   "interval: every look; threshold: when the window's balancedness is below --eplb-threshold; "
                   "payback: when the predicted saving repays the move within --eplb-payback-steps")
-      ->check(CLI::IsMember({"interval", "threshold", "payback"}))->capture_default_str();
-  cmd->add_option("--eplb-threshold", o->threshold, "threshold trigger: balancedness (mean/max picks per rank) below "
-                  "which to rebalance, in (0, 1]")->capture_default_str();
+      ->check(CLI::IsMember({"interval", "threshold", "payback"}))
+      ->capture_default_str();
+  cmd->add_option("--eplb-threshold", o->threshold,
+                  "threshold trigger: balancedness (mean/max picks per rank) below "
+                  "which to rebalance, in (0, 1]")
+      ->capture_default_str();
   cmd->add_option("--eplb-payback-steps", o->payback_steps, "payback trigger: steps the move must be repaid in")
-      ->check(kPositive)->capture_default_str();
+      ->check(kPositive)
+      ->capture_default_str();
   cmd->add_option("--eplb-window", o->window, "Steps of load the policy places from (0: the interval)")
-      ->check(kNonNegative)->capture_default_str();
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_option("--eplb-layers-per-chunk", o->layers_per_chunk,
                   "Layers switched per step boundary, so steps keep running between chunks (0: all at once)")
-      ->check(kNonNegative)->capture_default_str();
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_flag("--eplb-async", o->async,
                 "Move the copies in the background (nonblocking exchanges) and switch a chunk once every rank has it");
   std::vector<std::string> policies;
   for (Policy p : AllPolicies()) policies.push_back(PolicyName(p));
-  cmd->add_option("--eplb-policy", o->policy, "Placement policy")->check(CLI::IsMember(policies))->capture_default_str();
+  cmd->add_option("--eplb-policy", o->policy, "Placement policy")
+      ->check(CLI::IsMember(policies))
+      ->capture_default_str();
   cmd->add_option("--eplb-redundant", o->redundant, "Redundant expert copies per layer (E + R slots over the ranks)")
-      ->check(kNonNegative)->capture_default_str();
+      ->check(kNonNegative)
+      ->capture_default_str();
   cmd->add_option("--eplb-move-gbps", o->move_gbps, "payback trigger: GB/s the weight move is priced at")
-      ->check(kPositive)->capture_default_str();
+      ->check(kPositive)
+      ->capture_default_str();
   cmd->add_option("--eplb-roll-call-seconds", o->roll_call_seconds,
                   "After a rebalancing exchange timed out (--comm-timeout): how long rank 0 waits for the other ranks "
                   "to answer the roll call that names the ones that stopped")
-      ->check(kPositive)->capture_default_str();
+      ->check(kPositive)
+      ->capture_default_str();
   cmd->add_option("--metrics-file", o->metrics_file,
                   "With --eplb: rewrite this Prometheus text file (atomically) after every step (rank 0)");
   cmd->add_option("--placement", o->placement_file,
@@ -53,7 +65,8 @@ void AddEplbOptions(CLI::App* cmd, EplbRunOptions* o) {
   cmd->add_option("--eplb-record", o->record_mode,
                   "What is recorded: stat (one step, the sum over the run), per-step (picks per expert each step) or "
                   "per-token (each row's picks)")
-      ->check(CLI::IsMember({"stat", "per-step", "per-token"}))->capture_default_str();
+      ->check(CLI::IsMember({"stat", "per-step", "per-token"}))
+      ->capture_default_str();
 }
 
 Status SetEplbEngineOptions(const EplbRunOptions& o, const ModelConfig& model, int layers, const Communicator& comm,
@@ -76,19 +89,19 @@ Status SetEplbEngineOptions(const EplbRunOptions& o, const ModelConfig& model, i
     EPMOE_ASSIGN_OR_RETURN(Placement p, ReadPlacementFile(o.placement_file));
     auto differs = [&](const char* field, int64_t has, int64_t wants) -> Status {
       if (has == wants) return Status::Ok();
-      return InvalidArgument(fmt::format("--placement {}: {} is {}, the run needs {}", o.placement_file, field, has,
-                                         wants));
+      return InvalidArgument(
+          fmt::format("--placement {}: {} is {}, the run needs {}", o.placement_file, field, has, wants));
     };
     EPMOE_RETURN_IF_ERROR(differs("num_experts", p.num_experts(), model.num_experts));
     EPMOE_RETURN_IF_ERROR(differs("num_layers", p.num_layers(), layers));
     EPMOE_RETURN_IF_ERROR(differs("num_ranks", p.num_ranks(), comm.size()));
     EPMOE_RETURN_IF_ERROR(differs("num_nodes", p.num_nodes(), comm.num_nodes()));
-    EPMOE_RETURN_IF_ERROR(differs("num_slots (experts + --eplb-redundant)", p.num_slots(),
-                                  model.num_experts + o.redundant));
+    EPMOE_RETURN_IF_ERROR(
+        differs("num_slots (experts + --eplb-redundant)", p.num_slots(), model.num_experts + o.redundant));
     out->executor.placement = std::make_shared<const Placement>(std::move(p));
   } else if (o.enabled || o.redundant > 0) {
-    EPMOE_ASSIGN_OR_RETURN(Placement p, Placement::Trivial(layers, model.num_experts, o.redundant, comm.size(),
-                                                           comm.num_nodes()));
+    EPMOE_ASSIGN_OR_RETURN(Placement p,
+                           Placement::Trivial(layers, model.num_experts, o.redundant, comm.size(), comm.num_nodes()));
     out->executor.placement = std::make_shared<const Placement>(std::move(p));
   }
   out->record_load_path = o.record_load;
@@ -163,25 +176,27 @@ nlohmann::json EplbReport::Report(const Rebalancer& rebalancer) const {
 }
 
 void PrintEplbText(const nlohmann::json& e) {
-  std::printf("  eplb (%s trigger, looks every %lld steps, %s, R = %d, %s%s): %zu rebalance(s), %s moved; picks balancedness %.3f in "
-              "the first quarter, %.3f in the last\n",
-              e["trigger"].get<std::string>().c_str(), static_cast<long long>(e["interval"].get<int64_t>()),
-              e["policy"].get<std::string>().c_str(), e["redundant"].get<int>(),
-              e["layers_per_chunk"].get<int>() > 0 ? fmt::format("{} layer(s) per chunk", e["layers_per_chunk"].get<int>()).c_str()
-                                                    : "all layers at once",
-              e["async"].get<bool>() ? ", async" : "", e["rebalances"].size(),
-              HumanBytes(e["bytes_moved_total"].get<int64_t>()).c_str(), e["balancedness_first_quarter"].get<double>(),
-              e["balancedness_last_quarter"].get<double>());
+  std::printf(
+      "  eplb (%s trigger, looks every %lld steps, %s, R = %d, %s%s): %zu rebalance(s), %s moved; picks balancedness "
+      "%.3f in "
+      "the first quarter, %.3f in the last\n",
+      e["trigger"].get<std::string>().c_str(), static_cast<long long>(e["interval"].get<int64_t>()),
+      e["policy"].get<std::string>().c_str(), e["redundant"].get<int>(),
+      e["layers_per_chunk"].get<int>() > 0
+          ? fmt::format("{} layer(s) per chunk", e["layers_per_chunk"].get<int>()).c_str()
+          : "all layers at once",
+      e["async"].get<bool>() ? ", async" : "", e["rebalances"].size(),
+      HumanBytes(e["bytes_moved_total"].get<int64_t>()).c_str(), e["balancedness_first_quarter"].get<double>(),
+      e["balancedness_last_quarter"].get<double>());
   for (const auto& r : e["rebalances"]) {
-    std::printf("    step %lld -> %lld: %lld copies sent between ranks (%s), %lld copied locally, balancedness %.3f -> "
-                "%.3f (window), stall %.2f ms (slowest rank), placement %.2f ms\n",
-                static_cast<long long>(r["decided_at_step"].get<int64_t>()),
-                static_cast<long long>(r["installed_at_step"].get<int64_t>()),
-                static_cast<long long>(r["remote_copies"].get<int64_t>()),
-                HumanBytes(r["bytes_moved"].get<int64_t>()).c_str(),
-                static_cast<long long>(r["local_copies"].get<int64_t>()), r["balancedness_before"].get<double>(),
-                r["balancedness_after"].get<double>(), r["stall_ms_max_rank"].get<double>(),
-                r["compute_ms"].get<double>());
+    std::printf(
+        "    step %lld -> %lld: %lld copies sent between ranks (%s), %lld copied locally, balancedness %.3f -> "
+        "%.3f (window), stall %.2f ms (slowest rank), placement %.2f ms\n",
+        static_cast<long long>(r["decided_at_step"].get<int64_t>()),
+        static_cast<long long>(r["installed_at_step"].get<int64_t>()),
+        static_cast<long long>(r["remote_copies"].get<int64_t>()), HumanBytes(r["bytes_moved"].get<int64_t>()).c_str(),
+        static_cast<long long>(r["local_copies"].get<int64_t>()), r["balancedness_before"].get<double>(),
+        r["balancedness_after"].get<double>(), r["stall_ms_max_rank"].get<double>(), r["compute_ms"].get<double>());
   }
 }
 

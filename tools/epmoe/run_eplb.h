@@ -3,16 +3,15 @@
 // report of a rebalancing run. Used by cmd_run.cc only.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "epmoe/comm.h"
 #include "epmoe/engine.h"
@@ -24,20 +23,20 @@ namespace epmoe::cli {
 
 struct EplbRunOptions {
   bool enabled = false;
-  int64_t interval = 20;            // steps between looks of the trigger
+  int64_t interval = 20;  // steps between looks of the trigger
   std::string trigger = "interval";
   double threshold = 0.8;
   int64_t payback_steps = 1000;
-  int window = 0;                   // recorder window in steps (0: the interval)
-  int layers_per_chunk = 0;         // 0: all layers at once
+  int window = 0;            // recorder window in steps (0: the interval)
+  int layers_per_chunk = 0;  // 0: all layers at once
   bool async = false;
   std::string policy = "deepseek";
   int redundant = 0;
-  double move_gbps = 10;            // payback: bytes moved per second, in GB/s
-  double roll_call_seconds = 10;    // after a timed-out exchange: rank 0's wait for the others' answers
+  double move_gbps = 10;          // payback: bytes moved per second, in GB/s
+  double roll_call_seconds = 10;  // after a timed-out exchange: rank 0's wait for the others' answers
   std::string metrics_file;
-  std::string placement_file;       // --placement: the placement the run starts from
-  std::string record_load;          // --record-load: where the recorded load is written
+  std::string placement_file;        // --placement: the placement the run starts from
+  std::string record_load;           // --record-load: where the recorded load is written
   std::string record_mode = "stat";  // --eplb-record
 };
 

@@ -188,7 +188,7 @@ struct Int8Dot {
   static constexpr int kValueBytes = 1, kMaxRows = 3;
   // Whole-group tiles prefetch each line a second time, kFarPrefetchSteps times as far ahead (in
   // calls of one batch of rows, DenseTile; at one row the int8 dot spends 6 instructions per 32
-  // bytes, bf16 4, fp32 1). Session 20, AVX2 forced on Zen 4, two threads, the skewed layer,
+  // bytes, bf16 4, fp32 1). AVX2 forced on Zen 4, two threads, the skewed layer,
   // fraction of the read rate, medians of 7 - 11 alternations in one process: int8 T = 1 / 8 0.84
   // / 0.84 -> 0.90 - 0.92 / 0.90 in the slow memory state, 0.46 - 0.52 / 0.54 - 0.56 -> 0.57 -
   // 0.60 / 0.64 - 0.66 in the fast; the same made bf16 6 - 15% and fp32 10 - 23% slower in the
@@ -249,7 +249,7 @@ void DenseTile(const TileArgs& a, int64_t g_begin, int64_t g_end, typename Dot::
   };
   // In a call of one batch of rows, each line a second time, farther ahead: a tile over part of the
   // group a chunk further, one over the whole group kFarPrefetchSteps times as far where
-  // Dot::kFarPrefetch (0: not at all). Session 20, AVX2 forced on Zen 4, two threads, fraction of
+  // Dot::kFarPrefetch (0: not at all). AVX2 forced on Zen 4, two threads, fraction of
   // the read rate, medians of 7 alternations in one process: the second prefetch of the partial
   // tiles, every expert at 2 / 3 rows, fp32 0.65 - 0.70 -> 0.87 - 0.95 / 0.57 - 0.79 -> 0.77 -
   // 0.88, bf16 0.76 - 0.86 -> 0.84 - 0.94 / 0.68 - 0.87 -> 0.79 - 0.96, int8 0.61 - 0.82 -> 0.83 -
@@ -309,7 +309,7 @@ struct FourBit {
       const uint8_t* codes = w + sb * (kScaleBlock / 16) * 128;
       if (a.stream) {
         // Each line twice, the second time twice as far ahead, as the AVX-512 4-bit tiles do
-        // (session 20, measured with AVX2 forced on Zen 4, two threads, the skewed layer, fraction
+        // (measured with AVX2 forced on Zen 4, two threads, the skewed layer, fraction
         // of the read rate, medians of 5 - 11 alternations in one process: nvfp4 T = 1 / 8 0.85 -
         // 0.90 / 0.89 - 0.91 -> 0.92 - 0.97 / 0.93 - 0.94 in the slow memory state and 0.54 ->
         // 0.66 at T = 1 in the fast; mxfp4 T = 1 / 8 0.52 - 0.54 / 0.57 - 0.58 -> 0.70 - 0.73 /

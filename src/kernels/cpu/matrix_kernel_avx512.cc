@@ -68,7 +68,7 @@ constexpr int64_t kFourBitL1PrefetchBytes = 512;
 // Two threads, every expert with the same rows, the memory's fast state (60 - 66 GB/s; the slow
 // state level within 2%), fraction of the read rate measured just before each run, medians of 5
 // runs of the variants alternated in one process, int8 at 1 / 2 / 3 / 4 / 5 / 6 rows:
-//   1 KB ahead at every height (until session 19)  0.86 / 0.83 / 0.78 / 0.72 / 0.69 / 0.66
+//   1 KB ahead at every height                     0.86 / 0.83 / 0.78 / 0.72 / 0.69 / 0.66
 //   2 KB ahead                                      0.90 / 0.83 / 0.79 / 0.71 / 0.60 / 0.46
 //   none                                            0.86 / 0.83 / 0.82 / 0.77 / 0.73 / 0.69
 // (4 - 16 KB, in other runs, slower at 1 - 5 rows). fp32 and bf16 at 4 - 6 rows gain as int8 (fp32
@@ -581,12 +581,10 @@ class DenseKernel final : public Avx512Kernel<kFormat> {
                2 * kDenseTallRows>(base, block_begin, block_end, rows);
       return;
     }
-    // 13 - 18 rows: three row tiles chunk by chunk (since session 27). Before, each of them ran over
-    // the whole group in turn, prefetching the next group into L2 as below, and read the weights
-    // at about 16 GB/s where two row tiles chunk by chunk read 22 - 26 (one thread from memory,
-    // BM_MatMul, int8 at 12 / 13 / 16 / 18 rows: 505 - 608 / 402 - 460 / 494 - 560 / 563 - 605
-    // G op/s; three chunked: 13 / 16 / 18 rows 543 - 568 / 634 - 655 / 623 - 679). Four row tiles
-    // chunk by chunk for 19 - 24 rows were no faster than the groups below (fp32 slower).
+    // 13 - 18 rows: three row tiles chunk by chunk, which read the weights faster than three tiles
+    // each over the whole group in turn (one thread from memory, BM_MatMul, int8 at 13 / 16 / 18
+    // rows: 543 - 568 / 634 - 655 / 623 - 679 against 402 - 460 / 494 - 560 / 563 - 605 G op/s).
+    // Four row tiles chunk by chunk for 19 - 24 rows were no faster than the groups below.
     if (rows <= 3 * kDenseTallRows) {
       RunTiles<DenseTiles<Dot>::template Triple, 2 * kDenseTallRows + 1, 3 * kDenseTallRows, kDenseBlocks,
                3 * kDenseTallRows>(base, block_begin, block_end, rows);
@@ -767,17 +765,12 @@ struct FourBit {
             PrefetchL2(near + j * block_bytes);
             PrefetchL2(near + j * block_bytes + 64);
             // The short tiles (up to kStreamRows rows), which do the least arithmetic per byte,
-            // prefetch each line again twice as far ahead. A single prefetch 16 KB ahead was level
-            // (session 10), so it is the repetition that helps, as if the first were sometimes
-            // dropped (one thread, BM_MatMul at 1 - 3 rows, medians of 5 alternated runs: nvfp4
-            // +4 - 5%, mxfp4 +14 - 21%; the layer at T = 1 / 8 / 16, one thread: nvfp4 0.80 / 0.81
-            // / 0.78 -> 0.84 / 0.85 / 0.83 of the bound, mxfp4 0.75 / 0.78 / 0.77 -> 0.80 / 0.83 /
-            // 0.84). The 4-row tile too since session 20 (session 11 had measured it one thread
-            // alone, BM_MatMul: mxfp4 9 - 15% slower): in the layer, two threads, every expert 4
-            // rows, fraction of the read rate, medians of 7 - 21 runs alternated in one process,
-            // nvfp4 0.86 - 0.87 -> 0.90 - 0.91 (slow memory state) and 0.55 -> 0.65 (fast), mxfp4
-            // 0.65 - 0.89 -> 0.66 - 0.91; the skewed T = 64 layer +0.5 - 6.5%, T = 16 level (mxfp4
-            // -1 - 2%); one thread, 4 rows: nvfp4 0.58 -> 0.69, mxfp4 0.68 -> 0.70.
+            // prefetch each line again twice as far ahead. A single prefetch 16 KB ahead was level,
+            // so it is the repetition that helps, as if the first were sometimes dropped (one
+            // thread, BM_MatMul at 1 - 3 rows: nvfp4 +4 - 5%, mxfp4 +14 - 21%). The 4-row tile
+            // gains too in the layer with two threads (every expert 4 rows, fraction of the read
+            // rate: nvfp4 0.86 - 0.87 -> 0.90 - 0.91 in the memory's slow state, 0.55 -> 0.65 in
+            // its fast one), though one thread alone measures it slower.
             if constexpr (R <= kStreamRows) {
               PrefetchL2(far + j * block_bytes);
               PrefetchL2(far + j * block_bytes + 64);
@@ -875,9 +868,9 @@ constexpr int64_t kFourBitPanelBlocks = 4;
 // Up to this many rows, 4-bit weights are expanded in registers as they stream, once per row tile
 // (from memory for the first, from cache for the others). Above, a panel's first kPanelFillRows
 // rows run a streaming tile that also writes what it expands into the panel, and the other rows
-// run prefill tiles over it. (Until session 17 the panel was expanded in a pass of its own, which
-// did no arithmetic while it read the codes, and so paid only from 49 rows on for both formats.)
-// With the expansion in the first row tile (`epmoe bench kernels --formats nvfp4,mxfp4 --tokens
+// run prefill tiles over it. (A pass of its own that expanded the panel did no arithmetic while it
+// read the codes, and so paid only from 49 rows on for both formats.) With the expansion in the
+// first row tile (`epmoe bench kernels --formats nvfp4,mxfp4 --tokens
 // 256,1024 --no-decode`, 15 alternated runs, medians of the fraction of the bound at 48 / 32 / 16
 // rows): nvfp4 T = 256 0.56 - 0.57 / 0.59 - 0.61 / 0.55, T = 1024 0.59 / 0.60 - 0.61 / 0.59 - 0.60;
 // mxfp4 T = 256 0.58 / 0.58 / 0.61 - 0.64, T = 1024 0.64 - 0.68 / 0.67 - 0.68 / 0.66 - 0.70.
@@ -912,16 +905,16 @@ class FourBitKernel final : public Avx512Kernel<kFormat> {
       // One row runs the 2-row tile over the row twice (activation and output stride 0: read again,
       // its result written to the same place): from memory the 1-row tile read less than the 2-row
       // tile does on the same weights (one thread, BM_MatMul: nvfp4 25.3 -> 30.5 GB/s, mxfp4 25.4
-      // -> 29.1; session 10; alternated within one process in session 13, level on average but less
-      // steady), and the repeated row's arithmetic costs little while the tile waits for memory.
-      // Not the 3-row tile (session 12): a core spends per 128 bytes of codes R x 4 VPDPBUSD and R
+      // -> 29.1; alternated within one process, level on average but less steady), and the
+      // repeated row's arithmetic costs little while the tile waits for memory.
+      // Not the 3-row tile: a core spends per 128 bytes of codes R x 4 VPDPBUSD and R
       // FMA (nvfp4) for R rows on the two pipes these share, the 4 VPERMB running beside them (Zen
-      // 4 takes one every two cycles on a third pipe; session 18), so the 3-row tile cannot expand
+      // 4 takes one every two cycles on a third pipe), so the 3-row tile cannot expand
       // faster than about 31 GB/s a core (measured over cached nvfp4 weights: 27 - 28; the 2-row
       // tile 35, the 1-row tile 46), which is about what one core reads from memory here:
       // whenever the host slows the core or the memory speeds up, it stops the tile. One thread
-      // from memory, 1 and 2 rows, the tiles alternated within one process, 4 sets of 8 runs
-      // (session 13): nvfp4 1 row 0.67 - 0.94 -> 0.84 - 0.93 of the read rate, 2 rows 0.77 - 0.88
+      // from memory, 1 and 2 rows, the tiles alternated within one process, 4 sets of 8 runs:
+      // nvfp4 1 row 0.67 - 0.94 -> 0.84 - 0.93 of the read rate, 2 rows 0.77 - 0.88
       // -> 0.92 - 0.95; mxfp4 1 row 0.79 - 0.93 -> 0.85 - 0.90, 2 rows 0.84 - 0.93 -> 0.91 - 0.95;
       // the layer at one thread, 5 alternated runs, T = 1 / 8 / 16 / 64: nvfp4 0.78 / 0.78 / 0.74 /
       // 0.57 -> 0.86 / 0.83 / 0.83 / 0.61 of the bound, mxfp4 level; with two threads -0.02 to
