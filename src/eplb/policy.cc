@@ -15,19 +15,27 @@ using eplb_internal::CopyWeight;
 
 namespace {
 constexpr EnumNames<Policy, 7> kPolicies("policy", {{{Policy::kDeepseek, "deepseek"},
-                                                      {Policy::kDeepseekGuarded, "deepseek-guarded"},
-                                                      {Policy::kPerStep, "per-step"},
-                                                      {Policy::kCost, "cost"},
-                                                      {Policy::kMinMove, "min-move"},
-                                                      {Policy::kUniform, "uniform"},
-                                                      {Policy::kAuto, "auto"}}});
+                                                     {Policy::kDeepseekGuarded, "deepseek-guarded"},
+                                                     {Policy::kPerStep, "per-step"},
+                                                     {Policy::kCost, "cost"},
+                                                     {Policy::kMinMove, "min-move"},
+                                                     {Policy::kUniform, "uniform"},
+                                                     {Policy::kAuto, "auto"}}});
 }  // namespace
 
-const char* PolicyName(Policy policy) { return kPolicies.Name(policy); }
-std::vector<Policy> AllPolicies() { return kPolicies.All(); }
-Result<Policy> ParsePolicy(std::string_view name) { return kPolicies.Parse(name); }
+const char* PolicyName(Policy policy) {
+  return kPolicies.Name(policy);
+}
+std::vector<Policy> AllPolicies() {
+  return kPolicies.All();
+}
+Result<Policy> ParsePolicy(std::string_view name) {
+  return kPolicies.Parse(name);
+}
 
-bool PolicyValidates(Policy policy) { return policy == Policy::kAuto || policy == Policy::kMinMove; }
+bool PolicyValidates(Policy policy) {
+  return policy == Policy::kAuto || policy == Policy::kMinMove;
+}
 
 Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {
   if (num_experts < 1) return InvalidArgument(fmt::format("{} experts: need at least 1", num_experts));
