@@ -79,9 +79,14 @@ TEST(Cli, ZeroTokensRunsAndReportsNothingTouched) {
 }
 
 TEST(Cli, RefusesARunThatWouldNotFitTheMemoryBudget) {
-  const CommandResult r = Epmoe("layer --model glm-5.3 --layers 4 --max-memory-gb 1");
+  CommandResult r = Epmoe("layer --model glm-5.3 --layers 4 --max-memory-gb 1");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("budget"), std::string::npos) << r.out;
+  // The rows count too: 6 M rows of 2048 values, 8 picks each, take hundreds of GB.
+  r = Epmoe("layer --tokens 6000000 --hidden 512 --max-memory-gb 10");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("over the budget of 10.00 GB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rows 3"), std::string::npos) << r.out;
 }
 
 }  // namespace

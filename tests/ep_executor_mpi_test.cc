@@ -540,3 +540,46 @@ TEST(Executor, RefusesShapesBeforeAnyWork) {
 
 }  // namespace
 }  // namespace epmoe
+
+namespace epmoe {
+namespace {
+
+// The memory admission's estimate of an executor against what the executor holds: its weights
+// equal resident_weight_bytes, and a step's exchange buffers stay within the estimate.
+TEST(Executor, MemoryEstimateMatchesWhatTheExecutorHolds) {
+  Communicator& comm = World();
+  const int g = comm.size(), me = comm.rank();
+  const ModelConfig model = TinyModel(1);
+  const int64_t total = 4 * g + 1;
+  for (WeightFormat format : {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4}) {
+    for (EpOption option : AllEpOptions()) {
+      SCOPED_TRACE(std::string(EpOptionName(option)) + " " + WeightFormatName(format));
+      Case c = CaseOf(option);
+      c.weights = format;
+      const ExecutorOptions options = OptionsFor(c, g);
+      if (!CheckExecutorShape(model, options, g).ok()) continue;  // the same on every rank
+      auto executor = CreateExecutor(comm, model, options, Pool());
+      ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+      const MemoryEstimate estimate = EstimateExecutorMemory(model, options, g, me, total);
+      const double held = static_cast<double>((*executor)->resident_weight_bytes());
+      EXPECT_EQ(estimate.weights, held);
+      const int64_t first = RowBegin(total, g, me), rows = RowBegin(total, g, me + 1) - first;
+      const Matrix all_rows = SyntheticRows(kSeed, model, 0, 0, total);
+      const Picks all_picks = UniformPicks(model, total, kSeed);
+      Matrix out;
+      StepStats stats;
+      const Status status =
+          (*executor)->Forward(0, RowsOf(all_rows, first, rows), PicksOf(all_picks, first, rows), &out, &stats);
+      ASSERT_TRUE(status.ok()) << status.ToString();
+      if (option == EpOption::kDwdp) {
+        EXPECT_EQ(estimate.exchange, 0);  // rows stay; its double buffer is among the weights
+      } else {
+        EXPECT_LE(static_cast<double>(stats.peak_buffer_bytes), estimate.exchange);
+      }
+      EXPECT_TRUE((*executor)->Close().ok());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,7 +1,14 @@
 // `epmoe run` end to end: one process (a world of one rank, no mpirun) and two ranks under mpirun,
-// every option side by side with --check, JSON output, and refusals of shapes and flags.
+// every option side by side with --check, JSON output, refusals of shapes, flags and memory, and
+// one rank's error ending the job.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -118,6 +125,100 @@ TEST(EpRunCli, RefusesWithOneLineReasons) {
   run = Shell(Binary() + " run --layers 99", true);
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.out.find("--layers 99"), std::string::npos) << run.out;
+}
+
+// mpirun with `ranks` ranks, ended after 120 s (exit code 124) should it hang.
+std::string Mpirun(int ranks) {
+  return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+         "timeout 120 mpirun --oversubscribe --bind-to none -np " +
+         std::to_string(ranks) + " ";
+}
+
+size_t Occurrences(const std::string& text, const std::string& word) {
+  size_t n = 0;
+  for (size_t at = text.find(word); at != std::string::npos; at = text.find(word, at + 1)) ++n;
+  return n;
+}
+
+// Memory is admitted before anything is allocated: the runs below would take tens of GB.
+TEST(EpRunCli, RefusesARunOverTheMemoryBudgetBeforeAllocating) {
+  CommandRun run = Shell(
+      "timeout 60 " + Binary() + " run --model qwen3-30b-a3b --layers 12 --option a2a --steps 1 --max-memory-gb 10",
+      true);
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("over the budget of 10.00 GB"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("packed weights 28.99 GB"), std::string::npos) << run.out;  // 12 x 128 x 18.9 MB
+  // Four ranks with --check: each holds the single-process layers as well; summed over the
+  // machine, refused once (every rank reaches the same refusal).
+  run = Shell(Mpirun(4) + Binary() +
+                  " run --model qwen3-30b-a3b --option all --tokens 64 --steps 3 --layers 2 --check "
+                  "--max-memory-gb 20",
+              true);
+  EXPECT_NE(run.exit_code, 0) << run.out;
+  EXPECT_EQ(Occurrences(run.out, "over the budget"), 1u) << run.out;
+  EXPECT_NE(run.out.find("ranks 0, 1, 2, 3 (on one machine, summed)"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("fp32 and reference weights 19.33 GB"), std::string::npos) << run.out;  // 4 x 2 x 2.42 GB
+  // What one rank holds fits, the same run on two ranks of one machine does not: the ranks' sum
+  // counts (each rank keeps its own single-process layers for --check).
+  const std::string shape =
+      " run --model qwen3-30b-a3b --hidden 256 --intermediate 128 --layers 2 --option a2a --check --tokens 8 "
+      "--steps 1 --no-progress --max-memory-gb 0.25";
+  run = Shell("timeout 120 " + Binary() + shape, true);
+  EXPECT_EQ(run.exit_code, 0) << run.out;
+  run = Shell(Mpirun(2) + Binary() + shape, true);
+  EXPECT_NE(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find("ranks 0, 1 (on one machine, summed)"), std::string::npos) << run.out;
+}
+
+// Writes NaN over the first value of every tensor whose name contains `name` in the F32
+// safetensors files of `dir`; returns how many it changed.
+int PoisonTensors(const std::string& dir, const std::string& name) {
+  int changed = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::fstream file(entry.path(), std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t header_bytes = 0;
+    file.read(reinterpret_cast<char*>(&header_bytes), 8);
+    std::string header(header_bytes, '\0');
+    file.read(header.data(), static_cast<std::streamsize>(header_bytes));
+    const auto tensors = nlohmann::json::parse(header);
+    for (const auto& [key, tensor] : tensors.items()) {
+      if (key.find(name) == std::string::npos || !tensor.contains("data_offsets")) continue;
+      EXPECT_EQ(tensor["dtype"], "F32");
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      file.seekp(static_cast<std::streamoff>(8 + header_bytes + tensor["data_offsets"][0].get<uint64_t>()));
+      file.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+      ++changed;
+    }
+  }
+  return changed;
+}
+
+// Expert 127 is held by rank 3 alone (of 4), expert 0 by rank 0: a NaN in it fails that rank while
+// the others wait for it in an exchange. The job ends well before the exchange timeout, with the
+// rank's error and its number.
+TEST(EpRunCli, OneRanksErrorEndsTheJobWithItsRank) {
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) / "epmoe_run_cli_nan").string();
+  for (const auto& [expert, rank] : {std::pair{127, 3}, std::pair{0, 0}}) {
+    SCOPED_TRACE("NaN in expert " + std::to_string(expert));
+    std::filesystem::remove_all(dir);
+    const std::string args = " --model qwen3-30b-a3b --hidden 64 --intermediate 32 --layers 1 --dtype f32 --out ";
+    const CommandRun write = Shell(Binary() + " checkpoint write" + args + dir, true);
+    ASSERT_EQ(write.exit_code, 0) << write.out;
+    ASSERT_EQ(PoisonTensors(dir, "experts." + std::to_string(expert) + ".down_proj"), 1);
+    const auto start = std::chrono::steady_clock::now();
+    const CommandRun run = Shell(Mpirun(4) + Binary() + " run --model " + dir + " --weights " + dir +
+                                     " --option a2a --tokens 16 --steps 2 --layers 1 --comm-timeout 20 --no-progress",
+                                 true);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(run.exit_code, 0) << run.out;
+    EXPECT_NE(run.exit_code, 124) << "timed out: " << run.out;
+    EXPECT_LT(seconds, 15) << run.out;  // the healthy ranks would give up on it only after 20 s
+    EXPECT_NE(run.out.find("epmoe: rank " + std::to_string(rank) + ": "), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("is nan"), std::string::npos) << run.out;
+    EXPECT_EQ(run.out.find("still waiting"), std::string::npos) << run.out;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

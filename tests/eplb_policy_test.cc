@@ -382,7 +382,7 @@ ExpertLoad DriftingLoad(std::mt19937_64& rng, int steps, int drift_at, int layer
 // balancedness on the second half (plain loops), the one-standard-error rule over the candidates
 // in auto's order, the winner refitted on every step. Returns the winner's name.
 std::string CheckAutoChoice(const ExpertLoad& load, const Placement& current, const PolicyOptions& options) {
-  auto choice = ChooseByValidation(load, options);
+  auto choice = ChooseByValidation(ToLoadMatrix(load), options);
   EXPECT_TRUE(choice.ok()) << choice.status().ToString();
   if (!choice.ok()) return "";
   const int64_t half = load.num_steps / 2;
@@ -444,7 +444,7 @@ TEST(EplbPolicy, AutoChoosesTheValidatedWinnerAndRefitsIt) {
   options.current = &*trivial;
   // Steps 0-5 skewed, 6-11 flat: DeepSeek fits the skew best, but validation must not take it.
   const ExpertLoad drifting = DriftingLoad(rng, 12, 6, 2);
-  auto choice = ChooseByValidation(drifting, options);
+  auto choice = ChooseByValidation(ToLoadMatrix(drifting), options);
   ASSERT_TRUE(choice.ok()) << choice.status().ToString();
   for (const ValidatedCandidate& c : choice->candidates)
     if (c.name == "deepseek") {
@@ -456,7 +456,7 @@ TEST(EplbPolicy, AutoChoosesTheValidatedWinnerAndRefitsIt) {
   const std::string winner = CheckAutoChoice(skewed, *trivial, options);
   EXPECT_NE(winner, "current");
   // One step: nothing to validate on; auto chooses by the fit and says so.
-  auto single = ChooseByValidation(SliceSteps(drifting, 0, 1), options);
+  auto single = ChooseByValidation(ToLoadMatrix(SliceSteps(drifting, 0, 1)), options);
   ASSERT_TRUE(single.ok()) << single.status().ToString();
   EXPECT_EQ(single->validation_steps, 0);
   EXPECT_TRUE(std::isnan(single->candidates[0].validated));
@@ -477,7 +477,7 @@ TEST(EplbPolicy, MinMoveIsNeverWorseHeldOutThanItsStart) {
     options.policy = Policy::kMinMove;
     options.shape = {4, 1, 1, 0};
     options.current = &*current;
-    auto unvalidated = eplb_internal::FitPlacement(window, options);
+    auto unvalidated = eplb_internal::FitPlacement(ToLoadMatrix(window), options);
     auto moved = ComputePlacement(window, options);
     ASSERT_TRUE(unvalidated.ok() && moved.ok());
     const double start = PlainLayerBalancedness(*current, 0, held_out);

@@ -13,6 +13,7 @@
 
 #include "epmoe/load.h"
 #include "epmoe/load_figures.h"
+#include "epmoe/load_matrix.h"
 #include "epmoe/placement.h"
 
 namespace epmoe {
@@ -35,13 +36,20 @@ double ExpertCopySeconds(const CostModel& cost, double rows);
 
 // Per rank, for one layer and one step's per-expert counts (E values): picks (even split over
 // copies), expected distinct copies read, and predicted seconds. Each output gets G values.
+// The overloads on weights take one step of a LoadMatrix (its values stand for picks).
 void RankPicks(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out);
-void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out);
+void RankPicks(const Placement& placement, int layer, std::span<const double> weights, std::span<double> out);
+void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts,
+                    std::span<double> out);
+void RankCopiesRead(const Placement& placement, int layer, std::span<const double> weights,
+                    std::span<double> out);
 void RankSeconds(const Placement& placement, int layer, std::span<const int64_t> counts, const CostModel& cost,
+                 std::span<double> out);
+void RankSeconds(const Placement& placement, int layer, std::span<const double> weights, const CostModel& cost,
                  std::span<double> out);
 
 // Mean over the load's steps of one layer's balancedness (mean/max picks per rank); 1 without steps.
-double LayerBalancedness(const Placement& placement, int layer, const ExpertLoad& load);
+double LayerBalancedness(const Placement& placement, int layer, const LoadMatrix& load);
 
 // A placement scored on a load (each step and layer, then averaged).
 struct PlacementScore {
@@ -55,6 +63,8 @@ struct PlacementScore {
   double mean_rank_seconds = 0;  // the same with the mean rank's time (no waiting)
 };
 PlacementScore ScorePlacement(const Placement& placement, const ExpertLoad& load, const CostModel& cost);
+// The same on a load matrix: its values stand for picks.
+PlacementScore ScorePlacement(const Placement& placement, const LoadMatrix& load, const CostModel& cost);
 
 // The reference "even router": every step's picks redrawn uniformly (k distinct experts per row,
 // rows from the load, or independent picks when k or rows are unknown), scored on `placement`.

@@ -180,4 +180,33 @@ Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& optio
 // without another collective (creating a communicator to call Abort would wait for the peers).
 [[noreturn]] void AbortJob(int exit_code);
 
+// The errors of a job's failed ranks, as GatherJobErrors found them.
+struct JobErrors {
+  struct Error {
+    std::string message;
+    std::vector<int> ranks;  // the ranks that failed with this message, ascending
+  };
+  int rank = 0;  // this process's rank in the job
+  int size = 1;  // ranks in the job
+  // Every rank failed and reported within the bound: no rank waits for another, so the job can
+  // end normally. Rank 0 then holds each distinct error once (in order of its lowest rank) and the
+  // other ranks hold none: rank 0 prints them. Otherwise this rank holds its own error (rank 0 also
+  // every error it received) and should print it and end the job (AbortJob), since the ranks that
+  // did not report may be waiting for it.
+  bool every_rank_reported = false;
+  std::vector<Error> errors;
+};
+
+// Called by every rank whose command failed with `error` (not ok), so that a rank's error reaches
+// the user with its rank and the job ends, whether or not its peers failed too. Needs no
+// communicator (as AbortJob): point-to-point messages on MPI_COMM_WORLD with tags 32764 and 32765
+// (a call that returns every_rank_reported false leaves its messages pending: the job must end
+// then). Every failed rank sends its error to rank 0; rank 0, when it failed too, collects for up
+// to `seconds` and, once every rank's error has come, tells each rank that it will print them; a
+// rank that hears nothing from rank 0 within twice `seconds` (rank 0 is working or waits in an
+// exchange for this rank) returns every_rank_reported false. So a refusal every rank reaches alike
+// is printed once, and an error of one rank ends the job within 2 x `seconds`. Without MPI running
+// (or in a world of one rank) returns at once, with every_rank_reported true.
+JobErrors GatherJobErrors(const Status& error, double seconds);
+
 }  // namespace epmoe

@@ -42,6 +42,7 @@
 
 #include "epmoe/balance.h"
 #include "epmoe/load.h"
+#include "epmoe/load_matrix.h"
 #include "epmoe/placement.h"
 #include "epmoe/status.h"
 
@@ -79,7 +80,9 @@ struct PolicyOptions {
 };
 
 // The placement of `options.policy` for `load` (all its steps). Errors name the bad shape value.
+// A trace's picks and a load matrix of the same values give the same placement.
 Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options);
+Result<Placement> ComputePlacement(const LoadMatrix& load, const PolicyOptions& options);
 
 // What auto saw of one candidate: balancedness (mean over steps and layers of mean/max picks per
 // rank) on the steps it was fitted on and on the later validation steps, and whether it won.
@@ -95,7 +98,7 @@ struct ValidatedChoice {
   std::vector<ValidatedCandidate> candidates;
 };
 // auto with its report (ComputePlacement with kAuto returns its placement).
-Result<ValidatedChoice> ChooseByValidation(const ExpertLoad& load, const PolicyOptions& options);
+Result<ValidatedChoice> ChooseByValidation(const LoadMatrix& load, const PolicyOptions& options);
 
 // DeepSeek's rebalance_experts on one layer's weights (E values), returning phy2log (E + R slots).
 // `guarded` gives deepseek-guarded. Exposed for tests and for callers with their own weights.

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -155,6 +156,19 @@ class MoeExecutor {
 // Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory
 // bound, placement) and says why not; called by CreateExecutor before any work.
 Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& options, int num_ranks);
+
+// Peak memory of the executor of `options` on `rank` of `num_ranks` (a shape CheckExecutorShape
+// accepts) for `tokens` rows per step over all ranks: its weights (dwdp: owned experts, their copy
+// in the window and the double buffer) and its exchange buffers (at most max_buffer_bytes).
+MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOptions& options, int num_ranks, int rank,
+                                      int64_t tokens);
+
+// Peak memory of `rank` in a run of `executors` on `tokens` rows per step: the executors one at a
+// time (the largest counts) or all at once (at_once, as `epmoe run --interleave` holds them), with
+// `check` the single-process layers of executors[0]'s weight format that every rank compares
+// with, and the rank's rows.
+MemoryEstimate EstimateRunMemory(const ModelConfig& model, std::span<const ExecutorOptions> executors, bool at_once,
+                                 bool check, int num_ranks, int rank, int64_t tokens);
 
 // Builds this rank's share of the weights of every layer. Collective.
 Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,

@@ -158,4 +158,27 @@ class MoeLayer {
   std::unique_ptr<ExpertStore> shared_;  // null without shared experts
 };
 
+// Memory of MoE layers or executors, by what holds it, estimated before anything is allocated so
+// that a run that would not fit is refused with the reason (EstimateLayerMemory below,
+// EstimateRunMemory in executor.h). In bytes, as doubles: the estimate of an absurd size (a
+// billion rows) must not overflow.
+struct MemoryEstimate {
+  double weights = 0;    // packed experts held (executors: this rank's share, dwdp's window copy and double buffer)
+  double reference = 0;  // what a check compares with: the fp32 weights, or the single-process layers
+  double rows = 0;       // a step's rows, router scores, picks and outputs, and the experts' per-pick rows
+  double exchange = 0;   // exchange buffers (bounded by ExecutorOptions::max_buffer_bytes)
+  double total() const { return weights + reference + rows + exchange; }
+};
+
+// Bytes one row takes through the router and MoeLayer::Forward: its input, output and expected
+// fp32 rows and router scores, and per pick its id and weight, its place in the permutation, and
+// its row gathered for the experts, in the kernel's input format and as expert output.
+double LayerBytesPerRow(const ModelConfig& model);
+
+// `layers` MoeLayers of `model` packed in `format` (routed and shared experts) running `tokens`
+// rows per step. keep_fp32: every layer's fp32 weights are kept as well (the plain reference's
+// input); otherwise only the experts being packed are, two per thread of `threads`.
+MemoryEstimate EstimateLayerMemory(const ModelConfig& model, WeightFormat format, int layers, int64_t tokens,
+                                   bool keep_fp32, int threads);
+
 }  // namespace epmoe

@@ -83,4 +83,12 @@ Result<Placement> PlacementFromJson(const std::string& json_text, const std::str
 Status WritePlacementFile(const Placement& placement, const std::string& path);
 Result<Placement> ReadPlacementFile(const std::string& path);
 
+// SGLang's `--init-expert-location` file: {"physical_to_logical_map": [[P slots] per hidden layer]}.
+// Row layer_ids[l] holds layer l's phy2log; the rows of the other hidden layers (dense layers, which
+// SGLang counts in its layers too) hold the trivial order, slot s -> expert s mod E, as SGLang's own
+// trivial placement does. Empty layer_ids: layer l is hidden layer l. num_hidden_layers 0: the
+// placement's layers. Refuses ids out of range or repeated.
+Result<std::string> PlacementToSglangJson(const Placement& placement, const std::vector<int>& layer_ids,
+                                          int num_hidden_layers);
+
 }  // namespace epmoe

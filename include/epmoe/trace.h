@@ -10,7 +10,9 @@
 //   flame-topk-csv    `[token,][seq,][pos,][step,][row,]layer,e0..e{k-1}[,w0..w{k-1}]`, one row per
 //                     (token, layer); epmoe's own `topk-csv` export is this layout with step,row
 //   jsonl             one JSON record per (token, layer): {"layer": L, "experts": [..],
-//                     "gating_probs": [..], "token_idx": i, optional "step", "seq"/"request_id", "pos"};
+//                     "gating_probs": [..], "token_idx": i, optional "step", a sequence key ("seq",
+//                     "seq_id", "sequence_id", "request_id", "req_id", "problem_id", "sample_id",
+//                     "conversation_id"; numbers or strings), "pos"};
 //                     an optional record {"num_experts": E, "top_k": k, ...} gives the shape
 //   expert-counts-csv `model,domain,selection,layer,expert,count` (OLMoE); each matching series is a step
 //   sglang-json       SGLang-style per-pass records {"logical_count": [[..per expert..] per layer]}:
@@ -42,6 +44,9 @@ struct LoadReadOptions {
   int64_t batch = 0;            // B or C; 0 = the source's own grouping
   std::string filter;           // for multi-series count files, e.g. "model=olmoe,domain=arxiv,selection=topk"
   int num_experts = 0;          // 0: the source's own (header, columns), else largest id + 1
+  std::string on_missing = "error";  // per-token sources, a token without a record for every layer:
+                                     // "error" refuses the file, "drop-token" leaves the token out
+                                     // (TraceInfo::dropped_tokens counts them)
 };
 
 // Reads any supported trace (a file, or a folder such as FLAME-MoE's decode_64seqs_pos1-10/ whose
@@ -71,6 +76,7 @@ struct TraceInfo {
   int64_t num_steps = 0;
   std::vector<int> layer_ids;    // the source's id of each layer (num_layers values)
   std::string description;       // e.g. the series a count file's filter selected
+  int64_t dropped_tokens = 0;    // tokens left out for a missing layer record (on_missing "drop-token")
 };
 
 // One step of a trace.

@@ -97,6 +97,90 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   return Status::Ok();
 }
 
+MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOptions& o, int num_ranks, int rank,
+                                      int64_t tokens) {
+  const int g = std::max(num_ranks, 1), e = model.num_experts, k = model.top_k;
+  const WeightFormat format = o.pack.format;
+  // Bytes of an expert cut `slices` ways along the intermediate dimension: each slice has scales of
+  // its own (a row of down keeps its scale in every slice); the biases are shared out.
+  const auto routed_slice = [&](int slices) {
+    const double whole = static_cast<double>(RoutedExpertBytes(model, format));
+    const double weights = static_cast<double>(ExpertByteCount(format, model.hidden, model.expert_intermediate));
+    return static_cast<double>(ExpertByteCount(format, model.hidden, model.expert_intermediate / slices)) +
+           (whole - weights) / slices;
+  };
+  const auto shared_slice = [&](int slices) {
+    return static_cast<double>(model.num_shared_experts) *
+           static_cast<double>(ExpertByteCount(format, model.hidden, model.shared_intermediate / slices));
+  };
+  const double layers = o.num_layers;
+  const bool gathers = o.option == EpOption::kSliced || o.option == EpOption::kWhole || o.option == EpOption::kHybrid;
+  const double shared = gathers && o.shared != SharedMode::kCopied ? shared_slice(g) : shared_slice(1);
+  // Experts this rank computes picks of, and the ways each is sliced.
+  double local_experts = 0;
+  int slices = 1;
+  switch (o.option) {
+    case EpOption::kSliced:
+      local_experts = e;
+      slices = g;
+      break;
+    case EpOption::kHybrid:
+      slices = std::max(o.tp_in_ep, 1);
+      local_experts = std::ceil(static_cast<double>(e) / std::max(g / slices, 1));
+      break;
+    case EpOption::kWhole:
+    case EpOption::kA2a:
+      local_experts = o.placement != nullptr ? o.placement->slots_per_rank() : std::ceil(static_cast<double>(e) / g);
+      break;
+    case EpOption::kDwdp: local_experts = static_cast<double>(RowBegin(e, g, rank + 1) - RowBegin(e, g, rank)); break;
+  }
+  const double expert = routed_slice(slices);
+  MemoryEstimate m;
+  m.weights = layers * (local_experts * expert + shared);
+  if (o.option == EpOption::kDwdp) {
+    // The window holds a copy of the owned experts; the double buffer two pieces of the lacking.
+    m.weights += layers * local_experts * expert;
+    const double lacking = e - local_experts;
+    if (g > 1 && lacking > 0 && expert > 0)
+      m.weights += 2 * expert * std::min(lacking, std::floor(static_cast<double>(o.max_buffer_bytes) / (2 * expert)));
+    return m;  // rows stay home: no exchange buffers
+  }
+  // Per row that reaches this rank (at most every row of the step): its record sent and received,
+  // its fp32 row, partial sum and row in the kernel's input format (at most fp32), and per local
+  // pick its row in, its output, and (a2a) the weighted output going back and landing home.
+  const double row = 4.0 * model.hidden;
+  const double record = 8.0 * k + static_cast<double>(RowBytes(o.dispatch_format, model.hidden));
+  const double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
+  m.exchange = std::min(static_cast<double>(o.max_buffer_bytes), static_cast<double>(tokens) * per_row);
+  return m;
+}
+
+MemoryEstimate EstimateRunMemory(const ModelConfig& model, std::span<const ExecutorOptions> executors, bool at_once,
+                                 bool check, int num_ranks, int rank, int64_t tokens) {
+  MemoryEstimate run;
+  for (const ExecutorOptions& o : executors) {
+    const MemoryEstimate one = EstimateExecutorMemory(model, o, num_ranks, rank, tokens);
+    if (at_once) {
+      run.weights += one.weights;
+      run.exchange += one.exchange;
+    } else if (one.weights + one.exchange > run.weights + run.exchange) {
+      run.weights = one.weights;
+      run.exchange = one.exchange;
+    }
+  }
+  if (executors.empty()) return run;
+  const ExecutorOptions& first = executors.front();
+  const int g = std::max(num_ranks, 1);
+  const int64_t rows =
+      first.origin == RowOrigin::kTensorParallel ? tokens : RowBegin(tokens, g, rank + 1) - RowBegin(tokens, g, rank);
+  // The rank's rows go through the router, its executor and (check) the single-process layer.
+  const MemoryEstimate layers =
+      EstimateLayerMemory(model, first.pack.format, first.num_layers, rows, /*keep_fp32=*/false, /*threads=*/1);
+  run.rows = layers.rows;
+  if (check) run.reference = layers.weights;
+  return run;
+}
+
 Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,
                                                     const ExecutorOptions& given, ThreadPool& pool) {
   EPMOE_RETURN_IF_ERROR(ValidateModel(model, "executor"));

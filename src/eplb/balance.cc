@@ -13,44 +13,58 @@ double ExpertCopySeconds(const CostModel& cost, double rows) {
   return std::max(read, compute);
 }
 
-void RankPicks(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out) {
-  EPMOE_CHECK(static_cast<int>(counts.size()) == placement.num_experts() &&
+namespace {
+
+// Per rank, the sum over its slots of copy_value(load of one copy), from `initial`: an expert's load
+// splits evenly over its copies. Counts (picks) and weights (load matrices) share it.
+template <typename T, typename CopyValue>
+void SumPerRank(const Placement& placement, int layer, std::span<const T> load, double initial,
+                const CopyValue& copy_value, std::span<double> out) {
+  EPMOE_CHECK(static_cast<int>(load.size()) == placement.num_experts() &&
               static_cast<int>(out.size()) == placement.num_ranks());
-  std::fill(out.begin(), out.end(), 0.0);
+  std::fill(out.begin(), out.end(), initial);
   auto phy2log = placement.phy2log(layer);
   auto logcnt = placement.logcnt(layer);
   for (int slot = 0; slot < placement.num_slots(); ++slot) {
     const int expert = phy2log[slot];
-    out[placement.rank_of_slot(slot)] += static_cast<double>(counts[expert]) / logcnt[expert];
+    out[placement.rank_of_slot(slot)] += copy_value(static_cast<double>(load[expert]) / logcnt[expert]);
   }
 }
 
-void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out) {
-  EPMOE_CHECK(static_cast<int>(counts.size()) == placement.num_experts() &&
-              static_cast<int>(out.size()) == placement.num_ranks());
-  std::fill(out.begin(), out.end(), 0.0);
-  auto phy2log = placement.phy2log(layer);
-  auto logcnt = placement.logcnt(layer);
-  for (int slot = 0; slot < placement.num_slots(); ++slot) {
-    const int expert = phy2log[slot];
-    out[placement.rank_of_slot(slot)] += std::min(1.0, static_cast<double>(counts[expert]) / logcnt[expert]);
-  }
+double Picks(double per_copy) { return per_copy; }
+// A copy is read when it gets a pick: with c < n picks, c of the n copies are touched.
+double CopiesRead(double per_copy) { return std::min(1.0, per_copy); }
+
+}  // namespace
+
+void RankPicks(const Placement& placement, int layer, std::span<const int64_t> counts, std::span<double> out) {
+  SumPerRank(placement, layer, counts, 0.0, Picks, out);
+}
+void RankPicks(const Placement& placement, int layer, std::span<const double> weights, std::span<double> out) {
+  SumPerRank(placement, layer, weights, 0.0, Picks, out);
+}
+
+void RankCopiesRead(const Placement& placement, int layer, std::span<const int64_t> counts,
+                    std::span<double> out) {
+  SumPerRank(placement, layer, counts, 0.0, CopiesRead, out);
+}
+void RankCopiesRead(const Placement& placement, int layer, std::span<const double> weights,
+                    std::span<double> out) {
+  SumPerRank(placement, layer, weights, 0.0, CopiesRead, out);
 }
 
 void RankSeconds(const Placement& placement, int layer, std::span<const int64_t> counts, const CostModel& cost,
                  std::span<double> out) {
-  EPMOE_CHECK(static_cast<int>(counts.size()) == placement.num_experts() &&
-              static_cast<int>(out.size()) == placement.num_ranks());
-  std::fill(out.begin(), out.end(), cost.fixed_seconds);
-  auto phy2log = placement.phy2log(layer);
-  auto logcnt = placement.logcnt(layer);
-  for (int slot = 0; slot < placement.num_slots(); ++slot) {
-    const int expert = phy2log[slot];
-    out[placement.rank_of_slot(slot)] += ExpertCopySeconds(cost, static_cast<double>(counts[expert]) / logcnt[expert]);
-  }
+  SumPerRank(placement, layer, counts, cost.fixed_seconds,
+             [&](double rows) { return ExpertCopySeconds(cost, rows); }, out);
+}
+void RankSeconds(const Placement& placement, int layer, std::span<const double> weights, const CostModel& cost,
+                 std::span<double> out) {
+  SumPerRank(placement, layer, weights, cost.fixed_seconds,
+             [&](double rows) { return ExpertCopySeconds(cost, rows); }, out);
 }
 
-double LayerBalancedness(const Placement& placement, int layer, const ExpertLoad& load) {
+double LayerBalancedness(const Placement& placement, int layer, const LoadMatrix& load) {
   if (load.num_steps == 0) return 1;
   std::vector<double> per_rank(placement.num_ranks());
   double sum = 0;
@@ -76,12 +90,14 @@ class ScoreAccumulator {
   ScoreAccumulator(const Placement& placement, const CostModel& cost)
       : placement_(placement), cost_(cost), values_(placement.num_ranks()) {}
 
-  void AddStep(const ExpertLoad& load, int64_t step) {
+  template <typename Load>
+  void AddStep(const Load& load, int64_t step) {
     for (int layer = 0; layer < load.num_layers; ++layer) AddLayer(layer, load.at(step, layer));
     EndStep();
   }
   void EndStep() { ++steps_; }
-  void AddLayer(int layer, std::span<const int64_t> counts) {
+  template <typename T>
+  void AddLayer(int layer, std::span<const T> counts) {
     RankPicks(placement_, layer, counts, values_);
     score_.balancedness += Balancedness(values_);
     score_.max_picks += Max(values_);
@@ -124,6 +140,13 @@ PlacementScore ScorePlacement(const Placement& placement, const ExpertLoad& load
   return accumulator.Finish();
 }
 
+PlacementScore ScorePlacement(const Placement& placement, const LoadMatrix& load, const CostModel& cost) {
+  EPMOE_CHECK(load.num_layers == placement.num_layers() && load.num_experts == placement.num_experts());
+  ScoreAccumulator accumulator(placement, cost);
+  for (int64_t step = 0; step < load.num_steps; ++step) accumulator.AddStep(load, step);
+  return accumulator.Finish();
+}
+
 PlacementScore ScoreEvenRouter(const Placement& placement, const ExpertLoad& load, const CostModel& cost,
                                uint64_t seed) {
   EPMOE_CHECK(load.num_layers == placement.num_layers() && load.num_experts == placement.num_experts());
@@ -152,7 +175,7 @@ PlacementScore ScoreEvenRouter(const Placement& placement, const ExpertLoad& loa
         std::uniform_int_distribution<int> pick(0, num_experts - 1);
         for (int64_t i = 0; i < picks; ++i) ++counts[pick(rng)];
       }
-      accumulator.AddLayer(layer, counts);
+      accumulator.AddLayer(layer, std::span<const int64_t>(counts));
     }
     accumulator.EndStep();
   }

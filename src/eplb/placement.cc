@@ -208,4 +208,37 @@ Result<Placement> ReadPlacementFile(const std::string& path) {
   return PlacementFromJson(buffer.str(), path);
 }
 
+Result<std::string> PlacementToSglangJson(const Placement& placement, const std::vector<int>& layer_ids,
+                                          int num_hidden_layers) {
+  const int num_layers = placement.num_layers();
+  if (!layer_ids.empty() && static_cast<int>(layer_ids.size()) != num_layers)
+    return InvalidArgument(
+        fmt::format("{} layer ids for a placement of {} layers: give one per layer", layer_ids.size(), num_layers));
+  if (num_hidden_layers == 0)
+    num_hidden_layers = layer_ids.empty() ? num_layers : 1 + *std::max_element(layer_ids.begin(), layer_ids.end());
+  if (num_hidden_layers < num_layers)
+    return InvalidArgument(
+        fmt::format("{} hidden layers cannot hold the placement's {} MoE layers", num_hidden_layers, num_layers));
+  nlohmann::json rows = nlohmann::json::array();
+  std::vector<int> layer_of_row(num_hidden_layers, -1);
+  for (int layer = 0; layer < num_layers; ++layer) {
+    const int id = layer_ids.empty() ? layer : layer_ids[layer];
+    if (id < 0 || id >= num_hidden_layers)
+      return InvalidArgument(fmt::format("layer id {} is outside the {} hidden layers", id, num_hidden_layers));
+    if (layer_of_row[id] >= 0) return InvalidArgument(fmt::format("layer id {} is given twice", id));
+    layer_of_row[id] = layer;
+  }
+  for (int row = 0; row < num_hidden_layers; ++row) {
+    std::vector<int32_t> slots(placement.num_slots());
+    if (layer_of_row[row] >= 0) {
+      auto phy2log = placement.phy2log(layer_of_row[row]);
+      slots.assign(phy2log.begin(), phy2log.end());
+    } else {
+      for (int slot = 0; slot < placement.num_slots(); ++slot) slots[slot] = slot % placement.num_experts();
+    }
+    rows.push_back(slots);
+  }
+  return nlohmann::json{{"physical_to_logical_map", rows}}.dump();
+}
+
 }  // namespace epmoe

@@ -126,11 +126,11 @@ std::vector<int32_t> GuardedLayer(std::span<const double> raw_weight, const Bala
 }
 
 // Summed load per layer: [layer][expert].
-std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
-  const std::vector<int64_t> sums = SumOverSteps(load);
-  std::vector<std::vector<double>> out(load.num_layers, std::vector<double>(load.num_experts));
+std::vector<std::vector<double>> LayerWeights(const LoadMatrix& load) {
+  const std::vector<double> sums = SumOverSteps(load);
+  std::vector<std::vector<double>> out(load.num_layers);
   for (int layer = 0; layer < load.num_layers; ++layer)
-    for (int e = 0; e < load.num_experts; ++e) out[layer][e] = static_cast<double>(sums[layer * load.num_experts + e]);
+    out[layer].assign(sums.begin() + layer * load.num_experts, sums.begin() + (layer + 1) * load.num_experts);
   return out;
 }
 
@@ -138,17 +138,17 @@ std::vector<std::vector<double>> LayerWeights(const ExpertLoad& load) {
 // its cost), started from each candidate and the best result kept. Each step's picks of an expert
 // are shrunk toward the step's mean over experts by `uniform_prior` (0: the picks as counted), so
 // the search does not chase which expert happened to be busy in a step.
-std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const BalanceShape& shape, double fixed,
+std::vector<int32_t> SearchLayer(const LoadMatrix& load, int layer, const BalanceShape& shape, double fixed,
                                  const std::function<double(double)>& per_copy_value,
                                  std::vector<std::vector<int32_t>> starts, int rounds, bool spread_over_nodes,
                                  double uniform_prior) {
   const int64_t steps = std::max<int64_t>(load.num_steps, 1);
   bool any_load = false;
-  std::vector<double> step_mean(steps, 0.0);  // picks per expert, mean over the step's experts
+  std::vector<double> step_mean(steps, 0.0);  // load per expert, mean over the step's experts
   for (int64_t s = 0; s < load.num_steps; ++s)
-    for (int64_t c : load.at(s, layer)) {
-      any_load = any_load || c > 0;
-      step_mean[s] += static_cast<double>(c) / load.num_experts;
+    for (double value : load.at(s, layer)) {
+      any_load = any_load || value > 0;
+      step_mean[s] += value / load.num_experts;
     }
   // Memoized per (expert, copies): the starts and the search ask for the same series.
   std::map<std::pair<int, int>, std::vector<float>> memo;
@@ -157,9 +157,8 @@ std::vector<int32_t> SearchLayer(const ExpertLoad& load, int layer, const Balanc
     if (known.empty()) {
       known.resize(steps);
       for (int64_t s = 0; s < steps; ++s) {
-        const double rows = any_load ? (1 - uniform_prior) * static_cast<double>(load.at(s, layer)[expert]) +
-                                           uniform_prior * step_mean[s]
-                                     : 1.0;
+        const double rows =
+            any_load ? (1 - uniform_prior) * load.at(s, layer)[expert] + uniform_prior * step_mean[s] : 1.0;
         known[s] = static_cast<float>(per_copy_value(rows / copies));
       }
     }
@@ -203,8 +202,8 @@ double MaxRankLoad(std::span<const double> weight, std::span<const int32_t> phy2
 
 namespace eplb_internal {
 
-Status CheckPolicyInputs(const ExpertLoad& load, const PolicyOptions& options) {
-  EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, "load"));
+Status CheckPolicyInputs(const LoadMatrix& load, const PolicyOptions& options) {
+  EPMOE_RETURN_IF_ERROR(ValidateLoadMatrix(load, "load"));
   const BalanceShape& shape = options.shape;
   const int num_experts = load.num_experts;
   EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(shape, num_experts));
@@ -241,7 +240,7 @@ Status CheckPolicyInputs(const ExpertLoad& load, const PolicyOptions& options) {
   return Status::Ok();
 }
 
-Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& options) {
+Result<Placement> FitPlacement(const LoadMatrix& load, const PolicyOptions& options) {
   const BalanceShape& shape = options.shape;
   const int num_experts = load.num_experts;
   const Policy policy = options.policy;
@@ -290,7 +289,7 @@ Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& opti
           if (known[n] >= 0) return known[n];
           double sum = 0;
           for (int64_t s = 0; s < load.num_steps; ++s)
-            sum += ExpertCopySeconds(cost, static_cast<double>(load.at(s, layer)[e]) / n);
+            sum += ExpertCopySeconds(cost, load.at(s, layer)[e] / n);
           return known[n] = any_load ? sum / steps : ExpertCopySeconds(cost, 1.0 / n);
         };
         std::vector<int32_t> timed = eplb_internal::SolveDeepseek(time_per_copy, num_experts, shape, true);

@@ -51,9 +51,9 @@ bool HasDuplicateOnRank(std::span<const int32_t> phy2log, int num_ranks);
 namespace epmoe::eplb_internal {
 
 // ComputePlacement's checks of the load, shape and options (every policy).
-Status CheckPolicyInputs(const ExpertLoad& load, const PolicyOptions& options);
+Status CheckPolicyInputs(const LoadMatrix& load, const PolicyOptions& options);
 // A policy other than auto fitted on all of `load`, without validation (inputs already checked).
-Result<Placement> FitPlacement(const ExpertLoad& load, const PolicyOptions& options);
+Result<Placement> FitPlacement(const LoadMatrix& load, const PolicyOptions& options);
 
 // Per-step values of one layer: values(expert, copies, out) writes, for each of num_steps steps,
 // what one copy of `expert` costs its rank when the expert has `copies` copies.

@@ -26,7 +26,7 @@ struct TimeSplit {
   int64_t fit_steps = 0;
   int64_t validation_steps = 0;
 };
-TimeSplit SplitByTime(const ExpertLoad& load, double validation_fraction) {
+TimeSplit SplitByTime(const LoadMatrix& load, double validation_fraction) {
   if (load.num_steps < 2) return {load.num_steps, 0};
   const int64_t validation = std::clamp<int64_t>(static_cast<int64_t>(std::floor(validation_fraction * load.num_steps)),
                                                  1, load.num_steps - 1);
@@ -44,12 +44,12 @@ std::vector<std::vector<int32_t>> Layers(const Placement& placement) {
 
 // A layer moves only when min-move fitted on the earlier steps balances the later steps better
 // than the current placement, and min-move refitted on every step (the one used) does too.
-Result<Placement> ValidatedMinMove(const ExpertLoad& load, const PolicyOptions& options) {
+Result<Placement> ValidatedMinMove(const LoadMatrix& load, const PolicyOptions& options) {
   EPMOE_ASSIGN_OR_RETURN(Placement whole, eplb_internal::FitPlacement(load, options));
   const TimeSplit split = SplitByTime(load, options.validation_fraction);
   if (split.validation_steps == 0) return whole;
-  const ExpertLoad fit = SliceSteps(load, 0, split.fit_steps);
-  const ExpertLoad validation = SliceSteps(load, split.fit_steps, load.num_steps);
+  const LoadMatrix fit = SliceSteps(load, 0, split.fit_steps);
+  const LoadMatrix validation = SliceSteps(load, split.fit_steps, load.num_steps);
   EPMOE_ASSIGN_OR_RETURN(Placement early, eplb_internal::FitPlacement(fit, options));
   const Placement& current = *options.current;
   std::vector<std::vector<int32_t>> phy2log = Layers(whole);
@@ -65,7 +65,7 @@ Result<Placement> ValidatedMinMove(const ExpertLoad& load, const PolicyOptions& 
 }
 
 // Per step of `load`, the mean over layers of mean/max picks per rank.
-std::vector<double> StepBalancedness(const Placement& placement, const ExpertLoad& load) {
+std::vector<double> StepBalancedness(const Placement& placement, const LoadMatrix& load) {
   std::vector<double> out(load.num_steps, 0.0), per_rank(placement.num_ranks());
   for (int64_t step = 0; step < load.num_steps; ++step)
     for (int layer = 0; layer < load.num_layers; ++layer) {
@@ -100,7 +100,7 @@ size_t OneStandardErrorChoice(const std::vector<std::vector<double>>& per_step) 
 
 }  // namespace
 
-Result<ValidatedChoice> ChooseByValidation(const ExpertLoad& load, const PolicyOptions& options) {
+Result<ValidatedChoice> ChooseByValidation(const LoadMatrix& load, const PolicyOptions& options) {
   PolicyOptions checked = options;
   checked.policy = Policy::kAuto;
   EPMOE_RETURN_IF_ERROR(eplb_internal::CheckPolicyInputs(load, checked));
@@ -108,8 +108,8 @@ Result<ValidatedChoice> ChooseByValidation(const ExpertLoad& load, const PolicyO
   EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(load.num_layers, load.num_experts, shape.num_redundant,
                                                                shape.num_ranks, shape.num_nodes));
   const TimeSplit split = SplitByTime(load, options.validation_fraction);
-  const ExpertLoad fit = split.validation_steps > 0 ? SliceSteps(load, 0, split.fit_steps) : load;
-  const ExpertLoad validation = split.validation_steps > 0 ? SliceSteps(load, split.fit_steps, load.num_steps) : load;
+  const LoadMatrix fit = split.validation_steps > 0 ? SliceSteps(load, 0, split.fit_steps) : load;
+  const LoadMatrix validation = split.validation_steps > 0 ? SliceSteps(load, split.fit_steps, load.num_steps) : load;
 
   // Candidates from the simplest (nothing moves, no load needed) to the most fitted: the
   // one-standard-error rule below prefers the first that is not clearly worse than the best.
@@ -159,6 +159,11 @@ Result<ValidatedChoice> ChooseByValidation(const ExpertLoad& load, const PolicyO
 }
 
 Result<Placement> ComputePlacement(const ExpertLoad& load, const PolicyOptions& options) {
+  EPMOE_RETURN_IF_ERROR(ValidateExpertLoad(load, "load"));
+  return ComputePlacement(ToLoadMatrix(load), options);
+}
+
+Result<Placement> ComputePlacement(const LoadMatrix& load, const PolicyOptions& options) {
   EPMOE_RETURN_IF_ERROR(eplb_internal::CheckPolicyInputs(load, options));
   if (options.policy == Policy::kAuto) {
     EPMOE_ASSIGN_OR_RETURN(ValidatedChoice choice, ChooseByValidation(load, options));

@@ -382,4 +382,29 @@ Status MoeLayer::Forward(const Matrix& rows, const Picks& picks, Matrix* out, Th
   return Status::Ok();
 }
 
+double LayerBytesPerRow(const ModelConfig& model) {
+  const double row = 4.0 * model.hidden;
+  // Per pick: expert id and weight (8), permutation entry (8), the gathered row and the expert's
+  // output (fp32), and the row in the kernel's input format (at most fp32).
+  return 3 * row + 4.0 * model.num_experts + model.top_k * (16 + 3 * row);
+}
+
+MemoryEstimate EstimateLayerMemory(const ModelConfig& model, WeightFormat format, int layers, int64_t tokens,
+                                   bool keep_fp32, int threads) {
+  const double fp32_expert =
+      static_cast<double>(ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate));
+  const double shared = static_cast<double>(model.num_shared_experts) *
+                        static_cast<double>(ExpertByteCount(format, model.hidden, model.shared_intermediate));
+  const double fp32_shared =
+      static_cast<double>(model.num_shared_experts) *
+      static_cast<double>(ExpertByteCount(WeightFormat::kFp32, model.hidden, model.shared_intermediate));
+  MemoryEstimate m;
+  m.weights = static_cast<double>(layers) *
+              (model.num_experts * static_cast<double>(RoutedExpertBytes(model, format)) + shared);
+  m.reference = keep_fp32 ? static_cast<double>(layers) * (model.num_experts * fp32_expert + fp32_shared)
+                          : 2.0 * std::max(threads, 1) * fp32_expert;
+  m.rows = static_cast<double>(tokens) * LayerBytesPerRow(model);
+  return m;
+}
+
 }  // namespace epmoe

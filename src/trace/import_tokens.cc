@@ -81,7 +81,8 @@ class TokenTableBuilder {
     std::vector<int64_t> layers(layer_set.begin(), layer_set.end());
     for (int64_t id : layers) trace.info.layer_ids.push_back(static_cast<int>(id));
     trace.info.num_layers = static_cast<int>(layers.size());
-    std::vector<size_t> order(records_.size());
+    std::vector<size_t>& order = order_;
+    order.resize(records_.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       const Record& x = records_[a];
@@ -89,18 +90,26 @@ class TokenTableBuilder {
       return std::tie(x.step, x.seq, x.token, x.layer) < std::tie(y.step, y.seq, y.token, y.layer);
     });
     const int L = trace.info.num_layers;
+    const bool drop = options.on_missing == "drop-token";
+    if (!drop && options.on_missing != "error")
+      return InvalidArgument(fmt::format("on-missing \"{}\": error or drop-token", options.on_missing));
     int64_t current_step = 0;
-    for (size_t i = 0; i < order.size(); i += L) {
+    for (size_t i = 0, end = 0; i < order.size(); i = end) {
+      // The records of one token: [i, end), one per layer in ascending order when complete.
       const Record& first = records_[order[i]];
-      for (int l = 0; l < L; ++l) {
-        if (i + l >= order.size())
-          return InvalidArgument(fmt::format("{}: token {} of step {} (line {}) has no record for layer {}", source_,
-                                             first.token, first.step, first.line, layers[l]));
-        const Record& r = records_[order[i + l]];
-        if (r.step != first.step || r.seq != first.seq || r.token != first.token || r.layer != layers[l])
-          return InvalidArgument(fmt::format(
-              "{}: token {} of step {} (line {}) has no record for layer {}, or two for one layer (line {})", source_,
-              first.token, first.step, first.line, layers[l], r.line));
+      end = i + 1;
+      while (end < order.size() && SameToken(records_[order[end]], first)) ++end;
+      bool complete = end - i == static_cast<size_t>(L);
+      for (int l = 0; complete && l < L; ++l) complete = records_[order[i + l]].layer == layers[l];
+      if (!complete) {
+        if (drop) {
+          ++trace.info.dropped_tokens;
+          continue;
+        }
+        return InvalidArgument(
+            fmt::format("{}: token {} of step {} (line {}) {} (--on-missing drop-token leaves such "
+                        "tokens out)",
+                        source_, first.token, first.step, first.line, WhatIsWrong(i, end, layers)));
       }
       if (trace.steps.empty() || first.step != current_step) {
         current_step = first.step;
@@ -129,14 +138,38 @@ class TokenTableBuilder {
       trace.row_seq.clear();
       trace.row_pos.clear();
     }
+    if (trace.steps.empty())
+      return InvalidArgument(
+          fmt::format("{}: all {} tokens lack a layer's record", source_, trace.info.dropped_tokens));
+    if (trace.info.dropped_tokens > 0)
+      trace.info.description =
+          fmt::format("dropped {} tokens without a record for every layer", trace.info.dropped_tokens);
     trace.info.num_steps = static_cast<int64_t>(trace.steps.size());
     EPMOE_RETURN_IF_ERROR(FinishImport(source_, &trace));
     return trace;
   }
 
  private:
+  // For a token's records [begin, end) of `order_` that do not cover each layer once: which layer
+  // lacks its record, or has two.
+  std::string WhatIsWrong(size_t begin, size_t end, const std::vector<int64_t>& layers) const {
+    std::map<int64_t, int> seen;
+    for (size_t i = begin; i < end; ++i) ++seen[records_[order_[i]].layer];
+    for (int64_t layer : layers)
+      if (seen[layer] == 0) return fmt::format("has no record for layer {}", layer);
+    for (const auto& [layer, count] : seen)
+      if (count > 1)
+        return fmt::format("has two records for layer {} (line {})", layer, records_[order_[end - 1]].line);
+    return "has records that do not match the layers";
+  }
+
+  static bool SameToken(const Record& a, const Record& b) {
+    return a.step == b.step && a.seq == b.seq && a.token == b.token;
+  }
+
   std::string source_;
   std::vector<Record> records_;
+  std::vector<size_t> order_;  // records_ by (step, seq, token, layer), set by Build
   std::vector<int32_t> experts_;
   std::vector<float> weights_;
   std::map<std::pair<int64_t, int64_t>, int64_t> next_token_;
@@ -259,7 +292,8 @@ Result<ImportedTrace> ImportJsonl(std::istream& in, const std::string& source, c
     EPMOE_RETURN_IF_ERROR(get_id("row", &r.token, nullptr));
     EPMOE_RETURN_IF_ERROR(get_id("pos", &r.pos, &has_pos));
     EPMOE_RETURN_IF_ERROR(get_id("position", &r.pos, &has_pos));
-    for (const char* name : {"seq", "seq_id", "request_id", "sequence_id"}) {
+    for (const char* name :
+         {"seq", "seq_id", "sequence_id", "request_id", "req_id", "problem_id", "sample_id", "conversation_id"}) {
       auto it = record.find(name);
       if (it == record.end()) continue;
       if (it->is_string()) {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "commands.h"
 #include "epmoe/balance.h"
 #include "epmoe/eplb_policy.h"
+#include "epmoe/load_matrix.h"
 #include "epmoe/model.h"
 #include "epmoe/placement.h"
 #include "epmoe/trace.h"
@@ -26,6 +28,8 @@ namespace {
 
 struct BalanceOptions {
   std::string trace;
+  std::string load;        // a load matrix instead of a trace (any totals, floats)
+  std::string out_sglang;  // --load: the placement as SGLang's --init-expert-location file
   std::string trace_format = "auto";
   std::string phase = "auto";
   int64_t batch = 0;
@@ -58,7 +62,13 @@ nlohmann::json ScoreJson(const PlacementScore& s) {
           {"step_seconds", s.step_seconds},      {"mean_rank_step_seconds", s.mean_rank_seconds}};
 }
 
+Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>& policies,
+                              std::optional<Policy> chosen, const CostModel& cost, int groups, nlohmann::json* report);
+
 Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
+  if (o.trace.empty() == o.load.empty()) return InvalidArgument("give one of --trace and --load");
+  if (!o.out_sglang.empty() && (o.load.empty() || o.policy == "all"))
+    return InvalidArgument("--out-sglang writes one placement of a --load matrix: give --load and one --policy");
   if (!(o.train > 0 && o.train <= 1)) return InvalidArgument(fmt::format("--train {} must be in (0, 1]", o.train));
   std::optional<Policy> chosen;
   if (o.policy != "all") {
@@ -93,6 +103,17 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   cost.memory_bandwidth = o.bandwidth_gbs * 1e9;
   cost.peak_flops = o.peak_gflops * 1e9;
   cost.fixed_seconds = o.fixed_us * 1e-6;
+  if (!o.load.empty()) {
+    EPMOE_RETURN_IF_ERROR(RunBalanceOnLoadMatrix(o, policies, chosen, cost, groups, report));
+    (*report)["cost_model"] = {{"expert", expert_source},
+                               {"weight_format", WeightFormatName(format)},
+                               {"bytes_per_expert", cost.bytes_per_expert},
+                               {"flops_per_row", cost.flops_per_row},
+                               {"memory_bandwidth", cost.memory_bandwidth},
+                               {"peak_flops", cost.peak_flops},
+                               {"fixed_seconds", cost.fixed_seconds}};
+    return Status::Ok();
+  }
 
   LoadReadOptions read;
   read.format = o.trace_format;
@@ -158,7 +179,7 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
     std::optional<ValidatedChoice> choice;
     Result<Placement> placement = InvalidArgument("not computed");
     if (policy == Policy::kAuto) {
-      auto chose = ChooseByValidation(train, options);
+      auto chose = ChooseByValidation(ToLoadMatrix(train), options);
       if (chose.ok()) {
         choice.emplace(std::move(chose).value());
         placement = choice->placement;
@@ -204,6 +225,76 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
                {"memory_bandwidth", cost.memory_bandwidth},
                {"peak_flops", cost.peak_flops},
                {"fixed_seconds", cost.fixed_seconds}}},
+             {"results", results}};
+  if (!o.out.empty()) (*report)["out"] = o.out;
+  return Status::Ok();
+}
+
+// `--load`: fits on every step of a load matrix and scores there (its values stand for picks). The
+// report has the trace report's fields, so one printer serves both.
+Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>& policies,
+                              std::optional<Policy> chosen, const CostModel& cost, int groups, nlohmann::json* report) {
+  EPMOE_ASSIGN_OR_RETURN(LoadMatrix load, ReadLoadMatrix(o.load));
+  if (load.num_steps < 1) return InvalidArgument(fmt::format("{}: the load matrix holds no steps", o.load));
+  if (!o.model.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(ModelConfig model, LoadModel(o.model));
+    if (model.num_experts != load.num_experts)
+      return InvalidArgument(fmt::format("--model {} has {} experts, the load matrix {}", model.name, model.num_experts,
+                                         load.num_experts));
+  }
+  PolicyOptions options;
+  options.shape = {o.ranks, o.nodes, groups, o.redundant};
+  options.cost = cost;
+  options.min_move_factor = o.min_move_factor;
+  options.search_rounds = o.search_rounds;
+  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
+  EPMOE_ASSIGN_OR_RETURN(Placement trivial,
+                         Placement::Trivial(load.num_layers, load.num_experts, o.redundant, o.ranks, o.nodes));
+  std::optional<Placement> current;
+  if (!o.current.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
+  }
+  options.current = current ? &*current : &trivial;
+  nlohmann::json results = nlohmann::json::array();
+  auto add = [&](const std::string& name, const Placement& placement, double solve_seconds) {
+    nlohmann::json r = {{"policy", name},
+                        {"moved_copies", placement.MovedCopies(*options.current)},
+                        {"train", ScoreJson(ScorePlacement(placement, load, cost))}};
+    if (solve_seconds >= 0) r["solve_seconds"] = solve_seconds;
+    results.push_back(r);
+  };
+  add("trivial", trivial, -1);
+  for (Policy policy : policies) {
+    options.policy = policy;
+    const auto start = std::chrono::steady_clock::now();
+    auto placement = ComputePlacement(load, options);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!placement.ok()) return placement.status().WithContext(fmt::format("policy {}", PolicyName(policy)));
+    add(PolicyName(policy), *placement, seconds);
+    if (policy != chosen) continue;  // the table's other lines are written nowhere
+    if (!o.out.empty()) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
+    if (!o.out_sglang.empty()) {
+      // Layer l of the matrix is hidden layer l, as in SGLang's own recorder dumps.
+      EPMOE_ASSIGN_OR_RETURN(std::string sglang, PlacementToSglangJson(*placement, {}, 0));
+      std::ofstream out(o.out_sglang);
+      out << sglang << "\n";
+      if (!out) return IoError(fmt::format("{}: cannot write", o.out_sglang));
+    }
+  }
+  *report = {{"trace", o.load},
+             {"input", "load matrix"},
+             {"layers", load.num_layers},
+             {"experts", load.num_experts},
+             {"top_k", 0},
+             {"steps", load.num_steps},
+             {"train_steps", load.num_steps},
+             {"held_out_steps", 0},
+             {"ranks", o.ranks},
+             {"nodes", o.nodes},
+             {"groups", groups},
+             {"redundant", o.redundant},
+             {"slots", load.num_experts + o.redundant},
+             {"current", o.current.empty() ? "trivial" : o.current},
              {"results", results}};
   if (!o.out.empty()) (*report)["out"] = o.out;
   return Status::Ok();
@@ -264,7 +355,11 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
   auto o = std::make_shared<BalanceOptions>();
   auto* cmd = app.add_subcommand(
       "balance", "Fit expert placements (EPLB policies) on the first part of a trace and score them on the rest");
-  cmd->add_option("--trace", o->trace, "Routing trace: file or folder (see `epmoe trace`)")->required();
+  auto* trace = cmd->add_option("--trace", o->trace, "Routing trace: file or folder (see `epmoe trace`)");
+  cmd->add_option("--load", o->load,
+                  "Load matrix instead of a trace: .npy, JSON [[..]] or {\"weight\": [[..]]}, or CSV; "
+                  "[step][layer][expert] or [layer][expert], any non-negative numbers; fits on all of it")
+      ->excludes(trace);
   cmd->add_option("--trace-format", o->trace_format, "Trace format (auto detects)")->capture_default_str();
   cmd->add_option("--phase", o->phase, "Steps of per-token traces: decode (batches of rows) or prefill (chunks)")
       ->check(CLI::IsMember({"auto", "decode", "prefill"}))
@@ -318,6 +413,10 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the even router")->capture_default_str();
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
+  cmd->get_option("--load")->excludes("--train");  // a load matrix is fitted whole
+  cmd->add_option("--out-sglang", o->out_sglang,
+                  "With --load (e.g. an SGLang recorder dump's JSON): write the placement as SGLang's "
+                  "--init-expert-location file (physical_to_logical_map, layer l = hidden layer l)");
   AddFormatOption(cmd, &o->format, {"text", "json"});
   SetReportCallback(
       cmd, exit_code, &o->format, [o](nlohmann::json* report) { return RunBalance(*o, report); }, PrintText);

@@ -193,8 +193,7 @@ Status RunBenchKernels(const BenchKernelsOptions& o, KernelBenchReport* report, 
   options.decode_contiguous_shares = o.decode_share == DecodeSharesName(true);
   options.skew_sigma = o.skew;
   options.seed = o.seed;
-  options.max_memory_bytes =
-      o.max_memory_gb > 0 ? static_cast<int64_t>(o.max_memory_gb * 1e9) : AvailableMemoryBytes() * 8 / 10;
+  options.max_memory_bytes = static_cast<int64_t>(MemoryBudgetBytes(o.max_memory_gb));
   ThreadPool pool(o.threads);
   EPMOE_ASSIGN_OR_RETURN(*report, RunKernelBench(options, pool, [](const std::string& line) {
     std::fprintf(stderr, "bench: %s\n", line.c_str());

@@ -316,7 +316,7 @@ int RunCalibrate(const CalibrateFlags& f) {
   std::erase_if(profile.sources, [](const std::string& s) {
     return s.find("--links") != std::string::npos || s.find("intra_node") == 0 || s.find("inter_node") == 0;
   });
-  if (Status s = CalibrateLinks(f, &profile, **comm); !s.ok()) return ReportError(s);
+  if (Status s = CalibrateLinks(f, &profile, **comm); !s.ok()) return ReportJobError(s, CommOptions{}.timeout_seconds);
   if ((*comm)->rank() == 0) {
     // What was measured, as the machine part reports its figures.
     for (const auto& s : profile.sources)

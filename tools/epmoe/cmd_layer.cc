@@ -76,18 +76,13 @@ Status RunLayers(const LayerOptions& o, nlohmann::json* report) {
   // Packed weights of every layer stay resident. Without --check the experts are packed as they are
   // made, one per thread at a time; --check keeps every layer's fp32 weights for the reference.
   ThreadPool pool(o.threads);
-  const int64_t experts_per_layer = model.num_experts + model.num_shared_experts;
-  const int64_t packed = o.layers * experts_per_layer * RoutedExpertBytes(model, format);
-  const int64_t source = (o.check ? o.layers * experts_per_layer : 2 * pool.size()) *
-                         ExpertByteCount(WeightFormat::kFp32, model.hidden, model.expert_intermediate);
-  const int64_t budget =
-      o.max_memory_gb > 0 ? static_cast<int64_t>(o.max_memory_gb * 1e9) : AvailableMemoryBytes() * 8 / 10;
-  if (packed + source > budget)
-    return OutOfRange(fmt::format(
-        "{} layers of {} in {} need about {} of memory (plus {} while packing), over the "
-        "budget of {}; use fewer --layers, a smaller --weight-format, --hidden/--intermediate, "
-        "or raise --max-memory-gb",
-        o.layers, model.name, WeightFormatName(format), HumanBytes(packed), HumanBytes(source), HumanBytes(budget)));
+  // A replayed trace's steps are read as they run: their rows are not known here.
+  const int64_t admitted_rows = replay != nullptr ? 0 : o.tokens;
+  EPMOE_RETURN_IF_ERROR(
+      AdmitMemory(EstimateLayerMemory(model, format, o.layers, admitted_rows, o.check, pool.size()), o.max_memory_gb,
+                  fmt::format("{} layers of {} in {}, {} rows per step", o.layers, model.name, WeightFormatName(format),
+                              admitted_rows),
+                  "use fewer --layers or --tokens, a smaller --weight-format, --hidden/--intermediate"));
 
   PackOptions pack{format, o.isa, &pool};
   std::vector<std::unique_ptr<MoeLayer>> layers;
@@ -244,7 +239,8 @@ void AddLayerCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--intermediate", o->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);
   cmd->add_flag("--check", o->check, "Compare every layer's output with the plain fp32 reference; fail on a mismatch");
-  cmd->add_option("--max-memory-gb", o->max_memory_gb, "Memory budget for weights (0: 80% of available memory)")
+  cmd->add_option("--max-memory-gb", o->max_memory_gb,
+                  "Memory budget for weights and rows (0: 80% of available memory)")
       ->check(kNonNegative);
   AddFormatOption(cmd, &o->format, {"text", "json"});
   SetReportCallback(

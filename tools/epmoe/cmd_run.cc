@@ -23,6 +23,7 @@
 #include "epmoe/thread_pool.h"
 #include "output.h"
 #include "run_eplb.h"
+#include "system_memory.h"
 #include "weights_option.h"
 
 namespace epmoe::cli {
@@ -48,6 +49,7 @@ struct RunOptions {
   double max_buffer_mb = 1024;
   int ranks_per_node = 0;
   double comm_timeout = 600;
+  double max_memory_gb = 0;
   int threads = 1;
   int hidden = 0;
   int intermediate = 0;
@@ -225,6 +227,13 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
       results[i].refused = fits.message();
     }
   }
+
+  std::vector<ExecutorOptions> admitted;
+  for (size_t i = 0; i < options.size(); ++i)
+    if (results[i].refused.empty()) admitted.push_back(OptionExecutorOptions(base, o, options[i], g));
+  EPMOE_RETURN_IF_ERROR(AdmitJobMemory(
+      *comm, EstimateRunMemory(model, admitted, o.interleave, o.check, g, comm->rank(), o.tokens), o.max_memory_gb,
+      "use fewer --layers, a smaller --weight-format, --hidden/--intermediate, fewer ranks per machine"));
 
   ThreadPool pool(o.threads);
   std::unique_ptr<Routing> routing;
@@ -438,6 +447,10 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--ranks-per-node", o->ranks_per_node, "Model nodes of this many ranks (0: real shared-memory nodes)")
       ->check(kNonNegative)
       ->capture_default_str();
+  cmd->add_option("--max-memory-gb", o->max_memory_gb,
+                  "Memory budget of the ranks on one machine together, refused before any work (0: 80% of "
+                  "available memory)")
+      ->check(kNonNegative);
   cmd->add_option("--comm-timeout", o->comm_timeout, "Seconds an exchange may wait for a peer (0: forever)")
       ->check(kNonNegative)
       ->capture_default_str();
@@ -460,11 +473,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
     bool is_root = true;
     const Status status = Run(*o, &report, &is_root);
     if (!status.ok()) {
-      // Every rank reaches the same refusal; rank 0 says it once. A peer that stopped answering is
-      // reported by the rank that noticed, and the job is ended.
-      if (is_root || status.code() == StatusCode::kUnavailable) *exit_code = ReportError(status);
-      *exit_code = 1;
-      if (status.code() == StatusCode::kUnavailable) AbortJob(1);
+      *exit_code = ReportJobError(status, o->comm_timeout);
       return;
     }
     if (is_root) {

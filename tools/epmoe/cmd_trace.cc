@@ -37,6 +37,11 @@ void AddReadOptions(CLI::App* command, LoadReadOptions* options) {
   command->add_option("--experts", options->num_experts,
                       "Experts per layer when the source does not say (0: largest id + 1)")
       ->check(kNonNegative);
+  command
+      ->add_option("--on-missing", options->on_missing,
+                   "Per-token traces, a token without a record for every layer: error, or drop-token (counted)")
+      ->check(CLI::IsMember({"error", "drop-token"}))
+      ->capture_default_str();
 }
 
 std::string Shape(const TraceInfo& info) {

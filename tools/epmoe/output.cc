@@ -1,6 +1,7 @@
 #include "output.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -8,10 +9,37 @@
 #include <fstream>
 #include <iterator>
 
+#include "epmoe/comm.h"
+
 namespace epmoe::cli {
 
 int ReportError(const Status& status) {
   std::fprintf(stderr, "epmoe: %s\n", status.message().c_str());
+  return 1;
+}
+
+int ReportJobError(const Status& status, double comm_timeout_seconds) {
+  if (status.code() == StatusCode::kUnavailable) {
+    ReportError(status);
+    AbortJob(1);
+  }
+  // Long enough for ranks refusing alike to meet, short against the timeout their peers wait.
+  constexpr double kMostSeconds = 3;
+  const double seconds = comm_timeout_seconds > 0 ? std::min(kMostSeconds, comm_timeout_seconds / 4) : kMostSeconds;
+  const JobErrors job = GatherJobErrors(status, seconds);
+  for (const JobErrors::Error& error : job.errors) {
+    const bool everyone = job.every_rank_reported && error.ranks.size() == static_cast<size_t>(job.size);
+    const std::string ranks =
+        fmt::format("rank{} {}", error.ranks.size() == 1 ? "" : "s", fmt::join(error.ranks, ", "));
+    // Messages of the communicator name their rank already ("rank 3: ...").
+    const bool named = error.message.starts_with(ranks + ": ");
+    if (everyone || named) {
+      std::fprintf(stderr, "epmoe: %s\n", error.message.c_str());
+    } else {
+      std::fprintf(stderr, "epmoe: %s: %s\n", ranks.c_str(), error.message.c_str());
+    }
+  }
+  if (!job.every_rank_reported) AbortJob(1);
   return 1;
 }
 

@@ -16,6 +16,15 @@ namespace epmoe::cli {
 // Prints "epmoe: <message>" to stderr and returns the exit code for a failed command (1).
 int ReportError(const Status& status);
 
+// Reports a command that failed on this rank of an MPI job (or in one process) so that the user
+// sees every rank's error once, with its rank, and the job ends: the failed ranks gather their
+// errors (GatherJobErrors, bounded by a quarter of comm_timeout_seconds, at most 3 s; 0: no
+// timeout); when every rank failed, rank 0 prints each distinct error once (naming the ranks
+// unless all hit it) and 1 is returned; otherwise this rank prints its own error with its rank
+// and ends the job (AbortJob), since its peers may wait for it. A peer that stopped answering
+// (Unavailable, which names the ranks) is printed and ends the job at once.
+int ReportJobError(const Status& status, double comm_timeout_seconds);
+
 // Validators with one-line messages ("must not be negative", "must be positive").
 extern const CLI::Validator kNonNegative;
 extern const CLI::Validator kPositive;

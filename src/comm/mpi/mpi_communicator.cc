@@ -23,7 +23,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -52,6 +55,10 @@ constexpr int kSplitTag = 9;        // and 10
 // runs on MPI_COMM_WORLD with these two tags (the MPI standard guarantees tags up to 32767), named
 // in comm.h.
 constexpr int kWorldCreationTag = 32766;  // and 32767
+// GatherJobErrors' messages, also on MPI_COMM_WORLD (named in comm.h): a failed rank's error to
+// rank 0, and rank 0's word back that every rank's error came.
+constexpr int kJobErrorTag = 32764;
+constexpr int kJobErrorsHeardTag = 32765;
 
 std::string MpiErrorString(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -732,6 +739,95 @@ void AbortJob(int exit_code) {
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
   std::_Exit(exit_code);
+}
+
+JobErrors GatherJobErrors(const Status& error, double seconds) {
+  JobErrors job;
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &job.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &job.size);
+  }
+  const std::string& mine = error.message();
+  if (job.size == 1) {
+    job.every_rank_reported = true;
+    job.errors.push_back({mine, {job.rank}});
+    return job;
+  }
+  const auto start = Clock::now();
+  const auto after = [start](double s) {
+    return start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  };
+  constexpr auto kPollStep = std::chrono::milliseconds(1);  // an error ends the job: no need to poll hard
+  if (job.rank != 0) {
+    auto message = std::make_unique<std::string>(mine);
+    auto heard = std::make_unique<int>(0);
+    MPI_Request sent = MPI_REQUEST_NULL, word = MPI_REQUEST_NULL;
+    MPI_Isend(message->data(), static_cast<int>(std::min<size_t>(message->size(), INT_MAX)), MPI_BYTE, 0, kJobErrorTag,
+              MPI_COMM_WORLD, &sent);
+    MPI_Irecv(heard.get(), 1, MPI_INT, 0, kJobErrorsHeardTag, MPI_COMM_WORLD, &word);
+    const auto deadline = after(2 * seconds);
+    for (;;) {
+      int done = 0;
+      MPI_Test(&word, &done, MPI_STATUS_IGNORE);
+      if (done) {
+        // Rank 0 sends its word only after it has received every error, this one included.
+        MPI_Wait(&sent, MPI_STATUS_IGNORE);
+        job.every_rank_reported = true;
+        return job;
+      }
+      if (Clock::now() > deadline) break;
+      std::this_thread::sleep_for(kPollStep);
+    }
+    // Rank 0 did not answer (it works, or waits for this rank): the send and the receive stay
+    // pending, so their buffers are kept until the job ends, which the caller does next.
+    (void)message.release();
+    (void)heard.release();
+    job.errors.push_back({mine, {job.rank}});
+    return job;
+  }
+  std::vector<std::string> messages(job.size);
+  std::vector<bool> heard(job.size, false);
+  messages[0] = mine;
+  heard[0] = true;
+  int count = 1;
+  const auto deadline = after(seconds);
+  while (count < job.size && Clock::now() <= deadline) {
+    int flag = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kJobErrorTag, MPI_COMM_WORLD, &flag, &status);
+    if (!flag) {
+      std::this_thread::sleep_for(kPollStep);
+      continue;
+    }
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    std::string text(static_cast<size_t>(bytes), '\0');
+    MPI_Recv(text.data(), bytes, MPI_BYTE, status.MPI_SOURCE, kJobErrorTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (!heard[status.MPI_SOURCE]) {
+      heard[status.MPI_SOURCE] = true;
+      messages[status.MPI_SOURCE] = std::move(text);
+      ++count;
+    }
+  }
+  job.every_rank_reported = count == job.size;
+  if (job.every_rank_reported) {
+    static const int kWord = 1;
+    for (int r = 1; r < job.size; ++r) MPI_Send(&kWord, 1, MPI_INT, r, kJobErrorsHeardTag, MPI_COMM_WORLD);
+  }
+  for (int r = 0; r < job.size; ++r) {
+    if (!heard[r]) continue;
+    auto same = std::find_if(job.errors.begin(), job.errors.end(),
+                             [&](const JobErrors::Error& e) { return e.message == messages[r]; });
+    if (same != job.errors.end()) {
+      same->ranks.push_back(r);
+    } else {
+      job.errors.push_back({messages[r], {r}});
+    }
+  }
+  return job;
 }
 
 Result<std::unique_ptr<Communicator>> WorldCommunicator(const CommOptions& options) {
