@@ -55,6 +55,7 @@
 
 #include "epmoe/comm.h"
 #include "epmoe/executor.h"
+#include "epmoe/load_figures.h"
 #include "epmoe/row_codec.h"
 #include "epmoe/statistics.h"
 #include "epmoe/synthetic.h"
@@ -402,7 +403,7 @@ void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   state.counters["pack_ms"] = Median(pack_us) / 1000;
   state.counters["with_pack_pct"] = raw_median > 0 ? 100.0 * ((ours_median + Median(pack_us)) / raw_median - 1.0) : 0;
   state.counters["copies_per_row"] = all_rows > 0 ? all_copies / all_rows : 0;
-  state.counters["expected_copies"] = ExpectedCopiesPerRow(model.num_experts, model.top_k, g);
+  state.counters["expected_copies"] = ExpectedRanksPerRow(model.num_experts, model.top_k, g);
   // Bytes this rank (rank 0) sends to other ranks per step.
   state.counters["MB_per_rank"] = static_cast<double>(ds.size() + cs.size()) / 1e6;
 }

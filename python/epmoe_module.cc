@@ -185,8 +185,7 @@ py::dict Plan(const std::string& model_name, const std::string& hardware_name, c
   const ModelConfig model = Value(LoadModel(model_name));
   const HardwareProfile hardware = Value(LoadHardware(hardware_name));
   PlanConfig config;
-  if (phase != "decode" && phase != "prefill") throw py::value_error("phase \"" + phase + "\": decode or prefill");
-  config.phase = phase == "decode" ? PlanPhase::kDecode : PlanPhase::kPrefill;
+  config.phase = Value(ParsePlanPhase(phase));
   config.batches = batches;
   config.gpus = gpus;
   config.placement = placement;
@@ -198,7 +197,7 @@ py::dict Plan(const std::string& model_name, const std::string& hardware_name, c
   py::list costs;
   for (const OptionCost& c : result.costs) {
     py::dict d;
-    d["option"] = PlanOptionName(c.option);
+    d["option"] = EpOptionName(c.option);
     d["gpus"] = c.gpus;
     d["batch"] = c.batch;
     d["slices"] = c.slices;
@@ -220,7 +219,7 @@ py::dict Plan(const std::string& model_name, const std::string& hardware_name, c
     py::dict d;
     d["batch"] = w.batch;
     d["gpus"] = w.gpus;
-    d["option"] = PlanOptionName(w.option);
+    d["option"] = EpOptionName(w.option);
     d["slices"] = w.slices;
     d["step_ms"] = w.step_ms;
     d["why"] = w.why;

@@ -116,31 +116,5 @@ TEST(ExecutorHelpers, RowSplit) {
   EXPECT_EQ(RowBegin(2, 4, 3), 2);
 }
 
-TEST(ExecutorHelpers, ExpectedCopiesPerRow) {
-  // G (1 - C(E - E/G, k) / C(E, k)), computed here from binomials in double.
-  auto binomial = [](int n, int r) {
-    double v = 1;
-    for (int i = 0; i < r; ++i) v = v * (n - i) / (i + 1);
-    return v;
-  };
-  for (int g : {1, 2, 4, 8}) {
-    const double want = g * (1 - binomial(128 - 128 / g, 8) / binomial(128, 8));
-    EXPECT_NEAR(ExpectedCopiesPerRow(128, 8, g), want, 1e-9) << g;
-  }
-  EXPECT_NEAR(ExpectedCopiesPerRow(128, 8, 1), 1.0, 1e-12);
-  EXPECT_LT(ExpectedCopiesPerRow(256, 8, 64), 8.0);
-}
-
-TEST(ExecutorHelpers, OptionNames) {
-  for (EpOption option : AllEpOptions()) {
-    auto parsed = ParseEpOption(EpOptionName(option));
-    ASSERT_TRUE(parsed.ok());
-    EXPECT_EQ(*parsed, option);
-  }
-  EXPECT_FALSE(ParseEpOption("tp").ok());
-  EXPECT_EQ(*ParseRowOrigin("tp"), RowOrigin::kTensorParallel);
-  EXPECT_FALSE(ParseRowOrigin("pp").ok());
-}
-
 }  // namespace
 }  // namespace epmoe

@@ -237,11 +237,11 @@ TEST(PlanCliTest, MeasuredOrderIsJudgedOnPairsTheStepsSeparate) {
   int separated = 0;
   for (const auto& p : j["pairs"]) {
     SCOPED_TRACE(p.dump());
-    if (p["faster"] == "rows" && p["slower"] == "sliced") {
+    if (p["faster"] == "a2a" && p["slower"] == "sliced") {
       EXPECT_TRUE(p["separated"].get<bool>());
       EXPECT_NEAR(p["sign_test_p"].get<double>(), 1.0 / 64, 1e-12);
     }
-    if (p["faster"] == "weights" && p["slower"] == "rows") {
+    if (p["faster"] == "dwdp" && p["slower"] == "a2a") {
       EXPECT_EQ(p["steps_faster"], 4);
       EXPECT_FALSE(p["separated"].get<bool>());
     }
@@ -249,8 +249,38 @@ TEST(PlanCliTest, MeasuredOrderIsJudgedOnPairsTheStepsSeparate) {
   }
   EXPECT_EQ(j["pairs_separated"], separated);
   // On 8 B300 the plan puts DWDP far behind both at 64 tokens, so a pair the steps separate with
-  // weights first is predicted the other way and the orders disagree.
+  // dwdp first is predicted the other way and the orders disagree.
   EXPECT_FALSE(j["same_order"].get<bool>());
+}
+
+TEST(PlanCliTest, OptionsAndFormatsUseTheExecutorsNames) {
+  const std::string plan = "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json";
+  const CommandRun run = Epmoe(plan + " --options a2a,dwdp --rows q4 --shared copied");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto j = nlohmann::json::parse(run.out);
+  ASSERT_EQ(j["costs"].size(), 2u);
+  EXPECT_EQ(j["costs"][0]["option"], "a2a");
+  EXPECT_EQ(j["costs"][0]["option_number"], 4);
+  EXPECT_EQ(j["costs"][1]["option"], "dwdp");
+  EXPECT_EQ(j["costs"][1]["option_number"], 5);
+  // The row bytes priced are row_codec's: 6,144 / 32 blocks of 20 B.
+  EXPECT_EQ(j["derived"]["row_bytes_q4"], 3'840);
+  EXPECT_TRUE(j["derived"]["per_gpus"][0].contains("copies_sent_per_row_a2a"));
+  // The former planner names are aliases and price the same.
+  const CommandRun old = Epmoe(plan + " --options rows,weights --rows nvfp4 --shared copied");
+  ASSERT_EQ(old.exit_code, 0) << old.out;
+  EXPECT_EQ(nlohmann::json::parse(old.out)["costs"], j["costs"]);
+  const CommandRun aliased = Epmoe(plan + " --options 4,5 --rows fp4 --shared copied");
+  ASSERT_EQ(aliased.exit_code, 0) << aliased.out;
+  EXPECT_EQ(nlohmann::json::parse(aliased.out)["costs"], j["costs"]);
+  // An unknown name is refused with every name listed.
+  const CommandRun bad = Epmoe(plan + " --options teleport");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--options: unknown option 'teleport' (sliced, whole, hybrid, a2a, dwdp)"), std::string::npos)
+      << bad.out;
+  const CommandRun bad_rows = Epmoe(plan + " --rows fp8");
+  EXPECT_NE(bad_rows.exit_code, 0);
+  EXPECT_NE(bad_rows.out.find("--rows"), std::string::npos) << bad_rows.out;
 }
 
 TEST(PlanCliTest, HardwareListAndShow) {

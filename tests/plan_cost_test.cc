@@ -34,10 +34,10 @@ ModelConfig RoutedOnly(ModelConfig m) {
   return m;
 }
 
-const OptionCost& Find(const PlanResult& r, PlanOption option, int gpus, int64_t batch) {
+const OptionCost& Find(const PlanResult& r, EpOption option, int gpus, int64_t batch) {
   for (const auto& c : r.costs)
     if (c.option == option && c.gpus == gpus && c.batch == batch) return c;
-  ADD_FAILURE() << "no cost for option " << PlanOptionName(option) << " gpus " << gpus << " batch " << batch;
+  ADD_FAILURE() << "no cost for option " << EpOptionName(option) << " gpus " << gpus << " batch " << batch;
   static OptionCost none;
   return none;
 }
@@ -92,7 +92,7 @@ ExpertLoad TinyTrace() {
 }
 
 // The tiny model's plan at 2 rows on 2 GPUs, fp32 weights, one sample: the trace's load.
-PlanConfig TinyConfig(std::vector<PlanOption> options) {
+PlanConfig TinyConfig(std::vector<EpOption> options) {
   PlanConfig config;
   config.batches = {2};
   config.gpus = {2};
@@ -107,14 +107,14 @@ TEST(PlanCostTest, HandPricedTinyModel) {
   const ModelConfig m = TinyModel(2);
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
   const ExpertLoad trace = TinyTrace();
-  const PlanResult r = Plan(
-      m, UnitProfile(), TinyConfig({PlanOption::kSliced, PlanOption::kWholeAllRows, PlanOption::kTravelingRows}), &trace);
+  const PlanResult r =
+      Plan(m, UnitProfile(), TinyConfig({EpOption::kSliced, EpOption::kWhole, EpOption::kA2a}), &trace);
   // Every pick moves 128 B of rows: its fp32 input (64 B) and its bf16 output written and read (2 x 32 B).
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kFp32), 128);
   // Sliced, 2 ranks: each rank reads half of experts 0 and 1 (1,536 B each, read-bound: 1,536 us vs
   // 2 x 1,536 / 2 = 1,536 flops -> tie counts as reading) and moves all 4 picks' rows (4 x 128 B)
   // -> 5 + 2 x 1,536 + 512 = 3,589 us.
-  const OptionCost& sliced = Find(r, PlanOption::kSliced, 2, 2);
+  const OptionCost& sliced = Find(r, EpOption::kSliced, 2, 2);
   EXPECT_NEAR(sliced.kernel_us, 3589, 1e-6);
   EXPECT_NEAR(sliced.rows_us, 512, 1e-6);
   // All-gather: 1 row per rank to 1 peer, 32 B (bf16 row) -> 32 us; reduce-scatter the same; + 2 x 10 us.
@@ -122,7 +122,7 @@ TEST(PlanCostTest, HandPricedTinyModel) {
   EXPECT_NEAR(sliced.step_ms, (3589 + 84) / 1000.0, 1e-9);
   // Whole experts: rank 0 holds experts 0, 1 (both used, 4 picks), rank 1 experts 2, 3 (idle):
   // rank 0 = 5 + 2 x max(3,072 B, 3,072 flops) + 4 x 128 = 6,661 us; rank 1 = 5 us; mean 3,333.
-  const OptionCost& whole = Find(r, PlanOption::kWholeAllRows, 2, 2);
+  const OptionCost& whole = Find(r, EpOption::kWhole, 2, 2);
   EXPECT_NEAR(whole.kernel_us, 6661, 1e-6);
   EXPECT_NEAR(whole.kernel_mean_us, 3333, 1e-6);
   EXPECT_NEAR(whole.imbalance_us, 3328, 1e-6);
@@ -130,7 +130,7 @@ TEST(PlanCostTest, HandPricedTinyModel) {
   // Traveling rows: rank 0 holds all picks (share 1 -> held = 4 experts -> covered 1), rank 1 none.
   // Rank 0 receives rank 1's row (1 row) and sends none; rank 1 sends 1 row. 32 B each way -> 64 us
   // + 2 x 10 us.
-  const OptionCost& rows = Find(r, PlanOption::kTravelingRows, 2, 2);
+  const OptionCost& rows = Find(r, EpOption::kA2a, 2, 2);
   EXPECT_NEAR(rows.comm_us, 84, 1e-6);
   EXPECT_NEAR(rows.copies_per_row, 0.5, 1e-12);  // (G-1)/G x sum of coverage = 1/2 x 1
 }
@@ -144,14 +144,14 @@ TEST(PlanCostTest, Fp32PartialSumsPriceOutputsAndReduceScatterAtFourBytes) {
   const ExpertLoad trace = TinyTrace();
   HardwareProfile hw = UnitProfile();
   hw.partial_sum_bytes = 4;
-  const PlanResult r = Plan(m, hw, TinyConfig({PlanOption::kSliced, PlanOption::kTravelingRows}), &trace);
+  const PlanResult r = Plan(m, hw, TinyConfig({EpOption::kSliced, EpOption::kA2a}), &trace);
   // Sliced: 5 + 2 x 1,536 + 4 picks x 192 B = 3,845 us; all-gather 32 B, reduce-scatter 64 B, + 2 x 10.
-  const OptionCost& sliced = Find(r, PlanOption::kSliced, 2, 2);
+  const OptionCost& sliced = Find(r, EpOption::kSliced, 2, 2);
   EXPECT_NEAR(sliced.rows_us, 768, 1e-6);
   EXPECT_NEAR(sliced.kernel_us, 3845, 1e-6);
   EXPECT_NEAR(sliced.comm_us, 116, 1e-6);
   // Traveling rows come back weighted in bf16 whatever the partial sums: the comm of the bf16 case.
-  EXPECT_NEAR(Find(r, PlanOption::kTravelingRows, 2, 2).comm_us, 84, 1e-6);
+  EXPECT_NEAR(Find(r, EpOption::kA2a, 2, 2).comm_us, 84, 1e-6);
 }
 
 TEST(PlanCostTest, MoreBytesNeverFaster) {
@@ -172,8 +172,8 @@ TEST(PlanCostTest, MoreBytesNeverFaster) {
     // Same load (same seed), more bytes per expert: never a shorter kernel or step.
     EXPECT_LE(nvfp4.costs[i].read_gb, int8.costs[i].read_gb);
     EXPECT_LE(int8.costs[i].read_gb, bf16.costs[i].read_gb);
-    EXPECT_LE(int8.costs[i].kernel_us, bf16.costs[i].kernel_us + 1e-9) << PlanOptionName(bf16.costs[i].option);
-    EXPECT_LE(int8.costs[i].step_ms, bf16.costs[i].step_ms + 1e-9) << PlanOptionName(bf16.costs[i].option);
+    EXPECT_LE(int8.costs[i].kernel_us, bf16.costs[i].kernel_us + 1e-9) << EpOptionName(bf16.costs[i].option);
+    EXPECT_LE(int8.costs[i].step_ms, bf16.costs[i].step_ms + 1e-9) << EpOptionName(bf16.costs[i].option);
   }
   // A slower memory system never makes anything faster.
   HardwareProfile slow = hw;
@@ -191,14 +191,14 @@ TEST(PlanCostTest, MoreRanksNeverMoreBytesPerRankForSliced) {
   PlanConfig config;
   config.batches = {64, 4096};
   config.gpus = {1, 2, 4, 8, 16, 32, 64, 128, 256};
-  config.options = {PlanOption::kSliced};
+  config.options = {EpOption::kSliced};
   config.samples = 4;
   const PlanResult r = Plan(m, Profile("gb200nvl72"), config);
   for (int64_t batch : config.batches) {
     double previous_read = INFINITY;
     int64_t previous_memory = INT64_MAX;
     for (int g : config.gpus) {
-      const OptionCost& c = Find(r, PlanOption::kSliced, g, batch);
+      const OptionCost& c = Find(r, EpOption::kSliced, g, batch);
       ASSERT_TRUE(c.applicable) << g;
       EXPECT_LE(c.read_gb, previous_read) << g;
       EXPECT_LE(c.memory_bytes, previous_memory) << g;
@@ -208,8 +208,8 @@ TEST(PlanCostTest, MoreRanksNeverMoreBytesPerRankForSliced) {
   }
   // And for whole experts, the memory per rank shrinks too.
   for (int g = 2; g <= 256; g *= 2) {
-    EXPECT_LE(ComputeMemoryPerRank(m, {}, PlanOption::kTravelingRows, g, Sharing::kAuto, Sharing::kSliced).routed,
-              ComputeMemoryPerRank(m, {}, PlanOption::kTravelingRows, g / 2, Sharing::kAuto, Sharing::kSliced).routed);
+    EXPECT_LE(ComputeMemoryPerRank(m, {}, EpOption::kA2a, g, SharedMode::kDefault, SharedMode::kSliced).routed,
+              ComputeMemoryPerRank(m, {}, EpOption::kA2a, g / 2, SharedMode::kDefault, SharedMode::kSliced).routed);
   }
 }
 
@@ -221,7 +221,7 @@ TEST(PlanCostTest, MoreRowsNeverLessCommunication) {
   config.samples = 2;
   const PlanResult r = Plan(m, Profile("b300x8"), config);
   for (int g : config.gpus)
-    for (PlanOption o : {PlanOption::kSliced, PlanOption::kTravelingRows})
+    for (EpOption o : {EpOption::kSliced, EpOption::kA2a})
       for (size_t i = 1; i < config.batches.size(); ++i)
         EXPECT_GE(Find(r, o, g, config.batches[i]).comm_us, Find(r, o, g, config.batches[i - 1]).comm_us);
 }
@@ -234,11 +234,11 @@ TEST(PlanCostTest, NotApplicableOptionsSayWhy) {
   config.samples = 1;
   const PlanResult r = Plan(m, Profile("gb200nvl72"), config);
   // 2,048 is not a multiple of 24: slices cannot be cut (SGLang fails at startup).
-  EXPECT_FALSE(Find(r, PlanOption::kSliced, 24, 64).applicable);
-  EXPECT_NE(Find(r, PlanOption::kSliced, 24, 64).not_applicable.find("24"), std::string::npos);
-  EXPECT_TRUE(Find(r, PlanOption::kTravelingRows, 24, 64).applicable);
+  EXPECT_FALSE(Find(r, EpOption::kSliced, 24, 64).applicable);
+  EXPECT_NE(Find(r, EpOption::kSliced, 24, 64).not_applicable.find("24"), std::string::npos);
+  EXPECT_TRUE(Find(r, EpOption::kA2a, 24, 64).applicable);
   // More ranks than experts.
-  EXPECT_FALSE(Find(r, PlanOption::kTravelingRows, 512, 64).applicable);
+  EXPECT_FALSE(Find(r, EpOption::kA2a, 512, 64).applicable);
   // Bad configurations are refused.
   config.gpus = {0};
   EXPECT_FALSE(RunPlan(m, Profile("b300x8"), config, nullptr, "").ok());
@@ -300,14 +300,14 @@ TEST(PlanCostTest, BalancerPlacementEvensSkewedPicks) {
   PlanConfig config;
   config.batches = {256};
   config.gpus = {8};
-  config.options = {PlanOption::kTravelingRows};
+  config.options = {EpOption::kA2a};
   config.samples = 4;
   const PlanResult trivial = Plan(m, Profile("h100x8"), config, &trace);
   config.placement = "deepseek";
   config.redundant = 8;
   const PlanResult placed = Plan(m, Profile("h100x8"), config, &trace);
-  const OptionCost& before = Find(trivial, PlanOption::kTravelingRows, 8, 256);
-  const OptionCost& after = Find(placed, PlanOption::kTravelingRows, 8, 256);
+  const OptionCost& before = Find(trivial, EpOption::kA2a, 8, 256);
+  const OptionCost& after = Find(placed, EpOption::kA2a, 8, 256);
   ASSERT_TRUE(after.applicable) << after.not_applicable;
   // Rank 0: 4 x 200 + 4 x 21 = 884 of 2,048 picks; mean 256: balancedness 0.29.
   EXPECT_NEAR(before.balancedness, 256.0 / 884.0, 1e-9);
@@ -318,7 +318,7 @@ TEST(PlanCostTest, BalancerPlacementEvensSkewedPicks) {
   // A shape the balancer refuses makes the option not applicable, with the reason.
   config.redundant = 3;  // 67 slots do not split over 8 ranks
   const PlanResult refused = Plan(m, Profile("h100x8"), config, &trace);
-  EXPECT_FALSE(Find(refused, PlanOption::kTravelingRows, 8, 256).applicable);
+  EXPECT_FALSE(Find(refused, EpOption::kA2a, 8, 256).applicable);
 }
 
 TEST(PlanCostTest, CopiesPerRowFromPerRowPicks) {
@@ -394,10 +394,10 @@ TEST(PlanSeedTest, KernelLineOn32Gpus) {
   PlanConfig config;
   config.batches = {64};
   config.gpus = {32};
-  config.options = {PlanOption::kTravelingRows};
+  config.options = {EpOption::kA2a};
   config.samples = 1;
   const PlanResult r = Plan(m, Profile("b300x8"), config, &trace);
-  const OptionCost& c = Find(r, PlanOption::kTravelingRows, 32, 64);
+  const OptionCost& c = Find(r, EpOption::kA2a, 32, 64);
   EXPECT_NEAR(c.kernel_mean_us, 28 + 150 * 188 * 21'233'676e-9 / 32, 0.5);
   EXPECT_NEAR(c.kernel_mean_us, 47, 1.5);
 }
@@ -411,20 +411,20 @@ TEST(PlanSeedTest, CommunicationMatchesFigure10) {
   PlanConfig config;
   config.batches = {64, 256, 1024, 8192, 32768};
   config.gpus = {8};
-  config.options = {PlanOption::kSliced, PlanOption::kTravelingRows};
+  config.options = {EpOption::kSliced, EpOption::kA2a};
   config.samples = 4;
   const PlanResult r = Plan(m, Profile("b300x8"), config);
   const double gather[] = {72, 87, 131, 379, 1217};
   const double travel[] = {70, 75, 86, 274, 900};
   for (size_t i = 0; i < config.batches.size(); ++i) {
-    const double sliced = Find(r, PlanOption::kSliced, 8, config.batches[i]).comm_us;
-    const double rows = Find(r, PlanOption::kTravelingRows, 8, config.batches[i]).comm_us;
+    const double sliced = Find(r, EpOption::kSliced, 8, config.batches[i]).comm_us;
+    const double rows = Find(r, EpOption::kA2a, 8, config.batches[i]).comm_us;
     EXPECT_NEAR(sliced / gather[i], 1.0, 0.25) << config.batches[i] << ": " << sliced;
     EXPECT_NEAR(rows / travel[i], 1.0, 0.25) << config.batches[i] << ": " << rows;
     EXPECT_LE(rows, sliced + 1e-9);  // traveling rows never send more
   }
   // Copies per row with an even router on 8 GPUs: 4.6 (seed section 4.3).
-  EXPECT_NEAR(Find(r, PlanOption::kTravelingRows, 8, 64).copies_per_row, 4.63, 0.1);
+  EXPECT_NEAR(Find(r, EpOption::kA2a, 8, 64).copies_per_row, 4.63, 0.1);
 }
 
 TEST(PlanSeedTest, DecodeKernelFollowsBytes) {
@@ -438,15 +438,14 @@ TEST(PlanSeedTest, DecodeKernelFollowsBytes) {
   PlanConfig config;
   config.batches = {64};
   config.gpus = {8};
-  config.options = {PlanOption::kWholeAllRows};
+  config.options = {EpOption::kWhole};
   config.samples = 1;
   const PlanResult traced = Plan(m, Profile("b300x8"), config, &trace);
   const double measured_average = 102;
-  EXPECT_NEAR(Find(traced, PlanOption::kWholeAllRows, 8, 64).kernel_mean_us / measured_average, 1.0, 0.05);
+  EXPECT_NEAR(Find(traced, EpOption::kWhole, 8, 64).kernel_mean_us / measured_average, 1.0, 0.05);
   config.samples = 16;
   const PlanResult even = Plan(m, Profile("b300x8"), config);
-  EXPECT_GT(Find(even, PlanOption::kWholeAllRows, 8, 64).kernel_mean_us,
-            Find(traced, PlanOption::kWholeAllRows, 8, 64).kernel_mean_us);
+  EXPECT_GT(Find(even, EpOption::kWhole, 8, 64).kernel_mean_us, Find(traced, EpOption::kWhole, 8, 64).kernel_mean_us);
 }
 
 TEST(PlanSeedTest, PrefillWholeExpertsAndSlicesKernel) {
@@ -459,12 +458,12 @@ TEST(PlanSeedTest, PrefillWholeExpertsAndSlicesKernel) {
   config.phase = PlanPhase::kPrefill;
   config.batches = {8192};
   config.gpus = {8};
-  config.options = {PlanOption::kWholeAllRows, PlanOption::kSliced};
+  config.options = {EpOption::kWhole, EpOption::kSliced};
   config.samples = 4;
   const PlanResult r = Plan(m, Profile("b300x8"), config);
-  const OptionCost& whole = Find(r, PlanOption::kWholeAllRows, 8, 8192);
+  const OptionCost& whole = Find(r, EpOption::kWhole, 8, 8192);
   EXPECT_NEAR(whole.kernel_mean_us / 353, 1.0, 0.05);
-  const OptionCost& sliced = Find(r, PlanOption::kSliced, 8, 8192);
+  const OptionCost& sliced = Find(r, EpOption::kSliced, 8, 8192);
   EXPECT_NEAR(sliced.kernel_mean_us / 609, 1.0, 0.05);
   EXPECT_NEAR(sliced.rows_us - whole.rows_us, 57'344 * 28'032 / 6.64e6, 1.0);
   // The kernel is arithmetic-bound; the layer as a whole is dominated by the all-gather of 1,024 rows per GPU.
@@ -481,11 +480,11 @@ TEST(PlanSeedTest, DwdpLosesDecodeAndPrefillAtEightGpus) {
   config.gpus = {8};
   config.samples = 4;
   const PlanResult r = Plan(m, Profile("b300x8"), config);
-  const OptionCost& dwdp = Find(r, PlanOption::kTravelingWeights, 8, 64);
+  const OptionCost& dwdp = Find(r, EpOption::kDwdp, 8, 64);
   EXPECT_GT(dwdp.comm_us, 10 * dwdp.kernel_us);
   EXPECT_EQ(dwdp.dominant, "communication");
   ASSERT_EQ(r.winners.size(), 1u);
-  EXPECT_NE(r.winners[0].option, PlanOption::kTravelingWeights);
+  EXPECT_NE(r.winners[0].option, EpOption::kDwdp);
 }
 
 TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
@@ -495,14 +494,14 @@ TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
   config.gpus = {2};
   config.samples = 2;
   HardwareProfile gpus = Profile("h100x8");
-  const OptionCost overlapped = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  const OptionCost overlapped = Find(Plan(m, gpus, config), EpOption::kDwdp, 2, 64);
   EXPECT_DOUBLE_EQ(overlapped.layer_us, std::max(overlapped.kernel_us, overlapped.comm_us));
   // On GPUs fetches are one-sided reads: at a measured quarter of the collectives' rate they take 4x as long.
   gpus.intra_node.one_sided_efficiency = gpus.intra_node.efficiency / 4;
-  const OptionCost slow_reads = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  const OptionCost slow_reads = Find(Plan(m, gpus, config), EpOption::kDwdp, 2, 64);
   EXPECT_NEAR(slow_reads.comm_us, 4 * overlapped.comm_us, 1e-6 * slow_reads.comm_us);
   gpus.ranks_share_device = true;  // now the same cores and memory fetch and compute
-  const OptionCost shared = Find(Plan(m, gpus, config), PlanOption::kTravelingWeights, 2, 64);
+  const OptionCost shared = Find(Plan(m, gpus, config), EpOption::kDwdp, 2, 64);
   EXPECT_NEAR(shared.layer_us, shared.kernel_us + shared.comm_us, 1e-6 * shared.layer_us);
 }
 
@@ -517,19 +516,19 @@ TEST(PlanCostTest, DwdpOnASharedDeviceAddsTheCopyOfTheFetchedBytes) {
   config.batches = {64};
   config.gpus = {2};
   config.samples = 4;
-  config.options = {PlanOption::kTravelingWeights};
+  config.options = {EpOption::kDwdp};
   HardwareProfile hw = UnitProfile();
   hw.memory_copy_gbs = 0.5e-3;  // the device copies 0.5 B/us in all
   // One expert: 3 x 16 x 16 bf16 = 1,536 bytes; a rank fetches the 2 experts it lacks: 3,072 bytes.
   const double fetched = 3072;
   ASSERT_EQ(DwdpBytesPerRankPerLayer(m, WeightFormat::kBf16, 2), fetched);
-  const OptionCost gpu = Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64);
+  const OptionCost gpu = Find(Plan(m, hw, config), EpOption::kDwdp, 2, 64);
   // GPUs: one-sided reads on the 1 B/us link, overlapped with the kernel.
   EXPECT_DOUBLE_EQ(gpu.comm_us, fetched / 1.0);
   EXPECT_DOUBLE_EQ(gpu.layer_us, std::max(gpu.kernel_us, gpu.comm_us));
 
   hw.ranks_share_device = true;
-  const OptionCost cpu = Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64);
+  const OptionCost cpu = Find(Plan(m, hw, config), EpOption::kDwdp, 2, 64);
   // Two ranks copy at once, each at 0.25 B/us: 3,072 / 0.25 = 12,288 us, after the kernel.
   const double copy_us = fetched * 2 / 0.5;
   EXPECT_DOUBLE_EQ(cpu.comm_us, copy_us);
@@ -537,10 +536,10 @@ TEST(PlanCostTest, DwdpOnASharedDeviceAddsTheCopyOfTheFetchedBytes) {
 
   // Without a measured copy rate: half the read rate (1 B/us read, each byte read and written).
   hw.memory_copy_gbs = 0;
-  const OptionCost unmeasured = Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64);
+  const OptionCost unmeasured = Find(Plan(m, hw, config), EpOption::kDwdp, 2, 64);
   EXPECT_DOUBLE_EQ(unmeasured.comm_us, fetched * 2 / 0.5);
   hw.memory_read_efficiency = 0.5;
-  EXPECT_DOUBLE_EQ(Find(Plan(m, hw, config), PlanOption::kTravelingWeights, 2, 64).comm_us, fetched * 2 / 0.25);
+  EXPECT_DOUBLE_EQ(Find(Plan(m, hw, config), EpOption::kDwdp, 2, 64).comm_us, fetched * 2 / 0.25);
 }
 
 TEST(PlanSeedTest, TravelingRowsWinPrefillOnEightB300) {
@@ -551,12 +550,12 @@ TEST(PlanSeedTest, TravelingRowsWinPrefillOnEightB300) {
   config.phase = PlanPhase::kPrefill;
   config.batches = {8192};
   config.gpus = {8};
-  config.rows = RowFormat::kFp4;
+  config.rows = RowFormat::kQ4;
   config.samples = 4;
   const PlanResult r = Plan(m, Profile("b300x8"), config);
   ASSERT_EQ(r.winners.size(), 1u);
-  EXPECT_EQ(r.winners[0].option, PlanOption::kTravelingRows);
-  EXPECT_LT(Find(r, PlanOption::kTravelingRows, 8, 8192).comm_us, Find(r, PlanOption::kSliced, 8, 8192).comm_us);
+  EXPECT_EQ(r.winners[0].option, EpOption::kA2a);
+  EXPECT_LT(Find(r, EpOption::kA2a, 8, 8192).comm_us, Find(r, EpOption::kSliced, 8, 8192).comm_us);
 }
 
 }  // namespace

@@ -44,11 +44,12 @@ TEST(PlanDerivedTest, Glm53SizesMatchHandCalculation) {
 
 TEST(PlanDerivedTest, Glm53RowsTrafficAndCoverage) {
   const ModelConfig m = Preset("glm-5.3");
-  // A row: 6,144 x 2 = 12,288 B in bf16; NVFP4 3,072 B of values + 384 B of scales = 3,456 B.
-  EXPECT_EQ(RowBytes(m, RowFormat::kBf16), 12'288);
-  EXPECT_EQ(RowBytes(m, RowFormat::kFp4), 3'456);
-  // A pick through an NVFP4 expert kernel: the 3,456 B input row, the bf16 output written and read
-  // (2 x 12,288 B) = 28,032 B; bf16 experts take a bf16 input: 3 x 12,288 = 36,864 B.
+  // A row: 6,144 x 2 = 12,288 B in bf16; q4 (row_codec.h) 192 blocks of 20 B = 3,840 B.
+  EXPECT_EQ(RowBytes(RowFormat::kBf16, m.hidden), 12'288);
+  EXPECT_EQ(RowBytes(RowFormat::kQ4, m.hidden), 3'840);
+  // A pick through an NVFP4 expert kernel: its NVFP4 input row (3,072 B of values + 384 B of
+  // scales = 3,456 B), the bf16 output written and read (2 x 12,288 B) = 28,032 B; bf16 experts take a bf16 input: 3 x
+  // 12,288 = 36,864 B.
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kNvfp4), 28'032);
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kBf16), 36'864);
   // All-to-all per token per layer: 2 x 8 x 6,144 x 2 = 196,608 B.
@@ -59,11 +60,11 @@ TEST(PlanDerivedTest, Glm53RowsTrafficAndCoverage) {
   EXPECT_NEAR(EvenTouchedShare(m, 8), 0.224300, 1e-5);
   // Ranks per row on 8 GPUs: 8 x (1 - C(224,8)/C(256,8)) = 5.2947 ("5.3"); copies sent (7/8 of it)
   // 4.6328 ("4.6"); 16 GPUs 6.1156 ("6.1"); 32 GPUs 7.0397 ("7.0"). Products computed exactly.
-  EXPECT_NEAR(ExpectedRanksPerRow(m, 8), 5.294652, 1e-5);
+  EXPECT_NEAR(ExpectedRanksPerRow(m.num_experts, m.top_k, 8), 5.294652, 1e-5);
   EXPECT_NEAR(CopiesSentPerRow(m, 8), 4.632821, 1e-5);
   EXPECT_NEAR(CopiesSentPerRow(m, 16), 6.115575, 1e-5);
   EXPECT_NEAR(CopiesSentPerRow(m, 32), 7.039712, 1e-5);
-  EXPECT_NEAR(ExpectedRanksPerRow(m, 1), 1.0, 1e-12);
+  EXPECT_NEAR(ExpectedRanksPerRow(m.num_experts, m.top_k, 1), 1.0, 1e-12);
   EXPECT_NEAR(CopiesSentPerRow(m, 1), 0.0, 1e-12);
   // Never more than k = 8 copies at any EP size.
   for (int g : {64, 128, 256}) EXPECT_LT(CopiesSentPerRow(m, g), 8.0);
@@ -76,8 +77,8 @@ TEST(PlanDerivedTest, Glm53MemoryPerRank) {
   const WeightFormats f;
   // Shared expert copied on every GPU over 75 layers: 75,497,472 x 75 = 5,662,310,400 ("about 5.7 GB");
   // sliced 8 ways 707,788,800, so copies cost 4,954,521,600 more ("5 GB more").
-  const auto sliced = ComputeMemoryPerRank(m, f, PlanOption::kSliced, 8, Sharing::kAuto, Sharing::kSliced);
-  const auto rows = ComputeMemoryPerRank(m, f, PlanOption::kTravelingRows, 8, Sharing::kAuto, Sharing::kSliced);
+  const auto sliced = ComputeMemoryPerRank(m, f, EpOption::kSliced, 8, SharedMode::kDefault, SharedMode::kSliced);
+  const auto rows = ComputeMemoryPerRank(m, f, EpOption::kA2a, 8, SharedMode::kDefault, SharedMode::kSliced);
   EXPECT_EQ(rows.shared, 5'662'310'400);
   EXPECT_EQ(sliced.shared, 707'788'800);
   // Routed: 5,435,821,056 / 8 x 75 = 50,960,822,400 under every option.
@@ -85,9 +86,10 @@ TEST(PlanDerivedTest, Glm53MemoryPerRank) {
   EXPECT_EQ(rows.routed, sliced.routed);
   // Dense sliced: 226,615,296 / 8 x 3 = 84,980,736; copied 679,845,888.
   EXPECT_EQ(sliced.dense, 84'980'736);
-  EXPECT_EQ(ComputeMemoryPerRank(m, f, PlanOption::kSliced, 8, Sharing::kAuto, Sharing::kCopied).dense, 679'845'888);
+  EXPECT_EQ(ComputeMemoryPerRank(m, f, EpOption::kSliced, 8, SharedMode::kDefault, SharedMode::kCopied).dense,
+            679'845'888);
   // DWDP: two fetch buffers of 4,756,343,424 B.
-  EXPECT_EQ(ComputeMemoryPerRank(m, f, PlanOption::kTravelingWeights, 8, Sharing::kAuto, Sharing::kSliced).fetch_buffers,
+  EXPECT_EQ(ComputeMemoryPerRank(m, f, EpOption::kDwdp, 8, SharedMode::kDefault, SharedMode::kSliced).fetch_buffers,
             2 * 4'756'343'424LL);
 }
 
@@ -105,9 +107,9 @@ TEST(PlanDerivedTest, DeepSeekV3MatchesHandCalculation) {
   // Dense int8: 18,432 x 7,168 = 132,120,576 weights; gate, up + 18,432 x 4; down + 7,168 x 4:
   // 2 x 132,194,304 + 132,149,248 = 396,537,856 B.
   EXPECT_EQ(b.dense_layer, 396'537'856);
-  // Rows: 14,336 B in bf16; 3,584 + 448 = 4,032 B in NVFP4; all-to-all 2 x 8 x 7,168 x 2 = 229,376 B.
-  EXPECT_EQ(RowBytes(m, RowFormat::kBf16), 14'336);
-  EXPECT_EQ(RowBytes(m, RowFormat::kFp4), 4'032);
+  // Rows: 14,336 B in bf16; 224 blocks of 20 B = 4,480 B in q4; all-to-all 2 x 8 x 7,168 x 2 = 229,376 B.
+  EXPECT_EQ(RowBytes(RowFormat::kBf16, m.hidden), 14'336);
+  EXPECT_EQ(RowBytes(RowFormat::kQ4, m.hidden), 4'480);
   // A pick through an MXFP4 expert kernel: 3,584 B of values + 224 scales + 2 x 14,336 = 32,480 B.
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kMxfp4), 32'480);
   EXPECT_EQ(AllToAllBytesPerToken(m, 2), 229'376);
@@ -116,15 +118,9 @@ TEST(PlanDerivedTest, DeepSeekV3MatchesHandCalculation) {
   // DWDP on 32 GPUs: 256 x 24,772,620 = 6,341,790,720; / 32 x 31 = 6,143,609,760 B.
   EXPECT_EQ(DwdpBytesPerRankPerLayer(m, WeightFormat::kNvfp4, 32), 6'143'609'760);
   // Routed weights per rank on 32 GPUs: 6,341,790,720 / 32 x 58 = 11,494,495,680 B.
-  EXPECT_EQ(ComputeMemoryPerRank(m, WeightFormats{}, PlanOption::kTravelingRows, 32, Sharing::kAuto, Sharing::kSliced).routed,
-            11'494'495'680);
-}
-
-TEST(PlanDerivedTest, ProbabilityNoneHeldEdges) {
-  // Holding none of E: probability 1; holding all: 0; one expert of 4, k = 2: C(3,2)/C(4,2) = 3/6.
-  EXPECT_DOUBLE_EQ(ProbabilityNoneHeld(256, 0, 8), 1.0);
-  EXPECT_DOUBLE_EQ(ProbabilityNoneHeld(256, 256, 8), 0.0);
-  EXPECT_DOUBLE_EQ(ProbabilityNoneHeld(4, 1, 2), 0.5);
+  EXPECT_EQ(
+      ComputeMemoryPerRank(m, WeightFormats{}, EpOption::kA2a, 32, SharedMode::kDefault, SharedMode::kSliced).routed,
+      11'494'495'680);
 }
 
 }  // namespace

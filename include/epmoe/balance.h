@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "epmoe/load.h"
+#include "epmoe/load_figures.h"
 #include "epmoe/load_matrix.h"
 #include "epmoe/placement.h"
 
@@ -46,9 +47,6 @@ void RankSeconds(const Placement& placement, int layer, std::span<const int64_t>
                  std::span<double> out);
 void RankSeconds(const Placement& placement, int layer, std::span<const double> weights, const CostModel& cost,
                  std::span<double> out);
-
-// mean / max of per-rank values; 1 when every value is 0 (nothing to balance).
-double Balancedness(std::span<const double> per_rank);
 
 // Mean over the load's steps of one layer's balancedness (mean/max picks per rank); 1 without steps.
 double LayerBalancedness(const Placement& placement, int layer, const LoadMatrix& load);

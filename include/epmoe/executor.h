@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "epmoe/comm.h"
+#include "epmoe/ep_options.h"
 #include "epmoe/expert_ffn.h"
 #include "epmoe/layer.h"
 #include "epmoe/live_placement.h"
@@ -49,21 +50,6 @@
 namespace epmoe {
 
 class ThreadPool;
-
-enum class EpOption { kSliced, kWhole, kHybrid, kA2a, kDwdp };
-const char* EpOptionName(EpOption option);
-Result<EpOption> ParseEpOption(std::string_view name);
-std::vector<EpOption> AllEpOptions();
-
-enum class RowOrigin { kDataParallel, kTensorParallel };
-const char* RowOriginName(RowOrigin origin);
-Result<RowOrigin> ParseRowOrigin(std::string_view name);
-
-// Where the shared expert runs: sliced over the ranks like the routed experts (sliced, whole and
-// hybrid only) or a full copy on every rank applied to its own rows.
-enum class SharedMode { kDefault, kSliced, kCopied };  // default: sliced for 1-3, copied for 4-5
-const char* SharedModeName(SharedMode mode);  // "default", "sliced", "copied"
-Result<SharedMode> ParseSharedMode(std::string_view name);
 
 struct ExecutorOptions {
   EpOption option = EpOption::kA2a;
@@ -191,8 +177,5 @@ Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const Mo
 // First global row of `rank` when `total` rows are split over `ranks` data-parallel (the first
 // total % ranks ranks get one more row).
 int64_t RowBegin(int64_t total, int ranks, int rank);
-
-// Expected ranks a row is sent to under uniform routing: G (1 - C(E - E/G, k) / C(E, k)).
-double ExpectedCopiesPerRow(int num_experts, int top_k, int num_ranks);
 
 }  // namespace epmoe

@@ -18,27 +18,27 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "epmoe/ep_options.h"
 #include "epmoe/hardware.h"
 #include "epmoe/load.h"
-#include "epmoe/placement.h"
+#include "epmoe/load_figures.h"
 #include "epmoe/model.h"
+#include "epmoe/placement.h"
+#include "epmoe/row_codec.h"
 #include "epmoe/status.h"
 #include "epmoe/weight_format.h"
 
 namespace epmoe {
 
-// The five ways a row meets its experts (DESIGN.md).
-enum class PlanOption { kSliced = 1, kWholeAllRows = 2, kHybrid = 3, kTravelingRows = 4, kTravelingWeights = 5 };
-const char* PlanOptionName(PlanOption option);  // "sliced", "whole", "hybrid", "rows", "weights"
-std::vector<PlanOption> AllPlanOptions();
+// The options, row formats and shared-expert modes are the executors' (ep_options.h, row_codec.h):
+// a plan prices what `epmoe run` runs, under the same names.
 
 enum class PlanPhase { kDecode, kPrefill };
-// How the shared expert or the dense layers are held: auto = sliced under options 1-3, copied under 4-5.
-enum class Sharing { kAuto, kSliced, kCopied };
-// How rows travel to the experts (results always come back in 16 bits).
-enum class RowFormat { kBf16, kFp4 };
+const char* PlanPhaseName(PlanPhase phase);  // "decode", "prefill"
+Result<PlanPhase> ParsePlanPhase(std::string_view name);
 
 // ---- Derived quantities (from the preset alone) ----
 int64_t WeightsPerExpert(const ModelConfig& model);             // 3 x hidden x expert_intermediate
@@ -47,14 +47,9 @@ int64_t WeightsPerDenseLayer(const ModelConfig& model);          // 3 x hidden x
 int64_t FourBitBytes(int64_t weights);                          // weights / 2: 4 bits, no scales
 // Share of a layer's experts an even router touches in a step of `tokens` rows: 1 - (1 - k/E)^T.
 double EvenTouchedShare(const ModelConfig& model, int64_t tokens);
-// Probability that none of a row's k distinct experts is among `held` of E: C(E-held, k) / C(E, k).
-double ProbabilityNoneHeld(int num_experts, double held, int top_k);
-// Expected ranks holding at least one of a row's experts, G ranks of E/G experts each:
-// G x (1 - C(E - E/G, k) / C(E, k)).
-double ExpectedRanksPerRow(const ModelConfig& model, int gpus);
-// Copies of a row sent to other ranks under option 4: (G - 1) x (1 - C(E - E/G, k) / C(E, k)).
+// Copies of a row sent to other ranks under a2a with the trivial placement, uniform routing:
+// (G - 1) / G x ExpectedRanksPerRow (load_figures.h).
 double CopiesSentPerRow(const ModelConfig& model, int gpus);
-int64_t RowBytes(const ModelConfig& model, RowFormat format);   // bf16: 2d; fp4: d/2 + d/16
 // Memory traffic of one pick through an expert kernel (or a slice of one), weights aside: its input
 // row in the activation format the format's kernel takes (fp32 4 bytes, bf16 2, int8 1, nvfp4
 // d/2 + d/16, mxfp4 d/2 + d/32) plus its output row, written by the kernel and read by the combine
@@ -86,9 +81,8 @@ struct MemoryPerRank {
   int64_t routed = 0, shared = 0, dense = 0, fetch_buffers = 0;
   int64_t total() const { return routed + shared + dense + fetch_buffers; }
 };
-MemoryPerRank ComputeMemoryPerRank(const ModelConfig& model, const WeightFormats& formats, PlanOption option,
-                                   int gpus, Sharing shared, Sharing dense);
-bool SharedIsSliced(PlanOption option, Sharing shared);
+MemoryPerRank ComputeMemoryPerRank(const ModelConfig& model, const WeightFormats& formats, EpOption option, int gpus,
+                                   SharedMode shared, SharedMode dense);
 
 // ---- Routing loads ----
 // One layer of one step: picks per logical expert (E values) and the rows that made them.
@@ -111,8 +105,8 @@ class TraceReader;
 // of the row's experts (trivial placement), less the row's own rank (row r of a step of T rows
 // starts on rank r*G/T). Refuses count-only traces and G outside 1..E.
 Result<std::vector<double>> TraceCopiesPerRow(TraceReader& reader, const std::vector<int>& gpus, int64_t max_rows);
-// Balancedness of one layer load on G ranks holding E/G consecutive experts each:
-// mean picks per rank / max picks per rank (1.0 when there are no picks).
+// Balancedness (load_figures.h) of one layer load's picks on G ranks holding E/G consecutive
+// experts each.
 double Balancedness(const LayerLoad& load, int gpus);
 
 // ---- Planner ----
@@ -120,11 +114,11 @@ struct PlanConfig {
   PlanPhase phase = PlanPhase::kDecode;
   std::vector<int64_t> batches;            // rows (tokens) per step over the whole EP group
   std::vector<int> gpus;                   // EP sizes
-  std::vector<PlanOption> options = AllPlanOptions();
+  std::vector<EpOption> options = AllEpOptions();
   WeightFormats formats;
-  RowFormat rows = RowFormat::kBf16;       // how rows travel out under option 4 (1-3 gather bf16)
-  Sharing shared = Sharing::kAuto;
-  Sharing dense = Sharing::kSliced;        // the seed's servers kept dense layers sliced
+  RowFormat rows = RowFormat::kBf16;  // how rows travel out under a2a (1-3 gather bf16)
+  SharedMode shared = SharedMode::kDefault;
+  SharedMode dense = SharedMode::kSliced;  // the seed's servers kept dense layers sliced
   int samples = 16;                        // layer loads per batch (even router or trace)
   uint64_t seed = 1;
   // Placement of whole experts (options 2 and 4): "trivial" (rank g holds experts [gE/G, (g+1)E/G))
@@ -138,7 +132,7 @@ struct PlanConfig {
 // What one option costs at one EP size and batch. Times per MoE layer are means over the sampled
 // layer loads of the slowest rank; step_ms covers all MoE and dense FFN layers.
 struct OptionCost {
-  PlanOption option = PlanOption::kSliced;
+  EpOption option = EpOption::kSliced;
   int gpus = 0;
   int64_t batch = 0;
   int slices = 1;                 // hybrid (option 3): experts sliced this many ways in a group
@@ -165,7 +159,7 @@ struct OptionCost {
 struct PlanWinner {
   int64_t batch = 0;
   int gpus = 0;
-  PlanOption option = PlanOption::kSliced;
+  EpOption option = EpOption::kSliced;
   int slices = 1;
   double step_ms = 0;
   std::string why;

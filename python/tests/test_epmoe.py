@@ -166,7 +166,7 @@ def test_plan_returns_the_table():
     result = epmoe.plan("deepseek-v3", "b300x8", batches=[64], gpus=[8])
     assert result["costs"] and result["winners"]
     options = {c["option"] for c in result["costs"]}
-    assert {"sliced", "rows", "weights"} <= options
+    assert {"sliced", "whole", "hybrid", "a2a", "dwdp"} <= options
     assert all(c["step_ms"] > 0 for c in result["costs"] if c["applicable"])
 
 

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "epmoe/atomic_file.h"
+#include "epmoe/enum_names.h"
 #include "epmoe/quantize.h"
 #include "epmoe/thread_pool.h"
 
@@ -21,25 +22,17 @@ namespace epmoe {
 namespace fs = std::filesystem;
 
 namespace {
-constexpr CheckpointNaming kAllNamings[] = {CheckpointNaming::kMlpExperts, CheckpointNaming::kBlockSparseMoe,
-                                            CheckpointNaming::kGptOss};
+constexpr EnumNames<CheckpointNaming, 3> kNamings("checkpoint naming",
+                                                  {{{CheckpointNaming::kMlpExperts, "mlp.experts"},
+                                                    {CheckpointNaming::kBlockSparseMoe, "block_sparse_moe"},
+                                                    {CheckpointNaming::kGptOss, "gpt_oss"}}});
 }  // namespace
 
 const char* CheckpointNamingName(CheckpointNaming naming) {
-  switch (naming) {
-    case CheckpointNaming::kMlpExperts: return "mlp.experts";
-    case CheckpointNaming::kBlockSparseMoe: return "block_sparse_moe";
-    case CheckpointNaming::kGptOss: return "gpt_oss";
-  }
-  return "?";
+  return kNamings.Name(naming);
 }
-
 Result<CheckpointNaming> ParseCheckpointNaming(std::string_view name) {
-  for (CheckpointNaming naming : kAllNamings) {
-    if (name == CheckpointNamingName(naming)) return naming;
-  }
-  return InvalidArgument(
-      fmt::format("unknown checkpoint naming \"{}\" (mlp.experts, block_sparse_moe, gpt_oss)", name));
+  return kNamings.Parse(name);
 }
 
 namespace {
@@ -626,7 +619,8 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
   summary.tensors = static_cast<int64_t>(state.tensors.size());
   std::map<std::string, int64_t> by_dtype;
   // Transformer layers holding expert 0, in each naming.
-  std::set<int> layers[std::size(kAllNamings)];
+  const std::vector<CheckpointNaming> namings = kNamings.All();
+  std::vector<std::set<int>> layers(namings.size());
   const std::string kLayers = "model.layers.";
   for (const auto& [name, located] : state.tensors) {
     by_dtype[located.info->dtype_name] += located.info->bytes;
@@ -637,24 +631,25 @@ Result<CheckpointSummary> SummarizeCheckpoint(const std::string& path) {
         !std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; }))
       continue;
     const int layer = std::stoi(number);
-    for (CheckpointNaming naming : kAllNamings) {
+    for (size_t n = 0; n < namings.size(); ++n) {
+      const CheckpointNaming naming = namings[n];
       const LayerNames names(naming, layer);
       const bool experts = naming == CheckpointNaming::kGptOss
                                ? name == names.GateUp("_blocks") || name == names.GateUp("")
                                : name == names.Expert(0, kGate);
-      if (experts) layers[static_cast<int>(naming)].insert(layer);
+      if (experts) layers[n].insert(layer);
     }
   }
   for (const auto& [dtype, bytes] : by_dtype) summary.bytes_by_dtype.emplace_back(dtype, bytes);
   std::stable_sort(summary.bytes_by_dtype.begin(), summary.bytes_by_dtype.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
   int found = 0;
-  for (int n = 1; n < static_cast<int>(std::size(layers)); ++n) {
+  for (int n = 1; n < static_cast<int>(layers.size()); ++n) {
     if (layers[n].size() > layers[found].size()) found = n;
   }
   if (layers[found].empty()) return summary;
   summary.has_experts = true;
-  summary.naming = static_cast<CheckpointNaming>(found);
+  summary.naming = namings[found];
   summary.moe_layers.assign(layers[found].begin(), layers[found].end());
   const LayerNames first(summary.naming, summary.moe_layers[0]);
   if (summary.naming == CheckpointNaming::kGptOss) {

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "epmoe/config_file.h"
+#include "epmoe/enum_names.h"
 
 namespace epmoe::embedded {
 extern const std::vector<std::pair<std::string_view, std::string_view>> kModelPresets;
@@ -19,18 +20,11 @@ namespace {
 
 using nlohmann::json;
 
-Result<Scoring> ParseScoring(const std::string& name) {
-  if (name == "softmax") return Scoring::kSoftmax;
-  if (name == "softmax_topk") return Scoring::kSoftmaxTopk;
-  if (name == "sigmoid") return Scoring::kSigmoid;
-  return InvalidArgument(fmt::format("unknown scoring '{}' (expected softmax, softmax_topk or sigmoid)", name));
-}
-
-Result<Activation> ParseActivation(const std::string& name) {
-  if (name == "swiglu") return Activation::kSwiGlu;
-  if (name == "swiglu_oai") return Activation::kSwiGluOai;
-  return InvalidArgument(fmt::format("unknown activation '{}' (expected swiglu or swiglu_oai)", name));
-}
+constexpr EnumNames<Scoring, 3> kScorings("scoring", {{{Scoring::kSoftmax, "softmax"},
+                                                       {Scoring::kSoftmaxTopk, "softmax_topk"},
+                                                       {Scoring::kSigmoid, "sigmoid"}}});
+constexpr EnumNames<Activation, 2> kActivations("activation", {{{Activation::kSwiGlu, "swiglu"},
+                                                                {Activation::kSwiGluOai, "swiglu_oai"}}});
 
 // Reads field `key` of object `j` into `out`; errors name the source and the field.
 template <typename T>
@@ -77,20 +71,10 @@ Status NonNegative(std::string_view source, const char* field, double value) {
 }  // namespace
 
 const char* ScoringName(Scoring scoring) {
-  switch (scoring) {
-    case Scoring::kSoftmax: return "softmax";
-    case Scoring::kSoftmaxTopk: return "softmax_topk";
-    case Scoring::kSigmoid: return "sigmoid";
-  }
-  return "unknown";
+  return kScorings.Name(scoring);
 }
-
 const char* ActivationName(Activation activation) {
-  switch (activation) {
-    case Activation::kSwiGlu: return "swiglu";
-    case Activation::kSwiGluOai: return "swiglu_oai";
-  }
-  return "unknown";
+  return kActivations.Name(activation);
 }
 
 int64_t RoutedExpertBytes(const ModelConfig& model, WeightFormat format) {
@@ -363,10 +347,10 @@ Result<ModelConfig> ParseModel(std::string_view text, std::string_view source) {
       ReadOptionalField(j, "shared_output_gate", source, &m.shared_output_gate, std::optional<bool>(false)));
   EPMOE_RETURN_IF_ERROR(
       ReadOptionalField(j, "group_rank_experts", source, &m.group_rank_experts, std::optional<int>(2)));
-  auto parsed_scoring = ParseScoring(scoring);
+  auto parsed_scoring = kScorings.Parse(scoring);
   if (!parsed_scoring.ok()) return parsed_scoring.status().WithContext(fmt::format("{}: field 'scoring'", source));
   m.scoring = *parsed_scoring;
-  auto parsed_activation = ParseActivation(activation);
+  auto parsed_activation = kActivations.Parse(activation);
   if (!parsed_activation.ok())
     return parsed_activation.status().WithContext(fmt::format("{}: field 'activation'", source));
   m.activation = *parsed_activation;

@@ -2,28 +2,26 @@
 
 #include <fmt/format.h>
 
+#include "epmoe/enum_names.h"
+
 namespace epmoe {
 
+namespace {
+constexpr EnumNames<WeightFormat, 5> kWeightFormats("weight format", {{{WeightFormat::kFp32, "fp32"},
+                                                                       {WeightFormat::kBf16, "bf16"},
+                                                                       {WeightFormat::kInt8, "int8"},
+                                                                       {WeightFormat::kNvfp4, "nvfp4"},
+                                                                       {WeightFormat::kMxfp4, "mxfp4"}}});
+}  // namespace
+
 const char* WeightFormatName(WeightFormat format) {
-  switch (format) {
-    case WeightFormat::kFp32: return "fp32";
-    case WeightFormat::kBf16: return "bf16";
-    case WeightFormat::kInt8: return "int8";
-    case WeightFormat::kNvfp4: return "nvfp4";
-    case WeightFormat::kMxfp4: return "mxfp4";
-  }
-  return "unknown";
+  return kWeightFormats.Name(format);
 }
-
 std::vector<WeightFormat> AllWeightFormats() {
-  return {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4, WeightFormat::kMxfp4};
+  return kWeightFormats.All();
 }
-
 Result<WeightFormat> ParseWeightFormat(std::string_view name) {
-  for (WeightFormat f : AllWeightFormats()) {
-    if (name == WeightFormatName(f)) return f;
-  }
-  return InvalidArgument(fmt::format("unknown weight format '{}' (expected fp32, bf16, int8, nvfp4 or mxfp4)", name));
+  return kWeightFormats.Parse(name);
 }
 
 int BlockSize(WeightFormat format) {

@@ -1,42 +1,17 @@
 // The executor factory, shape checks and helpers shared by every option.
 #include "epmoe/executor.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 
-#include <fmt/format.h>
-
 #include "ep/executor_internal.h"
-#include "epmoe/enum_names.h"
 #include "epmoe/layer.h"
 #include "epmoe/thread_pool.h"
 #include "epmoe/weight_format.h"
 
 namespace epmoe {
-
-namespace {
-constexpr EnumNames<EpOption, 5> kEpOptions("option", {{{EpOption::kSliced, "sliced"},
-                                                        {EpOption::kWhole, "whole"},
-                                                        {EpOption::kHybrid, "hybrid"},
-                                                        {EpOption::kA2a, "a2a"},
-                                                        {EpOption::kDwdp, "dwdp"}}});
-constexpr EnumNames<RowOrigin, 2> kRowOrigins(
-    "row origin", {{{RowOrigin::kDataParallel, "data-parallel"}, {RowOrigin::kTensorParallel, "tensor-parallel"}}});
-constexpr EnumNames<SharedMode, 3> kSharedModes(
-    "shared expert mode", {{{SharedMode::kDefault, "default"}, {SharedMode::kSliced, "sliced"}, {SharedMode::kCopied, "copied"}}});
-}  // namespace
-
-const char* EpOptionName(EpOption option) { return kEpOptions.Name(option); }
-std::vector<EpOption> AllEpOptions() { return kEpOptions.All(); }
-Result<EpOption> ParseEpOption(std::string_view name) { return kEpOptions.Parse(name); }
-
-const char* RowOriginName(RowOrigin origin) { return kRowOrigins.Name(origin); }
-Result<RowOrigin> ParseRowOrigin(std::string_view name) {
-  return kRowOrigins.Parse(name, {{"dp", RowOrigin::kDataParallel}, {"tp", RowOrigin::kTensorParallel}});
-}
-
-const char* SharedModeName(SharedMode mode) { return kSharedModes.Name(mode); }
-Result<SharedMode> ParseSharedMode(std::string_view name) { return kSharedModes.Parse(name); }
 
 void StepStats::Add(const StepStats& o) {
   for (const StageField& stage : kStages) this->*stage.us += o.*stage.us;
@@ -55,15 +30,6 @@ int64_t RowBegin(int64_t total, int ranks, int rank) {
   return rank * base + std::min<int64_t>(rank, extra);
 }
 
-double ExpectedCopiesPerRow(int num_experts, int top_k, int num_ranks) {
-  // C(E - E/G, k) / C(E, k) = prod_{i<k} (E - E/G - i) / (E - i): the chance a rank holds none of a
-  // row's k distinct experts.
-  const double per_rank = static_cast<double>(num_experts) / num_ranks;
-  double none = 1.0;
-  for (int i = 0; i < top_k; ++i) none *= std::max(0.0, (num_experts - per_rank - i)) / (num_experts - i);
-  return num_ranks * (1.0 - none);
-}
-
 Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, int num_ranks) {
   const std::string name = EpOptionName(o.option);
   const int g = num_ranks;
@@ -78,7 +44,7 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   EPMOE_RETURN_IF_ERROR(CheckShape(o.pack.format, model.expert_intermediate, model.hidden));
   if (o.option != EpOption::kHybrid && o.tp_in_ep != 1)
     return InvalidArgument(fmt::format("{}: --tp-in-ep {} applies to hybrid only", name, o.tp_in_ep));
-  const bool gathers = o.option == EpOption::kSliced || o.option == EpOption::kWhole || o.option == EpOption::kHybrid;
+  const bool gathers = GathersRows(o.option);
   if (!gathers && o.shared == SharedMode::kSliced && model.num_shared_experts > 0)
     return FailedPrecondition(fmt::format("{}: the shared expert cannot be sliced (rows do not visit every rank); it is "
                                           "copied to every rank", name));

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "epmoe/enum_names.h"
 #include "epmoe/quantize.h"
 
 namespace epmoe {
@@ -26,21 +27,17 @@ int Quantize(float value, float scale, int lo, int hi) {
 
 }  // namespace
 
-const char* RowFormatName(RowFormat format) {
-  switch (format) {
-    case RowFormat::kFp32: return "fp32";
-    case RowFormat::kBf16: return "bf16";
-    case RowFormat::kQ8: return "q8";
-    case RowFormat::kQ4: return "q4";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumNames<RowFormat, 4> kRowFormats(
+    "row format",
+    {{{RowFormat::kFp32, "fp32"}, {RowFormat::kBf16, "bf16"}, {RowFormat::kQ8, "q8"}, {RowFormat::kQ4, "q4"}}});
+}  // namespace
 
+const char* RowFormatName(RowFormat format) {
+  return kRowFormats.Name(format);
+}
 Result<RowFormat> ParseRowFormat(std::string_view name) {
-  for (RowFormat f : {RowFormat::kFp32, RowFormat::kBf16, RowFormat::kQ8, RowFormat::kQ4}) {
-    if (name == RowFormatName(f)) return f;
-  }
-  return InvalidArgument(fmt::format("unknown row format '{}' (fp32, bf16, q8, q4)", name));
+  return kRowFormats.Parse(name);
 }
 
 int RowBlockSize(RowFormat format) { return format == RowFormat::kQ8 || format == RowFormat::kQ4 ? kBlock : 1; }

@@ -64,13 +64,6 @@ void RankSeconds(const Placement& placement, int layer, std::span<const double> 
              [&](double rows) { return ExpertCopySeconds(cost, rows); }, out);
 }
 
-double Balancedness(std::span<const double> per_rank) {
-  if (per_rank.empty()) return 1;
-  const double max = *std::max_element(per_rank.begin(), per_rank.end());
-  if (max <= 0) return 1;
-  return std::accumulate(per_rank.begin(), per_rank.end(), 0.0) / per_rank.size() / max;
-}
-
 double LayerBalancedness(const Placement& placement, int layer, const LoadMatrix& load) {
   if (load.num_steps == 0) return 1;
   std::vector<double> per_rank(placement.num_ranks());

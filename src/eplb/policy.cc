@@ -5,6 +5,7 @@
 #include <map>
 #include <numeric>
 
+#include "epmoe/enum_names.h"
 #include "epmoe/eplb_policy.h"
 #include "solver.h"
 
@@ -12,33 +13,28 @@ namespace epmoe {
 
 using eplb_internal::CopyWeight;
 
-const char* PolicyName(Policy policy) {
-  switch (policy) {
-    case Policy::kDeepseek: return "deepseek";
-    case Policy::kDeepseekGuarded: return "deepseek-guarded";
-    case Policy::kPerStep: return "per-step";
-    case Policy::kCost: return "cost";
-    case Policy::kMinMove: return "min-move";
-    case Policy::kUniform: return "uniform";
-    case Policy::kAuto: return "auto";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumNames<Policy, 7> kPolicies("policy", {{{Policy::kDeepseek, "deepseek"},
+                                                     {Policy::kDeepseekGuarded, "deepseek-guarded"},
+                                                     {Policy::kPerStep, "per-step"},
+                                                     {Policy::kCost, "cost"},
+                                                     {Policy::kMinMove, "min-move"},
+                                                     {Policy::kUniform, "uniform"},
+                                                     {Policy::kAuto, "auto"}}});
+}  // namespace
 
+const char* PolicyName(Policy policy) {
+  return kPolicies.Name(policy);
+}
 std::vector<Policy> AllPolicies() {
-  return {Policy::kDeepseek, Policy::kDeepseekGuarded, Policy::kPerStep, Policy::kCost,
-          Policy::kMinMove,  Policy::kUniform,         Policy::kAuto};
+  return kPolicies.All();
+}
+Result<Policy> ParsePolicy(std::string_view name) {
+  return kPolicies.Parse(name);
 }
 
 bool PolicyValidates(Policy policy) {
   return policy == Policy::kAuto || policy == Policy::kMinMove;
-}
-
-Result<Policy> ParsePolicy(std::string_view name) {
-  for (Policy policy : AllPolicies())
-    if (name == PolicyName(policy)) return policy;
-  return InvalidArgument(
-      fmt::format("unknown policy \"{}\" (deepseek, deepseek-guarded, per-step, cost, min-move, uniform, auto)", name));
 }
 
 Status ValidateBalanceShape(const BalanceShape& shape, int num_experts) {

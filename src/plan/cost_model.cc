@@ -201,7 +201,7 @@ std::vector<KernelParts> TravelingWeightsKernel(const Context& c, const LayerLoa
 
 // The shared expert's part of every rank's kernel: sliced (1/G of it for all rows) or copied
 // (all of it for the rank's own rows).
-void AddSharedExpert(const Context& c, PlanOption option, int gpus, int64_t rows, const RankRates& rates,
+void AddSharedExpert(const Context& c, EpOption option, int gpus, int64_t rows, const RankRates& rates,
                      std::vector<KernelParts>* per_rank) {
   if (c.bytes.shared_layer == 0) return;
   const double flops_all_rows = 2.0 * WeightsPerSharedExpert(c.model) * rows;
@@ -212,7 +212,7 @@ void AddSharedExpert(const Context& c, PlanOption option, int gpus, int64_t rows
 }
 
 // One dense FFN layer: sliced (all-gather + reduce-scatter of 16-bit rows) or copied (no exchange).
-double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows, const RankRates& rates) {
+double DenseLayerUs(const Context& c, EpOption option, int gpus, int64_t rows, const RankRates& rates) {
   if (c.model.num_dense_layers == 0) return 0;
   const bool sliced = SharedIsSliced(option, c.config.dense);
   const double rows_per_rank = static_cast<double>(rows) / gpus;
@@ -223,7 +223,7 @@ double DenseLayerUs(const Context& c, PlanOption option, int gpus, int64_t rows,
         rates, /*gemm=*/true);
   double comm = 0;
   if (sliced && gpus > 1) {
-    const double gathered = rows_per_rank * (gpus - 1) * RowBytes(c.model, RowFormat::kBf16);
+    const double gathered = rows_per_rank * (gpus - 1) * RowBytes(RowFormat::kBf16, c.model.hidden);
     const double reduced = rows_per_rank * (gpus - 1) * c.PartialSumRowBytes();
     comm = 2 * CollectiveLatencyUs(c.hw, gpus) + TransferUs(c.hw, gpus, gathered) + TransferUs(c.hw, gpus, reduced);
   }
@@ -236,22 +236,23 @@ struct SampleCost {
   double balancedness = 1;
 };
 
-SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices, const LayerLoad& load,
+SampleCost PriceSample(const Context& c, EpOption option, int gpus, int slices, const LayerLoad& load,
                        const RankRates& rates, std::mt19937_64* rng) {
   const int64_t rows = load.rows;
   const double rows_per_rank = static_cast<double>(rows) / gpus;
   std::vector<KernelParts> per_rank;
   switch (option) {
-    case PlanOption::kSliced: per_rank = RoutedKernel(c, load, gpus, gpus, rates); break;
-    case PlanOption::kHybrid: per_rank = RoutedKernel(c, load, gpus, slices, rates); break;
-    case PlanOption::kWholeAllRows:
-    case PlanOption::kTravelingRows:
+    case EpOption::kSliced: per_rank = RoutedKernel(c, load, gpus, gpus, rates); break;
+    case EpOption::kHybrid: per_rank = RoutedKernel(c, load, gpus, slices, rates); break;
+    case EpOption::kWhole:
+    case EpOption::kA2a:
       per_rank = c.placement != nullptr ? PlacedKernel(c, load, rates) : RoutedKernel(c, load, gpus, 1, rates);
       break;
-    case PlanOption::kTravelingWeights: per_rank = TravelingWeightsKernel(c, load, gpus, rates, rng); break;
+    case EpOption::kDwdp: per_rank = TravelingWeightsKernel(c, load, gpus, rates, rng); break;
   }
   double fixed = rates.FixedUs(c.config.formats.experts);
-  if (option == PlanOption::kSliced || option == PlanOption::kHybrid) fixed += rates.SlicedExtraUs(c.config.formats.experts);
+  if (option == EpOption::kSliced || option == EpOption::kHybrid)
+    fixed += rates.SlicedExtraUs(c.config.formats.experts);
   // Every pick moves its row through the kernel, however narrow the slice: the input row in the
   // kernel's activation format, the output row written and read back by the combine.
   const double row_us =
@@ -271,27 +272,26 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
   cost.fixed = slowest->fixed;
   cost.rows = slowest->rows;
   cost.read_bytes = slowest->bytes;
-  double sum = 0, picks_sum = 0, picks_max = 0;
+  double sum = 0;
+  std::vector<double> rank_picks;
   for (const auto& k : per_rank) {
     sum += k.total();
-    picks_sum += k.picks;
-    picks_max = std::max(picks_max, k.picks);
+    rank_picks.push_back(k.picks);
   }
   cost.kernel_mean = sum / gpus;
-  if (option != PlanOption::kSliced && picks_max > 0) cost.balancedness = picks_sum / gpus / picks_max;
+  if (option != EpOption::kSliced) cost.balancedness = Balancedness(rank_picks);
 
   // Rows travel quantized only with traveling rows (the a2a path); the all-gather moves 16-bit rows.
   // Traveling rows come back weighted in bf16; the all-gather options reduce-scatter partial sums.
-  const double out_row = static_cast<double>(
-      RowBytes(c.model, option == PlanOption::kTravelingRows ? c.config.rows : RowFormat::kBf16));
-  const double back_row = option == PlanOption::kTravelingRows
-                              ? static_cast<double>(RowBytes(c.model, RowFormat::kBf16))
-                              : c.PartialSumRowBytes();
+  const double out_row =
+      static_cast<double>(RowBytes(option == EpOption::kA2a ? c.config.rows : RowFormat::kBf16, c.model.hidden));
+  const double back_row = option == EpOption::kA2a ? static_cast<double>(RowBytes(RowFormat::kBf16, c.model.hidden))
+                                                   : c.PartialSumRowBytes();
   const double latency = CollectiveLatencyUs(c.hw, gpus);
   switch (option) {
-    case PlanOption::kSliced:
-    case PlanOption::kWholeAllRows:
-    case PlanOption::kHybrid:
+    case EpOption::kSliced:
+    case EpOption::kWhole:
+    case EpOption::kHybrid:
       if (gpus > 1) {
         cost.copies = gpus - 1;
         cost.comm = 2 * latency + TransferUs(c.hw, gpus, rows_per_rank * (gpus - 1) * out_row) +
@@ -299,7 +299,7 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
       }
       cost.layer = cost.kernel + cost.comm;
       break;
-    case PlanOption::kTravelingRows: {
+    case EpOption::kA2a: {
       if (gpus > 1) {
         // Share of rows touching each rank, from the share of the picks it computes.
         const int experts = c.model.num_experts;
@@ -325,7 +325,7 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
       cost.layer = cost.kernel + cost.comm;
       break;
     }
-    case PlanOption::kTravelingWeights: {
+    case EpOption::kDwdp: {
       const double fetched = static_cast<double>(DwdpBytesPerRankPerLayer(c.model, c.config.formats.experts, gpus));
       if (c.hw.ranks_share_device) {
         // A CPU server: the fetches are copies on the kernel's cores and memory and add to it.
@@ -343,18 +343,18 @@ SampleCost PriceSample(const Context& c, PlanOption option, int gpus, int slices
 }
 
 // Why `option` at `gpus` cannot run, or "" when it can (the hybrid's splits are checked by HybridSplits).
-std::string NotApplicable(const ModelConfig& m, PlanOption option, int gpus) {
+std::string NotApplicable(const ModelConfig& m, EpOption option, int gpus) {
   switch (option) {
-    case PlanOption::kSliced:
+    case EpOption::kSliced:
       if (m.expert_intermediate % gpus != 0)
         return fmt::format("expert_intermediate {} is not a multiple of {} ranks", m.expert_intermediate, gpus);
       return "";
-    case PlanOption::kHybrid:
+    case EpOption::kHybrid:
       if (gpus < 4) return "needs at least 4 ranks (groups of at least 2, sliced at least 2 ways)";
       return "";
-    case PlanOption::kWholeAllRows:
-    case PlanOption::kTravelingRows:
-    case PlanOption::kTravelingWeights:
+    case EpOption::kWhole:
+    case EpOption::kA2a:
+    case EpOption::kDwdp:
       if (gpus > m.num_experts) return fmt::format("more ranks ({}) than experts ({})", gpus, m.num_experts);
       return "";
   }
@@ -371,12 +371,12 @@ std::vector<int> HybridSplits(const ModelConfig& m, int gpus) {
   return splits;
 }
 
-OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices, const std::vector<LayerLoad>& loads) {
+OptionCost PriceOption(const Context& c, EpOption option, int gpus, int slices, const std::vector<LayerLoad>& loads) {
   OptionCost out;
   out.option = option;
   out.gpus = gpus;
   out.batch = loads.front().rows;
-  out.slices = option == PlanOption::kSliced ? gpus : slices;
+  out.slices = option == EpOption::kSliced ? gpus : slices;
   const RankRates rates(c.hw, gpus);
   std::mt19937_64 rng(c.config.seed + 7919ULL * gpus + static_cast<uint64_t>(out.batch));
   SampleCost mean;
@@ -412,12 +412,12 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
   out.step_ms = (c.model.num_moe_layers() * out.layer_us + c.model.num_dense_layers * out.dense_us) / 1000.0;
   const MemoryPerRank memory = ComputeMemoryPerRank(c.model, c.config.formats, option, gpus, c.config.shared, c.config.dense);
   out.memory_bytes = memory.total();
-  if (c.placement != nullptr && (option == PlanOption::kWholeAllRows || option == PlanOption::kTravelingRows))
+  if (c.placement != nullptr && (option == EpOption::kWhole || option == EpOption::kA2a))
     out.memory_bytes += (c.placement->num_slots() - c.model.num_experts) * c.bytes.expert / gpus * c.model.num_moe_layers();
   const double ranks_per_device = c.hw.ranks_share_device ? std::min(gpus, c.hw.gpus_per_node) : 1;
   out.fits = out.memory_bytes <= c.hw.memory_capacity_gb * 1e9 / ranks_per_device;
   // What dominates: the largest share of the slowest rank's layer time.
-  const bool overlapped = option == PlanOption::kTravelingWeights && !c.hw.ranks_share_device;
+  const bool overlapped = option == EpOption::kDwdp && !c.hw.ranks_share_device;
   const double exposed_comm = overlapped ? std::max(0.0, out.comm_us - out.kernel_us) : out.comm_us;
   const std::pair<double, const char*> parts[] = {{out.read_us, "reading weights"},
                                                   {out.arith_us, "arithmetic"},
@@ -429,9 +429,9 @@ OptionCost PriceOption(const Context& c, PlanOption option, int gpus, int slices
   return out;
 }
 
-std::string OptionLabel(PlanOption option, int slices) {
-  if (option == PlanOption::kHybrid) return fmt::format("hybrid x{}", slices);
-  return PlanOptionName(option);
+std::string OptionLabel(EpOption option, int slices) {
+  if (option == EpOption::kHybrid) return fmt::format("hybrid x{}", slices);
+  return EpOptionName(option);
 }
 
 // "12.3 us/layer shorter" for how much less the winner spends on a part than the next best.
@@ -471,6 +471,7 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
   EPMOE_RETURN_IF_ERROR(ValidateHardware(hw, hw.name));
   if (config.batches.empty()) return InvalidArgument("no batch sizes given");
   if (config.gpus.empty()) return InvalidArgument("no EP sizes given");
+  EPMOE_RETURN_IF_ERROR(CheckRowWidth(config.rows, model.hidden).WithContext("rows under a2a"));
   if (config.options.empty()) return InvalidArgument("no options given");
   if (config.samples < 1 || config.samples > 4096)
     return InvalidArgument(fmt::format("samples must be in 1..4096, got {}", config.samples));
@@ -547,13 +548,13 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
     }
     for (int gpus : config.gpus) {
       const size_t first = result.costs.size();
-      for (PlanOption option : config.options) {
+      for (EpOption option : config.options) {
         OptionCost cost;
         std::string why_not = NotApplicable(model, option, gpus);
-        std::vector<int> splits = option == PlanOption::kHybrid ? HybridSplits(model, gpus) : std::vector<int>{1};
+        std::vector<int> splits = option == EpOption::kHybrid ? HybridSplits(model, gpus) : std::vector<int>{1};
         if (why_not.empty() && splits.empty()) why_not = fmt::format("no split of {} ranks into sliced groups fits the model", gpus);
         c.placement = nullptr;
-        const bool placed = option == PlanOption::kWholeAllRows || option == PlanOption::kTravelingRows;
+        const bool placed = option == EpOption::kWhole || option == EpOption::kA2a;
         if (why_not.empty() && balanced && placed) {
           const Result<Placement>& placement = placement_for(gpus);
           if (placement.ok()) {

@@ -1,1 +1,1 @@
-set(EPMOE_DEPS core eplb trace)
+set(EPMOE_DEPS core eplb trace ep)

@@ -1,25 +1,23 @@
-// Derived quantities of a model preset: sizes, even-router coverage, copies per row, memory per rank.
+// Derived quantities of a model preset: sizes, even-router coverage, copies per row, memory per rank;
+// the phase names.
 #include <algorithm>
 #include <cmath>
 
+#include "epmoe/enum_names.h"
 #include "epmoe/plan.h"
 
 namespace epmoe {
 
-const char* PlanOptionName(PlanOption option) {
-  switch (option) {
-    case PlanOption::kSliced: return "sliced";
-    case PlanOption::kWholeAllRows: return "whole";
-    case PlanOption::kHybrid: return "hybrid";
-    case PlanOption::kTravelingRows: return "rows";
-    case PlanOption::kTravelingWeights: return "weights";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumNames<PlanPhase, 2> kPlanPhases("phase",
+                                              {{{PlanPhase::kDecode, "decode"}, {PlanPhase::kPrefill, "prefill"}}});
+}  // namespace
 
-std::vector<PlanOption> AllPlanOptions() {
-  return {PlanOption::kSliced, PlanOption::kWholeAllRows, PlanOption::kHybrid, PlanOption::kTravelingRows,
-          PlanOption::kTravelingWeights};
+const char* PlanPhaseName(PlanPhase phase) {
+  return kPlanPhases.Name(phase);
+}
+Result<PlanPhase> ParsePlanPhase(std::string_view name) {
+  return kPlanPhases.Parse(name);
 }
 
 int64_t WeightsPerExpert(const ModelConfig& m) { return 3LL * m.hidden * m.expert_intermediate; }
@@ -34,30 +32,8 @@ double EvenTouchedShare(const ModelConfig& m, int64_t tokens) {
   return 1.0 - std::pow(miss_one_row, static_cast<double>(tokens));
 }
 
-double ProbabilityNoneHeld(int num_experts, double held, int top_k) {
-  // C(E - h, k) / C(E, k) = prod_{i<k} (E - h - i) / (E - i), continued to non-integer h.
-  double p = 1.0;
-  for (int i = 0; i < top_k; ++i) {
-    const double numerator = num_experts - held - i;
-    if (numerator <= 0) return 0.0;
-    p *= numerator / (num_experts - i);
-  }
-  return p;
-}
-
-double ExpectedRanksPerRow(const ModelConfig& m, int gpus) {
-  const double held = static_cast<double>(m.num_experts) / gpus;
-  return gpus * (1.0 - ProbabilityNoneHeld(m.num_experts, held, m.top_k));
-}
-
 double CopiesSentPerRow(const ModelConfig& m, int gpus) {
-  const double held = static_cast<double>(m.num_experts) / gpus;
-  return (gpus - 1) * (1.0 - ProbabilityNoneHeld(m.num_experts, held, m.top_k));
-}
-
-int64_t RowBytes(const ModelConfig& m, RowFormat format) {
-  if (format == RowFormat::kBf16) return 2LL * m.hidden;
-  return m.hidden / 2 + m.hidden / 16;  // 4-bit values + one 1-byte scale per 16 (NVFP4)
+  return ExpectedRanksPerRow(m.num_experts, m.top_k, gpus) * (gpus - 1) / gpus;
 }
 
 int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts, int output_bytes) {
@@ -67,7 +43,7 @@ int64_t PickRowBytes(const ModelConfig& m, WeightFormat experts, int output_byte
     case WeightFormat::kFp32: input = 4 * d; break;
     case WeightFormat::kBf16: input = 2 * d; break;
     case WeightFormat::kInt8: input = d; break;
-    case WeightFormat::kNvfp4: input = RowBytes(m, RowFormat::kFp4); break;  // an NVFP4 row, as rows travel
+    case WeightFormat::kNvfp4: input = d / 2 + d / 16; break;  // 4-bit values, a 1-byte scale per 16
     case WeightFormat::kMxfp4: input = d / 2 + (d + 31) / 32; break;
   }
   return input + 2LL * output_bytes * d;
@@ -94,14 +70,8 @@ int64_t DwdpBytesPerRankPerLayer(const ModelConfig& m, WeightFormat format, int 
   return layer / gpus * (gpus - 1);
 }
 
-bool SharedIsSliced(PlanOption option, Sharing shared) {
-  if (shared == Sharing::kAuto)
-    return option == PlanOption::kSliced || option == PlanOption::kWholeAllRows || option == PlanOption::kHybrid;
-  return shared == Sharing::kSliced;
-}
-
-MemoryPerRank ComputeMemoryPerRank(const ModelConfig& m, const WeightFormats& formats, PlanOption option, int gpus,
-                                   Sharing shared, Sharing dense) {
+MemoryPerRank ComputeMemoryPerRank(const ModelConfig& m, const WeightFormats& formats, EpOption option, int gpus,
+                                   SharedMode shared, SharedMode dense) {
   const ModelBytes b = ComputeModelBytes(m, formats);
   const int64_t moe_layers = m.num_moe_layers();
   MemoryPerRank mem;
@@ -109,7 +79,7 @@ MemoryPerRank ComputeMemoryPerRank(const ModelConfig& m, const WeightFormats& fo
   mem.shared = (SharedIsSliced(option, shared) ? b.shared_layer / gpus : b.shared_layer) * moe_layers;
   mem.dense = (SharedIsSliced(option, dense) ? b.dense_layer / gpus : b.dense_layer) * m.num_dense_layers;
   // DWDP starts its fetches two layers ahead: two buffers of the experts a rank lacks.
-  if (option == PlanOption::kTravelingWeights) mem.fetch_buffers = 2 * DwdpBytesPerRankPerLayer(m, formats.experts, gpus);
+  if (option == EpOption::kDwdp) mem.fetch_buffers = 2 * DwdpBytesPerRankPerLayer(m, formats.experts, gpus);
   return mem;
 }
 

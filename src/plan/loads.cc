@@ -101,12 +101,10 @@ Result<std::vector<LayerLoad>> TraceLayerLoads(const ExpertLoad& trace, const Mo
 double Balancedness(const LayerLoad& load, int gpus) {
   EPMOE_CHECK(gpus >= 1);
   const int experts = static_cast<int>(load.picks.size());
-  std::vector<int64_t> per_rank(gpus, 0);
-  for (int e = 0; e < experts; ++e) per_rank[static_cast<int64_t>(e) * gpus / experts] += load.picks[e];
-  const int64_t max = *std::max_element(per_rank.begin(), per_rank.end());
-  if (max == 0) return 1.0;
-  const double mean = std::accumulate(per_rank.begin(), per_rank.end(), 0.0) / gpus;
-  return mean / max;
+  std::vector<double> per_rank(gpus, 0.0);
+  for (int e = 0; e < experts; ++e)
+    per_rank[static_cast<int64_t>(e) * gpus / experts] += static_cast<double>(load.picks[e]);
+  return Balancedness(per_rank);
 }
 
 }  // namespace epmoe

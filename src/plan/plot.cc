@@ -12,13 +12,13 @@
 namespace epmoe {
 namespace {
 
-const char* OptionColor(PlanOption option) {
+const char* OptionColor(EpOption option) {
   switch (option) {
-    case PlanOption::kSliced: return "#1f77b4";
-    case PlanOption::kWholeAllRows: return "#ff7f0e";
-    case PlanOption::kHybrid: return "#2ca02c";
-    case PlanOption::kTravelingRows: return "#d62728";
-    case PlanOption::kTravelingWeights: return "#9467bd";
+    case EpOption::kSliced: return "#1f77b4";
+    case EpOption::kWhole: return "#ff7f0e";
+    case EpOption::kHybrid: return "#2ca02c";
+    case EpOption::kA2a: return "#d62728";
+    case EpOption::kDwdp: return "#9467bd";
   }
   return "#000";
 }
@@ -41,18 +41,18 @@ std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model,
   LineChart time = log_x_chart(fmt::format("step time, {} GPUs", largest_gpus), "batch (rows per step)", "ms per step");
   LineChart copies = log_x_chart("copies sent per row", "GPUs (EP size)", "copies");
   LineChart balance = log_x_chart("balancedness of picks", "GPUs (EP size)", "mean / max picks per rank");
-  std::map<PlanOption, LineSeries> time_series, copies_series;
+  std::map<EpOption, LineSeries> time_series, copies_series;
   std::map<int64_t, std::map<int, double>> balance_by_batch;  // batch -> gpus -> balancedness (whole experts)
   for (const auto& c : result.costs) {
     if (!c.applicable) continue;
     LineSeries& t = time_series[c.option];
-    t.name = PlanOptionName(c.option);
+    t.name = EpOptionName(c.option);
     t.color = OptionColor(c.option);
     if (c.gpus == largest_gpus) t.points.emplace_back(static_cast<double>(c.batch), c.step_ms);
-    if (c.option == PlanOption::kTravelingRows) balance_by_batch[c.batch][c.gpus] = c.balancedness;
-    if (c.batch == result.costs.front().batch && c.option != PlanOption::kTravelingWeights) {
+    if (c.option == EpOption::kA2a) balance_by_batch[c.batch][c.gpus] = c.balancedness;
+    if (c.batch == result.costs.front().batch && c.option != EpOption::kDwdp) {
       LineSeries& s = copies_series[c.option];
-      s.name = PlanOptionName(c.option);
+      s.name = EpOptionName(c.option);
       s.color = OptionColor(c.option);
       s.points.emplace_back(c.gpus, c.copies_per_row);
     }
@@ -79,9 +79,9 @@ std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model,
   for (auto* chart : {&time, &copies, &balance})
     for (auto& s : chart->series) std::sort(s.points.begin(), s.points.end());
 
-  return LineChartsDocument({time, copies, balance},
-                            fmt::format("{} on {}, {}, load: {}", result.model, result.hardware,
-                                        result.phase == PlanPhase::kDecode ? "decode" : "prefill", result.load));
+  return LineChartsDocument(
+      {time, copies, balance},
+      fmt::format("{} on {}, {}, load: {}", result.model, result.hardware, PlanPhaseName(result.phase), result.load));
 }
 
 }  // namespace epmoe

@@ -2,22 +2,21 @@
 
 #include <fmt/format.h>
 
+#include "epmoe/enum_names.h"
+
 namespace epmoe {
 
-const char* TriggerModeName(TriggerMode mode) {
-  switch (mode) {
-    case TriggerMode::kInterval: return "interval";
-    case TriggerMode::kThreshold: return "threshold";
-    case TriggerMode::kPayback: return "payback";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumNames<TriggerMode, 3> kTriggerModes("rebalance trigger", {{{TriggerMode::kInterval, "interval"},
+                                                                         {TriggerMode::kThreshold, "threshold"},
+                                                                         {TriggerMode::kPayback, "payback"}}});
+}  // namespace
 
+const char* TriggerModeName(TriggerMode mode) {
+  return kTriggerModes.Name(mode);
+}
 Result<TriggerMode> ParseTriggerMode(std::string_view name) {
-  for (TriggerMode m : {TriggerMode::kInterval, TriggerMode::kThreshold, TriggerMode::kPayback}) {
-    if (name == TriggerModeName(m)) return m;
-  }
-  return InvalidArgument(fmt::format("unknown rebalance trigger '{}' (expected interval, threshold or payback)", name));
+  return kTriggerModes.Parse(name);
 }
 
 Status ValidateTriggerOptions(const TriggerOptions& o) {

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "epmoe/enum_names.h"
 #include "epmoe/thread_pool.h"
 
 namespace epmoe {
@@ -34,21 +35,18 @@ void TopK(const float* score, int n, int k, const std::vector<char>* allowed, st
 
 }  // namespace
 
-const char* RoutingModeName(RoutingMode mode) {
-  switch (mode) {
-    case RoutingMode::kScores: return "scores";
-    case RoutingMode::kRoundRobin: return "round_robin";
-    case RoutingMode::kUniform: return "uniform";
-    case RoutingMode::kReplay: return "replay";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumNames<RoutingMode, 4> kRoutingModes("routing", {{{RoutingMode::kScores, "scores"},
+                                                               {RoutingMode::kRoundRobin, "round_robin"},
+                                                               {RoutingMode::kUniform, "uniform"},
+                                                               {RoutingMode::kReplay, "replay"}}});
+}  // namespace
 
+const char* RoutingModeName(RoutingMode mode) {
+  return kRoutingModes.Name(mode);
+}
 Result<RoutingMode> ParseRoutingMode(std::string_view name) {
-  for (RoutingMode m : {RoutingMode::kScores, RoutingMode::kRoundRobin, RoutingMode::kUniform, RoutingMode::kReplay}) {
-    if (name == RoutingModeName(m)) return m;
-  }
-  return InvalidArgument(fmt::format("unknown routing '{}' (expected scores, round_robin, uniform or replay)", name));
+  return kRoutingModes.Parse(name);
 }
 
 Status ValidatePicks(const Picks& picks, int num_experts) {

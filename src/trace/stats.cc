@@ -1,19 +1,13 @@
 // Trace statistics (see trace_stats.h).
-#include "epmoe/trace_stats.h"
+#include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 
-#include <fmt/format.h>
+#include "epmoe/load_figures.h"
+#include "epmoe/trace_stats.h"
 
 namespace epmoe {
 namespace {
-
-// log C(n, r) via lgamma; -inf when r > n.
-double LogChoose(int n, int r) {
-  if (r < 0 || r > n) return -INFINITY;
-  return std::lgamma(n + 1.0) - std::lgamma(r + 1.0) - std::lgamma(n - r + 1.0);
-}
 
 struct LayerAccumulator {
   double touched = 0, max_over_mean = 0, balancedness = 0, ranks_per_row = 0, copies_per_row = 0;
@@ -33,7 +27,7 @@ Result<TraceStats> ComputeTraceStats(TraceReader* reader, int ranks, int hottest
   stats.ranks = G;
   std::vector<LayerAccumulator> acc(L);
   for (auto& a : acc) a.total.assign(E, 0);
-  std::vector<int64_t> per_rank(G);
+  std::vector<double> per_rank(G);
   std::vector<uint8_t> seen(G);
   while (true) {
     StepPicks step;
@@ -51,14 +45,14 @@ Result<TraceStats> ComputeTraceStats(TraceReader* reader, int ranks, int hottest
         max = std::max(max, counts[e]);
         touched += counts[e] > 0;
         a.total[e] += counts[e];
-        per_rank[TrivialRankOf(e, E, G)] += counts[e];
+        per_rank[TrivialRankOf(e, E, G)] += static_cast<double>(counts[e]);
       }
       if (sum == 0) continue;
       a.picks += sum;
       ++a.steps_with_picks;
       a.touched += static_cast<double>(touched);
       a.max_over_mean += static_cast<double>(max) * E / static_cast<double>(sum);
-      a.balancedness += (static_cast<double>(sum) / G) / static_cast<double>(*std::max_element(per_rank.begin(), per_rank.end()));
+      a.balancedness += Balancedness(per_rank);
       if (info.has_picks && step.rows > 0) {
         const Picks& picks = step.layers[l];
         for (int64_t r = 0; r < picks.rows; ++r) {
@@ -116,8 +110,7 @@ Result<TraceStats> ComputeTraceStats(TraceReader* reader, int ranks, int hottest
       stats.copies_per_row_mean = copies_sum / layers_with_picks;
     }
   }
-  if (k > 0 && E % G == 0)
-    stats.uniform_ranks_per_row = G * (1.0 - std::exp(LogChoose(E - E / G, k) - LogChoose(E, k)));
+  if (k > 0 && E % G == 0) stats.uniform_ranks_per_row = ExpectedRanksPerRow(E, k, G);
   return stats;
 }
 

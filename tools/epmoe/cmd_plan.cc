@@ -41,12 +41,12 @@ struct PlanFlags {
   std::string phase = "decode";
   std::vector<int64_t> batches;
   std::vector<int> gpus = {8};
-  std::vector<std::string> options = {"sliced", "whole", "hybrid", "rows", "weights"};
+  std::vector<std::string> options = {"sliced", "whole", "hybrid", "a2a", "dwdp"};
   std::string expert_weights = "nvfp4";
   std::string shared_weights = "bf16";
   std::string dense_weights = "int8";
   std::string rows = "bf16";
-  std::string shared = "auto";
+  std::string shared = "default";
   std::string dense = "sliced";
   int samples = 16;
   uint64_t seed = 1;
@@ -78,13 +78,9 @@ double SignTestP(int wins, int n) {
 // allocated them, which favours some options by a few percent within one run.
 Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightFormat experts,
                        const std::vector<std::string>& paths, json* out) {
-  // The run's option names and the planner's.
-  const std::pair<const char*, PlanOption> names[] = {{"sliced", PlanOption::kSliced},
-                                                      {"whole", PlanOption::kWholeAllRows},
-                                                      {"hybrid", PlanOption::kHybrid},
-                                                      {"a2a", PlanOption::kTravelingRows},
-                                                      {"dwdp", PlanOption::kTravelingWeights}};
-  constexpr int kOptions = std::size(names);
+  // The run's options and the plan's share one set of names (ep_options.h).
+  const std::vector<EpOption> options = AllEpOptions();
+  const int kOptions = static_cast<int>(options.size());
   int ranks = 0, layers = 0;
   int64_t tokens = 0;
   bool interleaved = true;
@@ -121,10 +117,9 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
                                          run["weight_format"].get<std::string>(), WeightFormatName(experts)));
     interleaved = interleaved && run.value("interleaved", false);
     for (const auto& measured : run.at("options")) {
-      const std::string name = measured.value("option", "");
-      const auto it = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return name == n.first; });
-      if (it == std::end(names) || !measured.contains("step_ms_median")) continue;
-      auto& times = steps[it - std::begin(names)][r];
+      const Result<EpOption> option = ParseEpOption(measured.value("option", ""));
+      if (!option.ok() || !measured.contains("step_ms_median")) continue;
+      auto& times = steps[std::find(options.begin(), options.end(), *option) - options.begin()][r];
       if (measured.contains("step_ms")) {
         times = measured["step_ms"].get<std::vector<double>>();
       } else {
@@ -143,16 +138,18 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
     }
   }
   json rows = json::array();
-  std::vector<int> row_option;  // index into names of each row of `rows`
+  std::vector<int> row_option;  // index into options of each row of `rows`
   for (int i = 0; i < kOptions; ++i) {
     std::vector<double> pooled;
     for (const auto& times : steps[i]) pooled.insert(pooled.end(), times.begin(), times.end());
     if (pooled.empty()) continue;
     const double measured_us = Median(pooled) * 1000.0 / layers;
     for (const auto& c : plan.costs) {
-      if (c.option != names[i].second || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
-      rows.push_back({{"option", PlanOptionName(c.option)}, {"run_option", names[i].first}, {"measured_us_per_layer", measured_us},
-                      {"predicted_us_per_layer", c.layer_us}, {"predicted_over_measured", c.layer_us / measured_us},
+      if (c.option != options[i] || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
+      rows.push_back({{"option", EpOptionName(c.option)},
+                      {"measured_us_per_layer", measured_us},
+                      {"predicted_us_per_layer", c.layer_us},
+                      {"predicted_over_measured", c.layer_us / measured_us},
                       {"steps", pooled.size()}});
       row_option.push_back(i);
     }
@@ -261,26 +258,13 @@ void PrintComparison(const json& cmp) {
   std::printf("; within 25%%: %d of %zu\n", cmp["within_25_percent"].get<int>(), cmp["options"].size());
 }
 
-Result<Sharing> ParseSharing(const std::string& name) {
-  if (name == "auto") return Sharing::kAuto;
-  if (name == "sliced") return Sharing::kSliced;
-  if (name == "copied") return Sharing::kCopied;
-  return InvalidArgument(fmt::format("'{}' is not auto, sliced or copied", name));
-}
-
-Result<PlanOption> ParseOption(const std::string& name) {
-  for (PlanOption o : AllPlanOptions())
-    if (name == PlanOptionName(o) || name == std::to_string(static_cast<int>(o))) return o;
-  return InvalidArgument(fmt::format("--options: unknown option '{}' (sliced, whole, hybrid, rows, weights or 1-5)", name));
-}
-
 std::string Label(const OptionCost& c) {
-  if (c.option == PlanOption::kHybrid && c.applicable) return fmt::format("hybrid x{}", c.slices);
-  return PlanOptionName(c.option);
+  if (c.option == EpOption::kHybrid && c.applicable) return fmt::format("hybrid x{}", c.slices);
+  return EpOptionName(c.option);
 }
 std::string Label(const PlanWinner& w) {
-  if (w.option == PlanOption::kHybrid) return fmt::format("hybrid x{}", w.slices);
-  return PlanOptionName(w.option);
+  if (w.option == EpOption::kHybrid) return fmt::format("hybrid x{}", w.slices);
+  return EpOptionName(w.option);
 }
 
 json DerivedJson(const ModelConfig& m, const PlanConfig& config) {
@@ -289,11 +273,11 @@ json DerivedJson(const ModelConfig& m, const PlanConfig& config) {
   json per_gpus = json::array();
   for (int g : config.gpus) {
     json memory = json::object();
-    for (PlanOption o : AllPlanOptions())
-      memory[PlanOptionName(o)] = ComputeMemoryPerRank(m, config.formats, o, g, config.shared, config.dense).total();
+    for (EpOption o : AllEpOptions())
+      memory[EpOptionName(o)] = ComputeMemoryPerRank(m, config.formats, o, g, config.shared, config.dense).total();
     per_gpus.push_back({{"gpus", g},
-                        {"expected_ranks_per_row", ExpectedRanksPerRow(m, g)},
-                        {"copies_sent_per_row_rows", CopiesSentPerRow(m, g)},
+                        {"expected_ranks_per_row", ExpectedRanksPerRow(m.num_experts, m.top_k, g)},
+                        {"copies_sent_per_row_a2a", CopiesSentPerRow(m, g)},
                         {"copies_sent_per_row_all_gather", g - 1},
                         {"dwdp_bytes_per_rank_per_layer", DwdpBytesPerRankPerLayer(m, config.formats.experts, g)},
                         {"memory_per_rank_bytes", memory}});
@@ -312,8 +296,8 @@ json DerivedJson(const ModelConfig& m, const PlanConfig& config) {
           {"bytes_per_layer_shared", b.shared_layer},
           {"dense_format", WeightFormatName(config.formats.dense)},
           {"bytes_per_dense_layer", b.dense_layer},
-          {"row_bytes_bf16", RowBytes(m, RowFormat::kBf16)},
-          {"row_bytes_nvfp4", RowBytes(m, RowFormat::kFp4)},
+          {"row_bytes_bf16", RowBytes(RowFormat::kBf16, m.hidden)},
+          {"row_bytes_q4", RowBytes(RowFormat::kQ4, m.hidden)},
           {"all_to_all_bytes_per_token_per_layer_bf16", AllToAllBytesPerToken(m, 2)},
           {"touched", touched},
           {"per_gpus", per_gpus}};
@@ -332,9 +316,9 @@ void PrintDerived(const ModelConfig& m, const json& d, bool markdown) {
               HumanBytes(d["bytes_per_layer_routed"]).c_str(), HumanBytes(d["bytes_all_moe_layers_routed"]).c_str(),
               d["shared_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_layer_shared"]).c_str(),
               d["dense_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_dense_layer"]).c_str());
-  std::printf("%sbytes per row: bf16 %lld, nvfp4 %lld; all-to-all per token per layer (2 x k x hidden x 2 B): %lld B\n",
+  std::printf("%sbytes per row: bf16 %lld, q4 %lld; all-to-all per token per layer (2 x k x hidden x 2 B): %lld B\n",
               bullet, static_cast<long long>(d["row_bytes_bf16"].get<int64_t>()),
-              static_cast<long long>(d["row_bytes_nvfp4"].get<int64_t>()),
+              static_cast<long long>(d["row_bytes_q4"].get<int64_t>()),
               static_cast<long long>(d["all_to_all_bytes_per_token_per_layer_bf16"].get<int64_t>()));
   std::string touched;
   for (const auto& t : d["touched"])
@@ -349,17 +333,21 @@ void PrintDerived(const ModelConfig& m, const json& d, bool markdown) {
                                    ? fmt::format(", {:.2f} in the trace's per-row picks",
                                                  g["copies_sent_per_row_trace_picks"].get<double>())
                                    : "";
-    std::printf("%s%d GPUs: ranks per row %.2f, copies sent per row %.2f (even router%s; all-gather %d), DWDP fetch %s "
-                "per rank per layer; weights per rank: %s\n",
-                bullet, g["gpus"].get<int>(), g["expected_ranks_per_row"].get<double>(),
-                g["copies_sent_per_row_rows"].get<double>(), traced.c_str(), g["copies_sent_per_row_all_gather"].get<int>(),
-                HumanBytes(g["dwdp_bytes_per_rank_per_layer"]).c_str(), memory.c_str());
+    std::printf(
+        "%s%d GPUs: ranks per row %.2f, copies sent per row %.2f (even router%s; all-gather %d), DWDP fetch %s "
+        "per rank per layer; weights per rank: %s\n",
+        bullet, g["gpus"].get<int>(), g["expected_ranks_per_row"].get<double>(),
+        g["copies_sent_per_row_a2a"].get<double>(), traced.c_str(), g["copies_sent_per_row_all_gather"].get<int>(),
+        HumanBytes(g["dwdp_bytes_per_rank_per_layer"]).c_str(), memory.c_str());
   }
 }
 
 json CostJson(const OptionCost& c) {
-  json j = {{"option", PlanOptionName(c.option)}, {"option_number", static_cast<int>(c.option)}, {"gpus", c.gpus},
-            {"batch", c.batch}, {"applicable", c.applicable}};
+  json j = {{"option", EpOptionName(c.option)},
+            {"option_number", EpOptionNumber(c.option)},
+            {"gpus", c.gpus},
+            {"batch", c.batch},
+            {"applicable", c.applicable}};
   if (!c.applicable) {
     j["not_applicable"] = c.not_applicable;
     return j;
@@ -392,8 +380,7 @@ const PlanWinner* WinnerFor(const PlanResult& r, int64_t batch, int gpus) {
 }
 
 void PrintText(const PlanResult& r, const ModelConfig& m, const json& derived) {
-  std::printf("%s on %s, %s, load: %s\n", r.model.c_str(), r.hardware.c_str(),
-              r.phase == PlanPhase::kDecode ? "decode" : "prefill", r.load.c_str());
+  std::printf("%s on %s, %s, load: %s\n", r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase), r.load.c_str());
   PrintDerived(m, derived, false);
   std::printf("times per MoE layer are the slowest rank's; step = all MoE and dense FFN layers (attention not modeled)\n");
   int64_t batch = -1;
@@ -425,8 +412,8 @@ void PrintText(const PlanResult& r, const ModelConfig& m, const json& derived) {
 }
 
 void PrintMarkdown(const PlanResult& r, const ModelConfig& m, const json& derived) {
-  std::printf("**%s on %s, %s, load: %s**\n\n", r.model.c_str(), r.hardware.c_str(),
-              r.phase == PlanPhase::kDecode ? "decode" : "prefill", r.load.c_str());
+  std::printf("**%s on %s, %s, load: %s**\n\n", r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase),
+              r.load.c_str());
   PrintDerived(m, derived, true);
   std::printf("\n| batch | GPUs | option | kernel us | comm us | layer us | step ms | read GB | copies | balance | "
               "weights/GPU | dominant |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
@@ -455,12 +442,12 @@ void PrintCsv(const PlanResult& r) {
   for (const auto& c : r.costs) {
     const PlanWinner* w = WinnerFor(r, c.batch, c.gpus);
     const bool wins = w != nullptr && c.applicable && w->option == c.option;
-    std::printf("%s,%s,%s,%lld,%d,%s,%d,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.4f,%.5f,%.4f,%.4f,%lld,%d,%s,%d\n", r.model.c_str(),
-                r.hardware.c_str(), r.phase == PlanPhase::kDecode ? "decode" : "prefill",
-                static_cast<long long>(c.batch), c.gpus, PlanOptionName(c.option), c.slices, c.applicable ? 1 : 0,
-                c.kernel_us, c.kernel_mean_us, c.comm_us, c.layer_us, c.dense_us, c.step_ms, c.read_gb,
-                c.copies_per_row, c.balancedness, static_cast<long long>(c.memory_bytes), c.fits ? 1 : 0,
-                c.applicable ? c.dominant.c_str() : "", wins ? 1 : 0);
+    std::printf("%s,%s,%s,%lld,%d,%s,%d,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.4f,%.5f,%.4f,%.4f,%lld,%d,%s,%d\n",
+                r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase), static_cast<long long>(c.batch), c.gpus,
+                EpOptionName(c.option), c.slices, c.applicable ? 1 : 0, c.kernel_us, c.kernel_mean_us, c.comm_us,
+                c.layer_us, c.dense_us, c.step_ms, c.read_gb, c.copies_per_row, c.balancedness,
+                static_cast<long long>(c.memory_bytes), c.fits ? 1 : 0, c.applicable ? c.dominant.c_str() : "",
+                wins ? 1 : 0);
   }
 }
 
@@ -472,15 +459,17 @@ int RunPlanCommand(const PlanFlags& f) {
   auto hardware = LoadHardware(f.hardware);
   if (!hardware.ok()) return ReportError(hardware.status());
   PlanConfig config;
-  config.phase = f.phase == "prefill" ? PlanPhase::kPrefill : PlanPhase::kDecode;
+  auto phase = ParsePlanPhase(f.phase);
+  if (!phase.ok()) return ReportError(phase.status().WithContext("--phase"));
+  config.phase = *phase;
   config.batches = f.batches;
   if (config.batches.empty())
     config.batches = config.phase == PlanPhase::kDecode ? std::vector<int64_t>{8, 64, 256} : std::vector<int64_t>{8192};
   config.gpus = f.gpus;
   config.options.clear();
   for (const auto& name : f.options) {
-    auto option = ParseOption(name);
-    if (!option.ok()) return ReportError(option.status());
+    auto option = ParseEpOption(name);
+    if (!option.ok()) return ReportError(option.status().WithContext("--options"));
     config.options.push_back(*option);
   }
   auto experts = ParseWeightFormat(f.expert_weights);
@@ -490,10 +479,13 @@ int RunPlanCommand(const PlanFlags& f) {
   auto dense_format = ParseWeightFormat(f.dense_weights);
   if (!dense_format.ok()) return ReportError(dense_format.status().WithContext("--dense-weights"));
   config.formats = {*experts, *shared_format, *dense_format};
-  config.rows = f.rows == "nvfp4" ? RowFormat::kFp4 : RowFormat::kBf16;
-  auto shared = ParseSharing(f.shared);
+  // "nvfp4" and "fp4" are the planner's former names of the 4-bit rows.
+  auto rows = ParseRowFormat(f.rows == "nvfp4" || f.rows == "fp4" ? "q4" : f.rows);
+  if (!rows.ok()) return ReportError(rows.status().WithContext("--rows"));
+  config.rows = *rows;
+  auto shared = ParseSharedMode(f.shared);
   if (!shared.ok()) return ReportError(shared.status().WithContext("--shared"));
-  auto dense = ParseSharing(f.dense);
+  auto dense = ParseSharedMode(f.dense);
   if (!dense.ok()) return ReportError(dense.status().WithContext("--dense"));
   config.shared = *shared;
   config.dense = *dense;
@@ -554,16 +546,22 @@ int RunPlanCommand(const PlanFlags& f) {
       return ReportError(s);
   }
   if (f.format == "json") {
-    json j = {{"model", result->model}, {"hardware", result->hardware},
-              {"phase", result->phase == PlanPhase::kDecode ? "decode" : "prefill"}, {"load", result->load},
+    json j = {{"model", result->model},
+              {"hardware", result->hardware},
+              {"phase", PlanPhaseName(result->phase)},
+              {"load", result->load},
               {"derived", derived}};
     if (!comparison.is_null()) j["calibration_check"] = comparison;
     j["costs"] = json::array();
     for (const auto& c : result->costs) j["costs"].push_back(CostJson(c));
     j["winners"] = json::array();
     for (const auto& w : result->winners)
-      j["winners"].push_back({{"batch", w.batch}, {"gpus", w.gpus}, {"option", PlanOptionName(w.option)},
-                              {"slices", w.slices}, {"step_ms", w.step_ms}, {"why", w.why}});
+      j["winners"].push_back({{"batch", w.batch},
+                              {"gpus", w.gpus},
+                              {"option", EpOptionName(w.option)},
+                              {"slices", w.slices},
+                              {"step_ms", w.step_ms},
+                              {"why", w.why}});
     std::printf("%s\n", j.dump(2).c_str());
   } else if (f.format == "md") {
     PrintMarkdown(*result, *model, derived);
@@ -589,12 +587,14 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--trace", f->trace, "Routing trace (any format `epmoe trace` reads); default: an even router");
   cmd->add_option("--trace-format", f->trace_format, "Trace format (auto detects)")->capture_default_str();
   cmd->add_option("--trace-filter", f->trace_filter, "Series of a multi-series count file, e.g. model=olmoe,domain=arxiv,selection=topk");
-  cmd->add_option("--phase", f->phase, "decode or prefill")->check(CLI::IsMember({"decode", "prefill"}))->capture_default_str();
+  cmd->add_option("--phase", f->phase, "decode or prefill")->capture_default_str();
   cmd->add_option("--batch", f->batches, "Rows per step over the whole EP group, comma separated (default: decode 8,64,256; prefill 8192)")
       ->delimiter(',')
       ->check(kPositive);
   cmd->add_option("--gpus", f->gpus, "EP sizes, comma separated")->delimiter(',')->check(CLI::Range(1, 4096))->capture_default_str();
-  cmd->add_option("--options", f->options, "Options to price: sliced, whole, hybrid, rows, weights (or 1-5)")
+  cmd->add_option("--options", f->options,
+                  "Options to price, as `epmoe run --option` names them: sliced, whole, hybrid, a2a, dwdp (or 1-5; "
+                  "the former names rows and weights are accepted for a2a and dwdp)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--weights", f->expert_weights, "Routed experts' weight format")
@@ -606,15 +606,15 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--dense-weights", f->dense_weights, "Dense FFN layers' weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
-  cmd->add_option("--rows", f->rows, "How rows travel under traveling rows (option 4): bf16 or nvfp4; results return in bf16, the all-gather of 1-3 moves bf16")
-      ->check(CLI::IsMember({"bf16", "nvfp4"}))
+  cmd->add_option("--rows", f->rows,
+                  "How rows travel under a2a, as `epmoe run --dispatch-format` names them: fp32, bf16, q8, q4 (nvfp4 "
+                  "and fp4, the former names, mean q4); results return in bf16, the all-gather of 1-3 moves bf16")
       ->capture_default_str();
-  cmd->add_option("--shared", f->shared, "Shared expert: auto (sliced under 1-3, copied under 4-5), sliced, copied")
-      ->check(CLI::IsMember({"auto", "sliced", "copied"}))
+  cmd->add_option("--shared", f->shared,
+                  "Shared expert, as `epmoe run --shared`: default (sliced under 1-3, copied under a2a and dwdp), "
+                  "sliced, copied (auto, the former name, means default)")
       ->capture_default_str();
-  cmd->add_option("--dense", f->dense, "Dense layers: sliced, copied or auto")
-      ->check(CLI::IsMember({"auto", "sliced", "copied"}))
-      ->capture_default_str();
+  cmd->add_option("--dense", f->dense, "Dense layers: sliced, copied or default (as --shared)")->capture_default_str();
   cmd->add_option("--samples", f->samples, "Layer loads priced per batch")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--seed", f->seed, "Seed of the even router and of batch thinning")
       ->check(kNonNegative)

@@ -17,6 +17,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/engine.h"
 #include "epmoe/executor.h"
+#include "epmoe/load_figures.h"
 #include "epmoe/statistics.h"
 #include "epmoe/synthetic.h"
 #include "epmoe/thread_pool.h"
@@ -336,7 +337,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"weight_format", o.weight_format},
              {"weights", opened.report},
              {"threads_per_rank", pool.size()},
-             {"expected_a2a_copies_per_row_uniform", ExpectedCopiesPerRow(model.num_experts, model.top_k, g)},
+             {"expected_a2a_copies_per_row_uniform", ExpectedRanksPerRow(model.num_experts, model.top_k, g)},
              {"checked", o.check},
              {"options", rows}};
   return Status::Ok();

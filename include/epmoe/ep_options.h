@@ -1,0 +1,38 @@
+// The vocabulary of expert-parallel runs, shared by the executors (executor.h) and the planner
+// (plan.h): the five ways a row meets its experts, where rows start, where the shared expert runs
+// (DESIGN.md, "The five ways a row meets its experts"). Free functions; thread-safe.
+#pragma once
+
+#include <string_view>
+#include <vector>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+// sliced, whole, hybrid: rows are all-gathered (options 1-3); a2a: traveling rows (option 4);
+// dwdp: traveling weights (option 5).
+enum class EpOption { kSliced, kWhole, kHybrid, kA2a, kDwdp };
+const char* EpOptionName(EpOption option);  // "sliced", "whole", "hybrid", "a2a", "dwdp"
+// Also accepts the option's number ("1".."5") and the planner's former names "rows" (a2a) and
+// "weights" (dwdp).
+Result<EpOption> ParseEpOption(std::string_view name);
+std::vector<EpOption> AllEpOptions();
+// 1..5, the option's number in DESIGN.md.
+int EpOptionNumber(EpOption option);
+// Options 1-3: every row visits every rank (all-gather, then reduce-scatter).
+bool GathersRows(EpOption option);
+
+enum class RowOrigin { kDataParallel, kTensorParallel };
+const char* RowOriginName(RowOrigin origin);
+Result<RowOrigin> ParseRowOrigin(std::string_view name);  // also "dp", "tp"
+
+// Where the shared expert (or a dense layer) runs: sliced over the ranks like the routed experts
+// (sliced, whole and hybrid only) or a full copy on every rank applied to its own rows.
+enum class SharedMode { kDefault, kSliced, kCopied };       // default: sliced for 1-3, copied for 4-5
+const char* SharedModeName(SharedMode mode);                // "default", "sliced", "copied"
+Result<SharedMode> ParseSharedMode(std::string_view name);  // also "auto" for default
+// Whether `mode` slices under `option` (default: options 1-3 slice).
+bool SharedIsSliced(EpOption option, SharedMode mode);
+
+}  // namespace epmoe

@@ -1,0 +1,58 @@
+#include "epmoe/ep_options.h"
+
+#include "epmoe/enum_names.h"
+
+namespace epmoe {
+namespace {
+constexpr EnumNames<EpOption, 5> kEpOptions("option", {{{EpOption::kSliced, "sliced"},
+                                                        {EpOption::kWhole, "whole"},
+                                                        {EpOption::kHybrid, "hybrid"},
+                                                        {EpOption::kA2a, "a2a"},
+                                                        {EpOption::kDwdp, "dwdp"}}});
+constexpr EnumNames<RowOrigin, 2> kRowOrigins("row origin", {{{RowOrigin::kDataParallel, "data-parallel"},
+                                                              {RowOrigin::kTensorParallel, "tensor-parallel"}}});
+constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedMode::kDefault, "default"},
+                                                                        {SharedMode::kSliced, "sliced"},
+                                                                        {SharedMode::kCopied, "copied"}}});
+}  // namespace
+
+const char* EpOptionName(EpOption option) {
+  return kEpOptions.Name(option);
+}
+std::vector<EpOption> AllEpOptions() {
+  return kEpOptions.All();
+}
+Result<EpOption> ParseEpOption(std::string_view name) {
+  return kEpOptions.Parse(name, {{"1", EpOption::kSliced},
+                                 {"2", EpOption::kWhole},
+                                 {"3", EpOption::kHybrid},
+                                 {"4", EpOption::kA2a},
+                                 {"5", EpOption::kDwdp},
+                                 {"rows", EpOption::kA2a},
+                                 {"weights", EpOption::kDwdp}});
+}
+int EpOptionNumber(EpOption option) {
+  return static_cast<int>(option) + 1;
+}
+bool GathersRows(EpOption option) {
+  return option == EpOption::kSliced || option == EpOption::kWhole || option == EpOption::kHybrid;
+}
+
+const char* RowOriginName(RowOrigin origin) {
+  return kRowOrigins.Name(origin);
+}
+Result<RowOrigin> ParseRowOrigin(std::string_view name) {
+  return kRowOrigins.Parse(name, {{"dp", RowOrigin::kDataParallel}, {"tp", RowOrigin::kTensorParallel}});
+}
+
+const char* SharedModeName(SharedMode mode) {
+  return kSharedModes.Name(mode);
+}
+Result<SharedMode> ParseSharedMode(std::string_view name) {
+  return kSharedModes.Parse(name, {{"auto", SharedMode::kDefault}});
+}
+bool SharedIsSliced(EpOption option, SharedMode mode) {
+  return mode == SharedMode::kDefault ? GathersRows(option) : mode == SharedMode::kSliced;
+}
+
+}  // namespace epmoe
