@@ -144,11 +144,13 @@ TEST(Cli, RefusesThreadCountsAndSeedsOutOfRangeAtParse) {
   }
 }
 
-// Rows whose one fp32 copy exceeds the machine's memory are refused before allocating (no bad_alloc).
+// Rows beyond the machine's memory are refused by the memory admission before allocating (no
+// bad_alloc), with the rows named.
 TEST(Cli, RefusesRowsThatCannotFitBeforeAllocating) {
   const CommandResult r = Epmoe("layer --tokens 100000000 --layers 1");
   EXPECT_EQ(r.exit_code, 1) << r.out;
-  EXPECT_NE(r.out.find("--tokens 100000000 rows of 2048 numbers"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("100000000 rows per step: about"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rows 22.18 TB"), std::string::npos) << r.out;
 }
 
 // Inputs read whole are bounded: a device that never ends or a directory is refused, not read.

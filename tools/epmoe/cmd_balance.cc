@@ -63,6 +63,37 @@ nlohmann::json ScoreJson(const PlacementScore& s) {
           {"step_seconds", s.step_seconds},      {"mean_rank_step_seconds", s.mean_rank_seconds}};
 }
 
+// The policies' options from the flags, with the placements they start from: the trivial one and
+// --current (checked against the shape), which options.current points to.
+struct PolicySetup {
+  PolicyOptions options;
+  Placement trivial;
+  std::optional<Placement> current;
+
+  static Result<std::unique_ptr<PolicySetup>> Make(const BalanceOptions& o, int groups, const CostModel& cost,
+                                                   int num_layers, int num_experts) {
+    PolicyOptions options;
+    options.shape = {o.ranks, o.nodes, groups, o.redundant};
+    options.cost = cost;
+    options.min_move_factor = o.min_move_factor;
+    options.search_rounds = o.search_rounds;
+    options.validation_fraction = o.validation;
+    options.uniform_prior = o.uniform_prior;
+    EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, num_experts));
+    EPMOE_ASSIGN_OR_RETURN(Placement trivial,
+                           Placement::Trivial(num_layers, num_experts, o.redundant, o.ranks, o.nodes));
+    // Held by pointer so that options.current stays valid.
+    std::unique_ptr<PolicySetup> setup(new PolicySetup{options, std::move(trivial), std::nullopt});
+    if (!o.current.empty()) {
+      EPMOE_ASSIGN_OR_RETURN(setup->current, ReadPlacementFile(o.current));
+      EPMOE_RETURN_IF_ERROR(CheckCurrentPlacement(*setup->current, num_layers, num_experts, options.shape)
+                                .WithContext(fmt::format("--current {}", o.current)));
+    }
+    setup->options.current = setup->current ? &*setup->current : &setup->trivial;
+    return setup;
+  }
+};
+
 Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>& policies,
                               std::optional<Policy> chosen, const CostModel& cost, int groups, nlohmann::json* report);
 
@@ -139,24 +170,11 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   const ExpertLoad train = SliceSteps(load, 0, train_steps);
   const ExpertLoad test = score ? SliceSteps(load, train_steps, load.num_steps) : ExpertLoad();
 
-  PolicyOptions options;
-  options.shape = {o.ranks, o.nodes, groups, o.redundant};
-  options.cost = cost;
-  options.min_move_factor = o.min_move_factor;
-  options.search_rounds = o.search_rounds;
-  options.validation_fraction = o.validation;
-  options.uniform_prior = o.uniform_prior;
-  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
-  EPMOE_ASSIGN_OR_RETURN(Placement trivial,
-                         Placement::Trivial(load.num_layers, load.num_experts, o.redundant, o.ranks, o.nodes));
-  std::optional<Placement> current;
-  if (!o.current.empty()) {
-    EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
-    EPMOE_RETURN_IF_ERROR(CheckCurrentPlacement(*current, load.num_layers, load.num_experts, options.shape)
-                              .WithContext(fmt::format("--current {}", o.current)));
-  }
-  const Placement& current_placement = current ? *current : trivial;
-  options.current = &current_placement;
+  EPMOE_ASSIGN_OR_RETURN(const std::unique_ptr<PolicySetup> setup,
+                         PolicySetup::Make(o, groups, cost, load.num_layers, load.num_experts));
+  PolicyOptions options = setup->options;
+  const Placement& trivial = setup->trivial;
+  const Placement& current_placement = *options.current;
 
   nlohmann::json results = nlohmann::json::array();
   auto add = [&](const std::string& name, const Placement* placement, double solve_seconds,
@@ -245,19 +263,10 @@ Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>
       return InvalidArgument(fmt::format("--model {} has {} experts, the load matrix {}", model.name, model.num_experts,
                                          load.num_experts));
   }
-  PolicyOptions options;
-  options.shape = {o.ranks, o.nodes, groups, o.redundant};
-  options.cost = cost;
-  options.min_move_factor = o.min_move_factor;
-  options.search_rounds = o.search_rounds;
-  EPMOE_RETURN_IF_ERROR(ValidateBalanceShape(options.shape, load.num_experts));
-  EPMOE_ASSIGN_OR_RETURN(Placement trivial,
-                         Placement::Trivial(load.num_layers, load.num_experts, o.redundant, o.ranks, o.nodes));
-  std::optional<Placement> current;
-  if (!o.current.empty()) {
-    EPMOE_ASSIGN_OR_RETURN(current, ReadPlacementFile(o.current));
-  }
-  options.current = current ? &*current : &trivial;
+  EPMOE_ASSIGN_OR_RETURN(const std::unique_ptr<PolicySetup> setup,
+                         PolicySetup::Make(o, groups, cost, load.num_layers, load.num_experts));
+  PolicyOptions options = setup->options;
+  const Placement& trivial = setup->trivial;
   nlohmann::json results = nlohmann::json::array();
   auto add = [&](const std::string& name, const Placement& placement, double solve_seconds) {
     nlohmann::json r = {{"policy", name},

@@ -233,12 +233,12 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     if (results[i].refused.empty()) admitted.push_back(OptionExecutorOptions(base, o, options[i], g));
   EPMOE_RETURN_IF_ERROR(AdmitJobMemory(
       *comm, EstimateRunMemory(model, admitted, o.interleave, o.check, g, comm->rank(), o.tokens), o.max_memory_gb,
-      "use fewer --layers, a smaller --weight-format, --hidden/--intermediate, fewer ranks per machine"));
+      "use fewer --tokens or --layers, a smaller --weight-format, --hidden/--intermediate, fewer ranks per machine"));
 
   ThreadPool pool(o.threads);
   std::unique_ptr<Routing> routing;
   std::unique_ptr<TraceRouting> trace;
-  int steps = o.steps;
+  const int steps = o.steps;  // a shorter trace is replayed from its start
   if (!o.trace.empty()) {
     EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, o.steps));
   } else {
