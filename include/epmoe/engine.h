@@ -127,7 +127,8 @@ class Engine {
 
   const MoeExecutor& executor() const { return *executor_; }
   int64_t steps_done() const { return steps_done_; }
-  // Null unless the option follows a placement (a2a, whole).
+  // The placement a2a and whole follow; for the other options the trivial one a recording run's
+  // recorder deals over; null when neither.
   std::shared_ptr<const LivePlacement> live_placement() const { return live_; }
   // Null unless rebalancing or recording the load.
   const LoadRecorder* recorder() const { return recorder_ ? recorder_.get() : nullptr; }
