@@ -1,7 +1,8 @@
 // PicksReplay: a routing trace's picks, step after step, as the router's output for a model.
 //
-// Used by `epmoe layer` and `epmoe run --trace`: run step s takes trace step s (wrapping around to
-// the first step after the last), and MoE layer l takes trace layer l mod the trace's layers. A
+// Used by `epmoe layer` (`epmoe run` replays through TraceRouting, engine.h): run step s takes
+// trace step s (wrapping around to the first step after the last), and MoE layer l takes trace
+// layer l mod the trace's layers. A
 // trace with fewer experts than the model is accepted (its ids are valid expert ids); its top-k must
 // equal the model's. Picks without router weights get 1/k each times the routed scaling factor.
 // Not thread-safe.

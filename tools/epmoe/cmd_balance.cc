@@ -63,6 +63,22 @@ nlohmann::json ScoreJson(const PlacementScore& s) {
           {"step_seconds", s.step_seconds},      {"mean_rank_step_seconds", s.mean_rank_seconds}};
 }
 
+// The report's fields that say what was placed, on how many steps, over which ranks (both inputs).
+nlohmann::json ReportShape(const BalanceOptions& o, int groups, int layers, int experts, int64_t steps,
+                           int64_t train_steps) {
+  return {{"layers", layers},
+          {"experts", experts},
+          {"steps", steps},
+          {"train_steps", train_steps},
+          {"held_out_steps", steps - train_steps},
+          {"ranks", o.ranks},
+          {"nodes", o.nodes},
+          {"groups", groups},
+          {"redundant", o.redundant},
+          {"slots", experts + o.redundant},
+          {"current", o.current.empty() ? "trivial" : o.current}};
+}
+
 // The policies' options from the flags, with the placements they start from: the trivial one and
 // --current (checked against the shape), which options.current points to.
 struct PolicySetup {
@@ -135,15 +151,16 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   cost.memory_bandwidth = o.bandwidth_gbs * 1e9;
   cost.peak_flops = o.peak_gflops * 1e9;
   cost.fixed_seconds = o.fixed_us * 1e-6;
+  const nlohmann::json cost_model = {{"expert", expert_source},
+                                     {"weight_format", WeightFormatName(format)},
+                                     {"bytes_per_expert", cost.bytes_per_expert},
+                                     {"flops_per_row", cost.flops_per_row},
+                                     {"memory_bandwidth", cost.memory_bandwidth},
+                                     {"peak_flops", cost.peak_flops},
+                                     {"fixed_seconds", cost.fixed_seconds}};
   if (!o.load.empty()) {
     EPMOE_RETURN_IF_ERROR(RunBalanceOnLoadMatrix(o, policies, chosen, cost, groups, report));
-    (*report)["cost_model"] = {{"expert", expert_source},
-                               {"weight_format", WeightFormatName(format)},
-                               {"bytes_per_expert", cost.bytes_per_expert},
-                               {"flops_per_row", cost.flops_per_row},
-                               {"memory_bandwidth", cost.memory_bandwidth},
-                               {"peak_flops", cost.peak_flops},
-                               {"fixed_seconds", cost.fixed_seconds}};
+    (*report)["cost_model"] = cost_model;
     return Status::Ok();
   }
 
@@ -225,28 +242,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
     }
     if (!o.out.empty() && policy == *chosen) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
   }
-  *report = {{"trace", o.trace},
-             {"layers", load.num_layers},
-             {"experts", load.num_experts},
-             {"top_k", load.top_k},
-             {"steps", load.num_steps},
-             {"train_steps", train_steps},
-             {"held_out_steps", score ? load.num_steps - train_steps : 0},
-             {"ranks", o.ranks},
-             {"nodes", o.nodes},
-             {"groups", groups},
-             {"redundant", o.redundant},
-             {"slots", load.num_experts + o.redundant},
-             {"current", o.current.empty() ? "trivial" : o.current},
-             {"cost_model",
-              {{"expert", expert_source},
-               {"weight_format", WeightFormatName(format)},
-               {"bytes_per_expert", cost.bytes_per_expert},
-               {"flops_per_row", cost.flops_per_row},
-               {"memory_bandwidth", cost.memory_bandwidth},
-               {"peak_flops", cost.peak_flops},
-               {"fixed_seconds", cost.fixed_seconds}}},
-             {"results", results}};
+  *report = ReportShape(o, groups, load.num_layers, load.num_experts, load.num_steps, train_steps);
+  report->update({{"trace", o.trace}, {"top_k", load.top_k}, {"cost_model", cost_model}, {"results", results}});
   if (!o.out.empty()) (*report)["out"] = o.out;
   return Status::Ok();
 }
@@ -291,21 +288,8 @@ Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>
       EPMOE_RETURN_IF_ERROR(WriteFileAtomically(o.out_sglang, sglang + "\n"));
     }
   }
-  *report = {{"trace", o.load},
-             {"input", "load matrix"},
-             {"layers", load.num_layers},
-             {"experts", load.num_experts},
-             {"top_k", 0},
-             {"steps", load.num_steps},
-             {"train_steps", load.num_steps},
-             {"held_out_steps", 0},
-             {"ranks", o.ranks},
-             {"nodes", o.nodes},
-             {"groups", groups},
-             {"redundant", o.redundant},
-             {"slots", load.num_experts + o.redundant},
-             {"current", o.current.empty() ? "trivial" : o.current},
-             {"results", results}};
+  *report = ReportShape(o, groups, load.num_layers, load.num_experts, load.num_steps, load.num_steps);
+  report->update({{"trace", o.load}, {"input", "load matrix"}, {"top_k", 0}, {"results", results}});
   if (!o.out.empty()) (*report)["out"] = o.out;
   return Status::Ok();
 }
