@@ -170,6 +170,12 @@ MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOp
 MemoryEstimate EstimateRunMemory(const ModelConfig& model, std::span<const ExecutorOptions> executors, bool at_once,
                                  bool check, int num_ranks, int rank, int64_t tokens);
 
+// The live placement of options.placement, or of the trivial placement (no redundant slots) when it
+// is null, with this rank's dispatch table (a2a and whole follow it; a recording run of the other
+// options deals its picks over it).
+Result<std::shared_ptr<LivePlacement>> ResolveLivePlacement(const ModelConfig& model, const ExecutorOptions& options,
+                                                            const Communicator& comm);
+
 // Builds this rank's share of the weights of every layer. Collective.
 Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,
                                                     const ExecutorOptions& options, ThreadPool& pool);

@@ -161,11 +161,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(Communicator& comm, const ModelCo
   if (record && engine->live_ == nullptr) {
     // Options whose experts follow no placement still record their load (per logical expert),
     // dealt over the trivial placement's slots.
-    const int nodes = comm.num_nodes() >= 1 && comm.size() % comm.num_nodes() == 0 ? comm.num_nodes() : 1;
-    EPMOE_ASSIGN_OR_RETURN(Placement trivial,
-                           Placement::Trivial(options.executor.num_layers, model.num_experts, 0, comm.size(), nodes));
-    EPMOE_ASSIGN_OR_RETURN(engine->live_,
-                           LivePlacement::Create(std::make_shared<const Placement>(std::move(trivial)), comm.rank()));
+    EPMOE_ASSIGN_OR_RETURN(engine->live_, ResolveLivePlacement(model, options.executor, comm));
   }
   if (record) {
     RecorderOptions rec = options.recorder;

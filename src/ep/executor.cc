@@ -197,6 +197,18 @@ Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const Mo
   return Internal("unknown option");
 }
 
+Result<std::shared_ptr<LivePlacement>> ResolveLivePlacement(const ModelConfig& model, const ExecutorOptions& options,
+                                                            const Communicator& comm) {
+  PlacementPtr placement = options.placement;
+  if (placement == nullptr) {
+    const int ranks = comm.size();
+    const int nodes = comm.num_nodes() >= 1 && ranks % comm.num_nodes() == 0 ? comm.num_nodes() : 1;
+    EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(options.num_layers, model.num_experts, 0, ranks, nodes));
+    placement = std::make_shared<const Placement>(std::move(trivial));
+  }
+  return LivePlacement::Create(std::move(placement), comm.rank(), options.dispatch_seed);
+}
+
 namespace ep_internal {
 
 std::shared_ptr<const WeightSource> Weights(const ModelConfig& model, const ExecutorOptions& options) {
@@ -241,18 +253,6 @@ Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, co
   if (bad >= 0)
     return InvalidArgument(fmt::format("row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   return Status::Ok();
-}
-
-Result<std::shared_ptr<LivePlacement>> ResolveLivePlacement(const ModelConfig& model, const ExecutorOptions& options,
-                                                            const Communicator& comm) {
-  PlacementPtr placement = options.placement;
-  if (placement == nullptr) {
-    const int ranks = comm.size();
-    const int nodes = comm.num_nodes() >= 1 && ranks % comm.num_nodes() == 0 ? comm.num_nodes() : 1;
-    EPMOE_ASSIGN_OR_RETURN(Placement trivial, Placement::Trivial(options.num_layers, model.num_experts, 0, ranks, nodes));
-    placement = std::make_shared<const Placement>(std::move(trivial));
-  }
-  return LivePlacement::Create(std::move(placement), comm.rank(), options.dispatch_seed);
 }
 
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out) {

@@ -51,11 +51,6 @@ Result<std::vector<std::vector<float>>> SharedOutputGates(const ModelConfig& mod
 // Checks rows and picks given to Forward.
 Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, const Matrix& rows, const Picks& picks);
 
-// The live placement to use (a2a, whole): the given initial placement (checked against the model
-// and ranks) or the trivial one, with this rank's dispatch table.
-Result<std::shared_ptr<LivePlacement>> ResolveLivePlacement(const ModelConfig& model, const ExecutorOptions& options,
-                                                            const Communicator& comm);
-
 // The RebalanceTarget of an executor whose layers hold this rank's slots of the placement as one
 // ExpertStore each (a2a, whole). Exports a slot when asked (kept until the next Install or
 // DropStaged), keeps staged bytes aside, and on Install imports the staged slots of the switched
