@@ -334,6 +334,31 @@ TEST(Comm, LatePeerInAlltoallvIsNamed) {
   ASSERT_TRUE(world->Barrier().ok());
 }
 
+// With several nodes a timeout names the node of the ranks it waited for: the whole node when all
+// its ranks are missing ("node 0 (ranks 0, 1)"), each rank with its node otherwise.
+TEST(Comm, LateNodeIsNamedWithItsRanks) {
+  auto world = World();
+  const int g = world->size(), me = world->rank();
+  if (g < 2) GTEST_SKIP() << "needs a peer";
+  const int per_node = g >= 3 ? 2 : 1;
+  auto impatient = World(per_node, 0.5);
+  const auto expect_names = [&](bool late, const std::string& named) {
+    if (late) std::this_thread::sleep_for(std::chrono::seconds(2));
+    const Status status = impatient->Barrier();
+    if (late) {
+      EXPECT_TRUE(status.ok()) << status.ToString();  // every other rank's message was there
+    } else if (impatient->node_of(me) == 0) {
+      EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();  // waited for its own node's rank
+    } else {
+      EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+      EXPECT_NE(status.message().find("still waiting for " + named + ","), std::string::npos) << status.message();
+    }
+    ASSERT_TRUE(world->Barrier().ok());
+  };
+  expect_names(impatient->node_of(me) == 0, per_node == 1 ? "node 0 (rank 0)" : "node 0 (ranks 0, 1)");
+  if (per_node == 2) expect_names(me == 0, "rank 0 (node 0)");
+}
+
 // The count exchanges are point-to-point like alltoallv: when rank 0 never arrives, every other
 // rank's count exchange, all-gather of counts (the a2a executor's count matrix) and small
 // allreduce fail within the 0.5 s limit, each naming rank 0.

@@ -108,10 +108,42 @@ constexpr auto kSleepStep = std::chrono::microseconds(20);
 // once, when the world communicator is created).
 std::atomic<bool> g_cores_oversubscribed{false};
 
+// "rank 3", "ranks 2, 3", and with several nodes the node of each: "node 1 (ranks 2, 3)" when
+// every rank of node 1 is named (the node is gone or stopped), "rank 2 (node 1)" otherwise.
+// node_ids: the node of every rank of the communicator (empty: one node).
+std::string NameRanks(std::span<const int> ranks, std::span<const int> node_ids) {
+  const auto plain = [](std::span<const int> list) {
+    return fmt::format("rank{} {}", list.size() == 1 ? "" : "s", fmt::join(list, ", "));
+  };
+  const bool several_nodes =
+      !node_ids.empty() && std::any_of(node_ids.begin(), node_ids.end(), [&](int n) { return n != node_ids[0]; });
+  if (!several_nodes) return plain(ranks);
+  std::map<int, std::vector<int>> by_node;
+  for (int r : ranks) by_node[node_ids[r]].push_back(r);
+  std::vector<std::string> parts;
+  for (const auto& [node, named] : by_node) {
+    const auto on_node = static_cast<size_t>(std::count(node_ids.begin(), node_ids.end(), node));
+    parts.push_back(named.size() == on_node ? fmt::format("node {} ({})", node, plain(named))
+                                            : fmt::format("{} (node {})", plain(named), node));
+  }
+  return fmt::format("{}", fmt::join(parts, " and "));
+}
+
+// What the requests of one communicator share: the node of every rank, to name nodes on a
+// timeout, and whether a wait on it has timed out. After a timeout the job is expected to abort
+// (comm.h), so requests destroyed unfinished from then on are abandoned at once instead of each
+// waiting out the timeout while the error is on its way to the user (a rank's teardown destroys
+// several).
+struct CommPeers {
+  std::vector<int> node_ids;
+  std::atomic<bool> timed_out{false};
+};
+using CommPeersPtr = std::shared_ptr<CommPeers>;
+
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
-// for (-1: a collective, any rank), named in the timeout's message.
+// for (-1: a collective, any rank), named in the timeout's message with its node (comm).
 Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, double timeout_seconds,
-               const std::string& what, int rank) {
+               const std::string& what, int rank, CommPeers* comm = nullptr) {
   if (requests.empty()) return Status::Ok();
   if (timeout_seconds <= 0) {
     return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), what.c_str(),
@@ -155,10 +187,11 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
           waiting.push_back(peers[i]);
       }
       std::sort(waiting.begin(), waiting.end());
-      const std::string who =
-          waiting.empty() ? "a peer rank may have failed or stopped"
-                          : fmt::format("still waiting for rank{} {}, which may have failed or stopped",
-                                        waiting.size() == 1 ? "" : "s", fmt::join(waiting, ", "));
+      const std::string who = waiting.empty() ? "a peer rank may have failed or stopped"
+                                              : fmt::format("still waiting for {}, which may have failed or stopped",
+                                                            NameRanks(waiting, comm == nullptr ? std::span<const int>()
+                                                                                               : comm->node_ids));
+      if (comm != nullptr) comm->timed_out.store(true, std::memory_order_relaxed);
       return Unavailable(fmt::format("rank {}: {} did not complete within {} s; {} (--comm-timeout raises the limit)",
                                      rank, what, timeout_seconds, who));
     }
@@ -175,12 +208,14 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
 // request for a collective, or one per message for an exchange made of point-to-point messages.
 class MpiRequest : public Request {
  public:
-  MpiRequest(std::string what, int rank, double timeout_seconds)
-      : what_(std::move(what)), rank_(rank), timeout_seconds_(timeout_seconds) {}
+  // comm: what the communicator's requests share (null: a request of no communicator).
+  MpiRequest(std::string what, int rank, double timeout_seconds, CommPeersPtr comm = nullptr)
+      : what_(std::move(what)), rank_(rank), timeout_seconds_(timeout_seconds), comm_(std::move(comm)) {}
   ~MpiRequest() override {
-    // A request that timed out is abandoned (the job is about to abort); any other is completed,
-    // within the timeout (a peer that stopped must not hang the teardown).
-    if (!timed_out_) (void)Wait();
+    // A request that timed out, or whose communicator had a timeout, is abandoned (the job is about
+    // to abort); any other is completed, within the timeout (a peer that stopped must not hang the
+    // teardown).
+    if (!timed_out_ && !(comm_ != nullptr && comm_->timed_out.load(std::memory_order_relaxed))) (void)Wait();
   }
   Status Wait() override { return WaitFor(requests_.size()); }
   Status WaitReceived() override {
@@ -216,12 +251,13 @@ class MpiRequest : public Request {
   std::string what_;
   int rank_;
   double timeout_seconds_;
+  CommPeersPtr comm_;
   // Waits for the first n requests.
   Status WaitFor(size_t n) {
     if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
     Status status =
         WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n), timeout_seconds_,
-                what_, rank_);
+                what_, rank_, comm_.get());
     if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
     return status;
   }
@@ -270,8 +306,8 @@ Status PostMessages(MPI_Comm messages, int rank, int size, int tag, MpiRequest& 
 // other rank's has arrived, so a timeout names exactly the ranks that have not arrived. Linear in
 // the ranks (2 (G - 1) messages per rank), fine for the tens of ranks of expert parallelism.
 Result<std::unique_ptr<MpiRequest>> StartNotifyAll(MPI_Comm messages, int rank, int size, int tag, std::string what,
-                                                   double timeout_seconds) {
-  auto request = std::make_unique<MpiRequest>(std::move(what), rank, timeout_seconds);
+                                                   double timeout_seconds, CommPeersPtr comm = nullptr) {
+  auto request = std::make_unique<MpiRequest>(std::move(what), rank, timeout_seconds, std::move(comm));
   const auto empty = [](int) { return Block{nullptr, 0, true}; };
   EPMOE_RETURN_IF_ERROR(PostMessages(messages, rank, size, tag, *request, empty, empty));
   return request;
@@ -309,18 +345,19 @@ void KeepUntilExit(std::unique_ptr<Decisions> decisions) {
 // AbortJob end ranks waiting inside MPI collectives). With no timeout (0) there is nothing to
 // bound: Ok at once.
 Status AgreeToEnter(MPI_Comm messages, int rank, int size, int tag, const std::string& what, const char* collective,
-                    double timeout_seconds) {
+                    double timeout_seconds, const CommPeersPtr& comm = nullptr) {
   if (size == 1 || timeout_seconds <= 0) return Status::Ok();
   EPMOE_ASSIGN_OR_RETURN(auto arrivals,
                          StartNotifyAll(messages, rank, size, tag,
                                         fmt::format("{} (every rank's arrival before {})", what, collective),
-                                        timeout_seconds));
+                                        timeout_seconds, comm));
   const Status arrived = arrivals->Wait();
   if (!arrived.ok() && arrived.code() != StatusCode::kUnavailable) return arrived;
   auto decisions = std::make_unique<Decisions>();
   decisions->mine = arrived.ok() ? 1 : 0;
   decisions->theirs.assign(static_cast<size_t>(size), -1);
-  MpiRequest decided(fmt::format("{} (every rank's decision to enter {})", what, collective), rank, timeout_seconds);
+  MpiRequest decided(fmt::format("{} (every rank's decision to enter {})", what, collective), rank, timeout_seconds,
+                     comm);
   const Status posted = PostMessages(
       messages, rank, size, tag + 1, decided,
       [&](int peer) { return Block{&decisions->theirs[peer], static_cast<int>(sizeof(int)), true}; },
@@ -342,9 +379,10 @@ Status AgreeToEnter(MPI_Comm messages, int rank, int size, int tag, const std::s
     if (r != rank && decisions->theirs[r] != 1) gave_up.push_back(r);
   if (gave_up.empty()) return Status::Ok();
   return Unavailable(fmt::format(
-      "rank {}: {}: rank{} {} gave up waiting for every rank to arrive (this rank or another came later than their "
+      "rank {}: {}: {} gave up waiting for every rank to arrive (this rank or another came later than their "
       "{} s limit, or stopped); {} was not entered (--comm-timeout raises the limit)",
-      rank, what, gave_up.size() == 1 ? "" : "s", fmt::join(gave_up, ", "), timeout_seconds, collective));
+      rank, what, NameRanks(gave_up, comm == nullptr ? std::span<const int>() : comm->node_ids),
+      timeout_seconds, collective));
 }
 
 // A window of MPI_Win_allocate(_shared) in a passive-target epoch (lock_all) from creation to
@@ -355,9 +393,10 @@ Status AgreeToEnter(MPI_Comm messages, int rank, int size, int tag, const std::s
 // again.
 class MpiWindow : public Window {
  public:
-  MpiWindow(MPI_Win window, void* base, int64_t bytes, MPI_Comm messages, int rank, int size, double timeout_seconds)
+  MpiWindow(MPI_Win window, void* base, int64_t bytes, MPI_Comm messages, int rank, int size, double timeout_seconds,
+            CommPeersPtr peers)
       : window_(window), base_(base), bytes_(bytes), messages_(messages), rank_(rank), size_(size),
-        timeout_seconds_(timeout_seconds) {}
+        timeout_seconds_(timeout_seconds), peers_(std::move(peers)) {}
   ~MpiWindow() override {
     // The last resort when the owner did not Close: bounded like Close, abandoned on failure. A
     // window held past MPI_Finalize has nothing left to free.
@@ -384,7 +423,7 @@ class MpiWindow : public Window {
   }
   Status Flush() override {
     EPMOE_RETURN_IF_ERROR(CheckOpen("flush"));
-    Status status = WaitAll(pending_, {}, timeout_seconds_, "one-sided read (MPI_Rget)", rank_);
+    Status status = WaitAll(pending_, {}, timeout_seconds_, "one-sided read (MPI_Rget)", rank_, peers_.get());
     if (status.code() == StatusCode::kUnavailable) state_ = State::kAbandoned;
     if (status.ok()) pending_.clear();
     return status;
@@ -404,7 +443,7 @@ class MpiWindow : public Window {
     // Nobody frees the window while a peer may still read from it: every rank completes its reads
     // before it announces its arrival here.
     const Status status =
-        AgreeToEnter(messages_, rank_, size_, kWindowCloseTag, "window close", "MPI_Win_free", timeout_seconds_);
+        AgreeToEnter(messages_, rank_, size_, kWindowCloseTag, "window close", "MPI_Win_free", timeout_seconds_, peers_);
     if (!status.ok()) {
       state_ = State::kAbandoned;
       if (status.code() != StatusCode::kUnavailable) return status;
@@ -433,6 +472,7 @@ class MpiWindow : public Window {
   int rank_;
   int size_;
   double timeout_seconds_;
+  CommPeersPtr peers_;  // the owning communicator's
   State state_ = State::kOpen;
   std::vector<MPI_Request> pending_;
 };
@@ -468,7 +508,7 @@ class MpiCommunicator : public Communicator {
   int size() const override { return size_; }
   int node_of(int rank) const override {
     EPMOE_CHECK(rank >= 0 && rank < size_);
-    return node_ids_[rank];
+    return peers_->node_ids[rank];
   }
   int num_nodes() const override { return num_nodes_; }
   bool concurrent_windows() const override { return thread_level_ >= MPI_THREAD_MULTIPLE; }
@@ -484,7 +524,7 @@ class MpiCommunicator : public Communicator {
 
   Status Barrier() override {
     EPMOE_ASSIGN_OR_RETURN(auto request,
-                           StartNotifyAll(messages_, rank_, size_, kBarrierTag, "barrier", options_.timeout_seconds));
+                           StartNotifyAll(messages_, rank_, size_, kBarrierTag, "barrier", options_.timeout_seconds, peers_));
     return request->Wait();
   }
 
@@ -618,7 +658,7 @@ class MpiCommunicator : public Communicator {
     // MPI_Comm_split_type and MPI_Win_allocate are collective and wait without limit: enter them
     // only once every rank has agreed to (bounded, naming the ranks missing).
     EPMOE_RETURN_IF_ERROR(AgreeToEnter(messages_, rank_, size_, kWindowOpenTag, "window creation",
-                                       "MPI_Win_allocate", options_.timeout_seconds));
+                                       "MPI_Win_allocate", options_.timeout_seconds, peers_));
     void* base = nullptr;
     MPI_Win window = MPI_WIN_NULL;
     // When every member shares this node's memory, a shared-memory window makes a read a plain copy
@@ -642,21 +682,22 @@ class MpiCommunicator : public Communicator {
     }
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, window), "MPI_Win_lock_all", rank_));
     return std::unique_ptr<Window>(
-        new MpiWindow(window, base, bytes, messages_, rank_, size_, options_.timeout_seconds));
+        new MpiWindow(window, base, bytes, messages_, rank_, size_, options_.timeout_seconds, peers_));
   }
 
   Result<std::unique_ptr<Communicator>> Split(int color, int key) override {
     // MPI_Comm_split, the all-gather of nodes and Create's MPI_Comm_dup are collectives without a
     // time limit: enter them only once every rank has agreed to (bounded, naming the ranks missing).
     EPMOE_RETURN_IF_ERROR(
-        AgreeToEnter(messages_, rank_, size_, kSplitTag, "split", "MPI_Comm_split", options_.timeout_seconds));
+        AgreeToEnter(messages_, rank_, size_, kSplitTag, "split", "MPI_Comm_split", options_.timeout_seconds,
+                     peers_));
     MPI_Comm sub = MPI_COMM_NULL;
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", rank_));
     int sub_size = 0;
     MPI_Comm_size(sub, &sub_size);
     // A member's node is its node in this communicator, renumbered densely in order of appearance.
     std::vector<int> parent_nodes(sub_size);
-    const int my_node = node_ids_[rank_];
+    const int my_node = peers_->node_ids[rank_];
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Allgather(&my_node, 1, MPI_INT, parent_nodes.data(), 1, MPI_INT, sub),
                                    "MPI_Allgather", rank_));
     std::map<int, int> renumber;
@@ -676,14 +717,17 @@ class MpiCommunicator : public Communicator {
  private:
   MpiCommunicator(MPI_Comm comm, MPI_Comm messages, std::vector<int> node_ids, const CommOptions& options,
                   int thread_level)
-      : comm_(comm), messages_(messages), node_ids_(std::move(node_ids)), options_(options), thread_level_(thread_level) {
+      : comm_(comm), messages_(messages), peers_(std::make_shared<CommPeers>()), options_(options),
+        thread_level_(thread_level) {
+    peers_->node_ids = std::move(node_ids);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
-    num_nodes_ = node_ids_.empty() ? 1 : *std::max_element(node_ids_.begin(), node_ids_.end()) + 1;
+    const std::vector<int>& node_ids_of = peers_->node_ids;
+    num_nodes_ = node_ids_of.empty() ? 1 : *std::max_element(node_ids_of.begin(), node_ids_of.end()) + 1;
     reduce_values_.resize(size_);
   }
   std::unique_ptr<MpiRequest> NewRequest(const char* what) {
-    return std::make_unique<MpiRequest>(what, rank_, options_.timeout_seconds);
+    return std::make_unique<MpiRequest>(what, rank_, options_.timeout_seconds, peers_);
   }
   Status CheckRankCount(size_t n, const char* what) const {
     if (n == static_cast<size_t>(size_)) return Status::Ok();
@@ -714,7 +758,7 @@ class MpiCommunicator : public Communicator {
 
   MPI_Comm comm_;
   MPI_Comm messages_;  // a duplicate of comm_ that carries only the point-to-point exchanges (PostMessages)
-  std::vector<int> node_ids_;
+  CommPeersPtr peers_;  // the node of every rank, and whether an exchange timed out (never null)
   CommOptions options_;
   int thread_level_;
   int rank_ = 0;
