@@ -676,9 +676,21 @@ class MpiCommunicator : public Communicator {
           MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, MPI_INFO_NULL, comm_, &base, &window),
           "MPI_Win_allocate_shared", rank_));
     } else {
-      EPMOE_RETURN_IF_ERROR(CheckMpi(
-          MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, MPI_INFO_NULL, comm_, &base, &window), "MPI_Win_allocate",
-          rank_));
+      // Without a one-sided transport between the nodes MPI fails the allocation on every rank:
+      // return that as an error naming the cause instead of letting MPI abort the job.
+      MPI_Errhandler previous = MPI_ERRHANDLER_NULL;
+      MPI_Comm_get_errhandler(comm_, &previous);
+      MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+      const int code = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, MPI_INFO_NULL, comm_, &base, &window);
+      MPI_Comm_set_errhandler(comm_, previous);
+      MPI_Errhandler_free(&previous);
+      if (code != MPI_SUCCESS) {
+        return Unavailable(fmt::format(
+            "rank {}: MPI_Win_allocate failed across {} nodes: {}; the MPI library has no one-sided transport between "
+            "these nodes (Open MPI over TCP has none for a program that asks for MPI_THREAD_MULTIPLE; an RDMA "
+            "network or UCX provides one: scripts/cluster mpirun --ucx)",
+            rank_, num_nodes_, MpiErrorString(code)));
+      }
     }
     EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, window), "MPI_Win_lock_all", rank_));
     return std::unique_ptr<Window>(
