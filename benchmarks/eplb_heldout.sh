@@ -15,9 +15,12 @@
 # deepseek; checks the goal (auto never more than 0.005 below that best, on average at least 0.02
 # above deepseek) and prints two ceilings of the mean gain (the oracle's, and the best policy of
 # each row chosen in hindsight); exits 1 when the goal is missed.
-# Usage: benchmarks/eplb_heldout.sh [BUILD_DIR]   (BUILD_DIR holds epmoe; default build)
+# Usage: benchmarks/eplb_heldout.sh [BUILD_DIR [BALANCE_FLAGS...]]   (BUILD_DIR holds epmoe; default
+# build; BALANCE_FLAGS go to every `epmoe balance`, e.g. --uniform-prior 0.75 or --search-rounds 16)
 set -euo pipefail
 BUILD=${1:-build}
+shift $(($# > 0 ? 1 : 0))
+EXTRA_FLAGS=("$@")
 BIN=$(realpath "$BUILD/epmoe")
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 TRACES=${EPMOE_TRACES:-$HERE/../shared/data/traces}
@@ -33,7 +36,7 @@ run() {  # label G R trace-and-flags...: one report, numbered in the order of th
   local label=$1 g=$2 r=$3
   shift 3
   count=$((count + 1))
-  "$BIN" balance --ranks "$g" --redundant "$r" --policy all --train 0.5 --oracle --format json "$@" \
+  "$BIN" balance --ranks "$g" --redundant "$r" --policy all --train 0.5 --oracle --format json "$@" ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"} \
     >"$WORK/$(printf '%03d' $count)-$label.json"
 }
 for gr in 8:8 8:16 16:16; do
