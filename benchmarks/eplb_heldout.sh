@@ -9,12 +9,18 @@
 #     G = 4 with R = 0, 4, 8 and G = 8 with R = 0, 8 (12 slots do not split over 8 ranks).
 # The real traces are read in place from ../shared/data/traces (EPMOE_TRACES overrides), never
 # copied into the repository. Prints one markdown row per configuration: each policy's held-out
-# balancedness with its fitted balancedness in parentheses, then auto's margin over the best of
-# trivial, uniform and deepseek and over deepseek, and checks the goal (auto never more than 0.005
-# below that best, on average at least 0.02 above deepseek); exits 1 when the goal is missed.
-# Usage: benchmarks/eplb_heldout.sh [BUILD_DIR]   (BUILD_DIR holds epmoe; default build)
+# balancedness with its fitted balancedness in parentheses, the oracle (`balance --oracle`: the best
+# placement found when the policies are also fitted on the held-out steps themselves), then auto's
+# margin over the best of trivial, uniform and deepseek and over deepseek, and the oracle's over
+# deepseek; checks the goal (auto never more than 0.005 below that best, on average at least 0.02
+# above deepseek) and prints two ceilings of the mean gain (the oracle's, and the best policy of
+# each row chosen in hindsight); exits 1 when the goal is missed.
+# Usage: benchmarks/eplb_heldout.sh [BUILD_DIR [BALANCE_FLAGS...]]   (BUILD_DIR holds epmoe; default
+# build; BALANCE_FLAGS go to every `epmoe balance`, e.g. --uniform-prior 0.75 or --search-rounds 16)
 set -euo pipefail
 BUILD=${1:-build}
+shift $(($# > 0 ? 1 : 0))
+EXTRA_FLAGS=("$@")
 BIN=$(realpath "$BUILD/epmoe")
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 TRACES=${EPMOE_TRACES:-$HERE/../shared/data/traces}
@@ -30,7 +36,7 @@ run() {  # label G R trace-and-flags...: one report, numbered in the order of th
   local label=$1 g=$2 r=$3
   shift 3
   count=$((count + 1))
-  "$BIN" balance --ranks "$g" --redundant "$r" --policy all --train 0.5 --format json "$@" \
+  "$BIN" balance --ranks "$g" --redundant "$r" --policy all --train 0.5 --oracle --format json "$@" ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"} \
     >"$WORK/$(printf '%03d' $count)-$label.json"
 }
 for gr in 8:8 8:16 16:16; do
@@ -52,9 +58,10 @@ done
 python3 - "$WORK" <<'PY'
 import glob, json, os, sys
 policies = ["trivial", "uniform", "deepseek", "deepseek-guarded", "per-step", "cost", "min-move", "auto"]
-print("| trace | G | R | " + " | ".join(policies) + " | auto - best of trivial/uniform/deepseek | auto - deepseek |")
-print("|---|---|---|" + "---|" * (len(policies) + 2))
-margins, gains = [], []
+print("| trace | G | R | " + " | ".join(policies) +
+      " | oracle | auto - best of trivial/uniform/deepseek | auto - deepseek | oracle - deepseek |")
+print("|---|---|---|" + "---|" * (len(policies) + 4))
+margins, gains, ceilings, hindsight = [], [], [], []
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     label = os.path.basename(path)[4:-len(".json")]
     report = json.load(open(path))
@@ -63,14 +70,20 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     cells = [f'{held[p]:.3f} ({rows[p]["train"]["balancedness"]:.3f})' for p in policies]
     margin = held["auto"] - max(held["trivial"], held["uniform"], held["deepseek"])
     gain = held["auto"] - held["deepseek"]
+    oracle = rows["oracle"]["held_out"]["balancedness"]
     margins.append(margin)
     gains.append(gain)
+    ceilings.append(oracle - held["deepseek"])
+    hindsight.append(max(held.values()) - held["deepseek"])
     print(f'| {label} | {report["ranks"]} | {report["redundant"]} | ' + " | ".join(cells) +
-          f" | {margin:+.4f} | {gain:+.4f} |")
+          f" | {oracle:.3f} | {margin:+.4f} | {gain:+.4f} | {ceilings[-1]:+.4f} |")
 worst, mean_gain = min(margins), sum(gains) / len(gains)
 met = worst >= -0.005 and mean_gain >= 0.02
 print(f"\n{len(margins)} configurations: auto's worst margin over the best of trivial, uniform and deepseek "
       f"{worst:+.4f} (goal >= -0.005); mean gain over deepseek {mean_gain:+.4f} (goal >= +0.02): "
-      f"goal {'met' if met else 'NOT met'}")
+      f"goal {'met' if met else 'NOT met'}\n"
+      f"ceilings of the mean gain over deepseek: the oracle (fitted on the held-out steps) "
+      f"{sum(ceilings) / len(ceilings):+.4f}; the best policy of each row, chosen in hindsight (any rule "
+      f"choosing among these policies, auto's included) {sum(hindsight) / len(hindsight):+.4f}")
 sys.exit(0 if met else 1)
 PY

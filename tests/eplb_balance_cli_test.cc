@@ -42,6 +42,7 @@ TEST(EplbBalanceCli, HelpAndOneLineRefusals) {
            "balance" + trace + " --ranks 8 --redundant 8 --policy per-step --uniform-prior -1",
            "balance" + trace + " --ranks 3 --redundant 0",
            "balance" + trace + " --ranks 8 --redundant 8 --out /tmp/x.json",
+           "balance" + trace + " --ranks 8 --redundant 8 --train 1 --oracle",
            "balance --trace /nonexistent/trace --ranks 8 --redundant 8",
            "balance" + trace + " --ranks 8 --redundant 8 --model deepseek-v3"}) {
     const CommandResult r = Epmoe(args);
@@ -90,6 +91,24 @@ TEST(EplbBalanceCli, ScoresEveryPolicyHeldOutAndWritesAPlacement) {
   ASSERT_EQ(keep.exit_code, 0) << keep.out;
   EXPECT_EQ(Row(nlohmann::json::parse(keep.out), "min-move")["moved_copies"], 0);
   std::remove(out.c_str());
+}
+
+// The oracle line bounds the table: fitted on the held-out steps, it is at least as balanced there as
+// every placement fitted on the earlier steps, and well above them on a few noisy decode steps.
+TEST(EplbBalanceCli, OracleIsTheCeilingOfTheHeldOutTable) {
+  const CommandResult r = Epmoe("balance --trace " + Decode() + " --ranks 8 --redundant 8 --oracle --format json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  const double oracle = Row(j, "oracle")["held_out"]["balancedness"];
+  EXPECT_LE(oracle, 1.0);
+  for (const auto& p : j["results"]) {
+    if (p["policy"] == "even-router") continue;  // another router, not a placement
+    EXPECT_GE(oracle, p["held_out"]["balancedness"].get<double>()) << p["policy"];
+  }
+  EXPECT_GT(oracle, Row(j, "deepseek")["held_out"]["balancedness"].get<double>() + 0.02);
+  const CommandResult text = Epmoe("balance --trace " + Decode() + " --ranks 8 --redundant 8 --oracle");
+  ASSERT_EQ(text.exit_code, 0) << text.out;
+  EXPECT_NE(text.out.find("\noracle "), std::string::npos) << text.out;
 }
 
 TEST(EplbBalanceCli, HeldOutTableHasTheReferenceLinesAndAutosCandidates) {

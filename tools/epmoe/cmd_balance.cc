@@ -52,6 +52,7 @@ struct BalanceOptions {
   double validation = 0.5;
   double uniform_prior = 0.5;
   uint64_t seed = 1;
+  bool oracle = false;  // also the best placement found fitted on the held-out steps themselves
   std::string out;
   std::string format = "text";
 };
@@ -113,6 +114,32 @@ struct PolicySetup {
 Status RunBalanceOnLoadMatrix(const BalanceOptions& o, const std::vector<Policy>& policies,
                               std::optional<Policy> chosen, const CostModel& cost, int groups, nlohmann::json* report);
 
+// The held-out balancedness no policy fitted on the earlier steps can be expected to pass: the best
+// of the table's placements and of the policies fitted on the held-out steps themselves (per-step
+// and cost on the picks as counted, without the prior against fitting noise, since here the noise
+// is what they are scored on).
+Result<nlohmann::json> OracleRow(const ExpertLoad& held_out, PolicyOptions options,
+                                 const std::vector<Placement>& fitted, const CostModel& cost) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Placement> candidates = fitted;
+  options.uniform_prior = 0;
+  for (Policy policy :
+       {Policy::kUniform, Policy::kDeepseek, Policy::kDeepseekGuarded, Policy::kPerStep, Policy::kCost}) {
+    options.policy = policy;
+    EPMOE_ASSIGN_OR_RETURN(Placement placement, ComputePlacement(held_out, options));
+    candidates.push_back(std::move(placement));
+  }
+  std::optional<PlacementScore> best;
+  for (const Placement& candidate : candidates) {
+    const PlacementScore score = ScorePlacement(candidate, held_out, cost);
+    if (!best || score.balancedness > best->balancedness) best = score;
+  }
+  return nlohmann::json{
+      {"policy", "oracle"},
+      {"held_out", ScoreJson(*best)},
+      {"solve_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
+}
+
 Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   if (o.trace.empty() == o.load.empty()) return InvalidArgument("give one of --trace and --load");
   if (!o.out_sglang.empty() && (o.load.empty() || o.policy == "all"))
@@ -123,6 +150,8 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
     EPMOE_ASSIGN_OR_RETURN(chosen, ParsePolicy(o.policy));
   }
   if (!o.out.empty() && !chosen) return InvalidArgument("--out writes one placement: choose one --policy");
+  if (o.oracle && (!o.load.empty() || !(o.train < 1)))
+    return InvalidArgument("--oracle scores fits on the held-out steps: give --trace and --train below 1");
   // Every table has uniform replication and DeepSeek's placement (besides the trivial one), so
   // the margin of a policy over them is visible.
   std::vector<Policy> policies;
@@ -194,6 +223,7 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
   const Placement& current_placement = *options.current;
 
   nlohmann::json results = nlohmann::json::array();
+  std::vector<Placement> fitted = {trivial};  // every placement of the table, for the oracle
   auto add = [&](const std::string& name, const Placement* placement, double solve_seconds,
                  const std::optional<PlacementScore>& forced) -> nlohmann::json& {
     nlohmann::json r = {{"policy", name}};
@@ -230,6 +260,7 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!placement.ok()) return placement.status().WithContext(fmt::format("policy {}", PolicyName(policy)));
     nlohmann::json& row = add(PolicyName(policy), &*placement, seconds, std::nullopt);
+    fitted.push_back(*placement);
     if (choice) {
       nlohmann::json candidates = nlohmann::json::array();
       for (const ValidatedCandidate& c : choice->candidates) {
@@ -241,6 +272,10 @@ Status RunBalance(const BalanceOptions& o, nlohmann::json* report) {
           {"fit_steps", choice->fit_steps}, {"validation_steps", choice->validation_steps}, {"candidates", candidates}};
     }
     if (!o.out.empty() && policy == *chosen) EPMOE_RETURN_IF_ERROR(WritePlacementFile(*placement, o.out));
+  }
+  if (o.oracle) {
+    EPMOE_ASSIGN_OR_RETURN(nlohmann::json oracle, OracleRow(test, options, fitted, cost));
+    results.push_back(std::move(oracle));
   }
   *report = ReportShape(o, groups, load.num_layers, load.num_experts, load.num_steps, train_steps);
   report->update({{"trace", o.trace}, {"top_k", load.top_k}, {"cost_model", cost_model}, {"results", results}});
@@ -406,6 +441,9 @@ void AddBalanceCommand(CLI::App& app, int* exit_code) {
                   "auto and min-move: fraction of the fitted steps, the latest, that validates a fit (0, 1)")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Seed of the even router")->check(kNonNegative)->capture_default_str();
+  cmd->add_flag("--oracle", o->oracle,
+                "Add an oracle line: the best held-out balancedness of the placements found, policies also fitted "
+                "on the held-out steps themselves (a ceiling for any fit on the earlier steps)");
   cmd->add_option("--out", o->out, "Write the placement (one --policy) as JSON");
   cmd->get_option("--load")->excludes("--train");  // a load matrix is fitted whole
   cmd->add_option("--out-sglang", o->out_sglang,
