@@ -2,6 +2,7 @@
 // single-process layers run here on all rows (routing, residual stream and all); a run started
 // from a placement equals, bit for bit, one that installs the same placement live; the recorder's
 // per-slot picks are what the dispatch tables sent; the load file a run records.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -36,7 +37,9 @@ ThreadPool& Pool() {
   return pool;
 }
 
-ModelConfig TinyModel() { return testing::TinyModel(1); }
+ModelConfig TinyModel() {
+  return testing::TinyModel(1);
+}
 
 EngineOptions FloatOptions(EpOption option, int ranks) {
   EngineOptions o;
@@ -154,6 +157,82 @@ TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
     ASSERT_TRUE((*a)->Close().ok());
     ASSERT_TRUE((*b)->Close().ok());
   }
+}
+
+// Two-batch overlap runs each rank's rows as two micro-batches on two lanes at once: the residual
+// stream after every step equals the run without it bit for bit (the model's router, redundant
+// slots, rows traveling in fp32 and in bf16, a live rebalance after step 0), and the recorder still
+// counts what the lanes' dispatch tables sent. With partial sums it is equal to the tolerance of a
+// checked run: each lane deals its picks over an expert's copies from the first copy on, so a
+// row's picks may meet on other ranks than without overlap and be summed in another grouping.
+TEST(EngineStep, TwoBatchOverlapGivesTheSameRowsBitForBit) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  auto weights = SyntheticWeights(model, kSeed);
+  auto routing = ModelRouting(model, *weights, kLayers, "auto", Pool());
+  ASSERT_TRUE(routing.ok()) << routing.status().ToString();
+  const int64_t total = 7 * g + 3;  // odd shares: the micro-batches differ by a row
+  enum class Rows { kFp32, kBf16, kBf16PartialSums };
+  for (Rows rows : {Rows::kFp32, Rows::kBf16, Rows::kBf16PartialSums}) {
+    EngineOptions plain = FloatOptions(EpOption::kA2a, g);
+    plain.executor.placement = RotatedPlacement(model.num_experts, 2 * g, g);
+    if (rows != Rows::kFp32) {
+      plain.executor.dispatch_format = RowFormat::kBf16;
+      plain.executor.combine_format = RowFormat::kBf16;
+      plain.executor.combine_partial_sums = rows == Rows::kBf16PartialSums;
+    }
+    plain.rebalance = true;
+    plain.rebalancer.trigger.interval_steps = 1000;  // only the proposal
+    EngineOptions overlapped = plain;
+    overlapped.two_batch_overlap = true;
+    auto a = Engine::Create(World(), model, plain, Pool());
+    auto b = Engine::Create(World(), model, overlapped, Pool());
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    const PlacementPtr next = RotatedPlacement(model.num_experts, 2 * g, g);
+    ASSERT_TRUE((*a)->ProposePlacement(next).ok());
+    ASSERT_TRUE((*b)->ProposePlacement(next).ok());
+    for (int step = 0; step < 3; ++step) {
+      Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+      Matrix y = x;
+      auto ra = (*a)->Step(&x, First(total), **routing);
+      auto rb = (*b)->Step(&y, First(total), **routing);
+      ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status().ToString() << rb.status().ToString();
+      const std::string where = fmt::format("step {} rank {} rows {}", step, World().rank(), static_cast<int>(rows));
+      if (rows == Rows::kBf16PartialSums) {
+        EXPECT_LE(NormalizedMaxError(y, x), CheckTolerance(RowFormat::kBf16, RowFormat::kBf16, WeightFormat::kFp32))
+            << where;
+      } else {
+        EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0) << where;
+      }
+      EXPECT_EQ(ra->rows, rb->rows);
+      // Each rank's recorder counts the picks it sent to every rank over the step's two batches.
+      for (int r = 0; r < g; ++r) {
+        double sent_to_r = 0;
+        for (int l = 0; l < kLayers; ++l) sent_to_r += (*b)->recorder()->RankPicks(l)[r];
+        auto received = World().AllreduceSum(sent_to_r);
+        ASSERT_TRUE(received.ok());
+        EXPECT_EQ(*received, static_cast<double>(rb->rank_picks[r])) << "rank " << r;
+      }
+    }
+    EXPECT_EQ((*b)->live_placement()->current()->generation, 1);  // both lanes followed the install
+    ASSERT_TRUE((*a)->Close().ok());
+    ASSERT_TRUE((*b)->Close().ok());
+  }
+}
+
+TEST(EngineStep, TwoBatchOverlapRefusesWhatCannotOverlap) {
+  const ModelConfig model = TinyModel();
+  EngineOptions whole = FloatOptions(EpOption::kWhole, World().size());
+  whole.two_batch_overlap = true;
+  auto engine = Engine::Create(World(), model, whole, Pool());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("a2a"), std::string::npos) << engine.status().ToString();
+  EngineOptions tensor_parallel = FloatOptions(EpOption::kA2a, World().size());
+  tensor_parallel.executor.origin = RowOrigin::kTensorParallel;
+  tensor_parallel.two_batch_overlap = true;
+  engine = Engine::Create(World(), model, tensor_parallel, Pool());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("data-parallel"), std::string::npos) << engine.status().ToString();
 }
 
 TEST(EngineStep, RecorderCountsWhatTheDispatchTablesSent) {

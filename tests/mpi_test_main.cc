@@ -5,7 +5,9 @@
 #include <mpi.h>
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  // As the library starts MPI itself: two-batch overlap and dwdp's reads run MPI from two threads.
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   ::testing::InitGoogleTest(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

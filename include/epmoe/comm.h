@@ -145,6 +145,9 @@ class Communicator {
   // Whether one thread may read a Window while another thread runs exchanges on this communicator
   // (the transport's thread support); without it one-sided reads cannot overlap other exchanges.
   virtual bool concurrent_windows() const = 0;
+  // Whether two threads may run exchanges at the same time, each on a communicator of its own (the
+  // transport's thread support): two-batch overlap runs its micro-batches so.
+  virtual bool concurrent_communicators() const = 0;
 
   // Ranks with the same color form a new communicator, ordered by key (collective; bounded like
   // AllocateWindow).

@@ -86,6 +86,14 @@ struct EngineOptions {
   // Compare every layer's output with the single-process layer on the same rows and picks; a
   // step whose normalized max error exceeds CheckTolerance fails, naming the layer and rank.
   bool check = false;
+  // Two-batch overlap (a2a, data-parallel rows): each rank's rows of a step are split in two
+  // micro-batches (the first half and the rest, SGLang's split by tokens) that run through every
+  // layer at once, each on its own executor lane (MoeExecutor::CreateLane: the same weights, a
+  // communicator, thread pool and half the buffer bound of its own) in a thread of its own, so one
+  // micro-batch's exchange is in flight while the other's experts run; a lane waiting on its
+  // exchange polls MPI's progress engine, which moves the other's messages too. Outputs are the
+  // same bit for bit as without.
+  bool two_batch_overlap = false;
 };
 
 // What a rank did in one step, stage by stage (the stage list of executor.h).
@@ -139,6 +147,10 @@ class Engine {
 
  private:
   Engine(Communicator& comm, const ModelConfig& model, const EngineOptions& options, ThreadPool& pool);
+  struct Batch;
+  // Runs every layer on one batch of this rank's rows with `executor` and `pool`, keeping what the
+  // step needs afterwards (picks, figures, and with check each layer's input and output).
+  Status RunBatch(MoeExecutor& executor, ThreadPool& pool, const Routing& routing, Batch* batch) const;
   Status Boundary(const StageSeconds& stages, double step_seconds, double picks_balancedness, StepReport* report);
   Status AppendRecordedLoad(int64_t rows);
 
@@ -147,6 +159,10 @@ class Engine {
   EngineOptions options_;
   ThreadPool& pool_;
   std::unique_ptr<MoeExecutor> executor_;
+  // With two_batch_overlap: the second micro-batch's communicator, pool and executor lane.
+  std::unique_ptr<Communicator> lane_comm_;
+  std::unique_ptr<ThreadPool> lane_pool_;
+  std::unique_ptr<MoeExecutor> lane_executor_;
   std::shared_ptr<LivePlacement> live_;
   std::unique_ptr<LoadRecorder> recorder_;
   std::unique_ptr<Rebalancer> rebalancer_;

@@ -141,6 +141,13 @@ class MoeExecutor {
   // Forward; a rebalancer installs into it between steps, after the target's Install.
   virtual std::shared_ptr<LivePlacement> live_placement() { return nullptr; }
 
+  // A second executor of this option on `comm` (the same ranks in the same order, a communicator of
+  // its own) and `pool`, over this executor's weights and live placement, with buffers of its own:
+  // two micro-batches run at once, one per executor, in two threads (two-batch overlap). a2a only;
+  // the others refuse. A lane has no rebalance_target (this executor's rebalancing moves its
+  // experts too). Not collective.
+  virtual Result<std::unique_ptr<MoeExecutor>> CreateLane(Communicator& comm, ThreadPool& pool);
+
   // Waits for what the executor runs in the background between Forward calls (dwdp: the read-ahead
   // of the next layer's experts), so that the time until the next Forward belongs to the caller
   // alone; what was read stays for that Forward. Not collective; no-op for the other options.

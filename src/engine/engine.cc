@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "epmoe/balance.h"
@@ -153,9 +154,29 @@ Result<std::unique_ptr<Engine>> Engine::Create(Communicator& comm, const ModelCo
                     EpOptionName(option)));
   if (!options.metrics_file.empty() && !options.rebalance)
     return InvalidArgument("a metrics file is written by a rebalancing run");
+  if (options.two_batch_overlap) {
+    if (option != EpOption::kA2a)
+      return InvalidArgument(
+          fmt::format("two-batch overlap runs a2a's exchange beside its experts, not {}'s", EpOptionName(option)));
+    if (options.executor.origin != RowOrigin::kDataParallel)
+      return InvalidArgument("two-batch overlap splits each rank's own rows in two: it needs data-parallel rows");
+    if (!comm.concurrent_communicators())
+      return FailedPrecondition(
+          "two-batch overlap runs its micro-batches' exchanges from two threads, which this MPI was not started "
+          "for (it needs MPI_THREAD_MULTIPLE: a program that initializes MPI itself must ask for it)");
+  }
   EPMOE_RETURN_IF_ERROR(CheckExecutorShape(model, options.executor, comm.size()));
-  std::unique_ptr<Engine> engine(new Engine(comm, model, options, pool));
-  EPMOE_ASSIGN_OR_RETURN(engine->executor_, CreateExecutor(comm, model, options.executor, pool));
+  EngineOptions engine_options = options;
+  // Two lanes hold their exchange buffers at once: each gets half of the bound.
+  if (options.two_batch_overlap) engine_options.executor.max_buffer_bytes /= 2;
+  std::unique_ptr<Engine> engine(new Engine(comm, model, engine_options, pool));
+  EPMOE_ASSIGN_OR_RETURN(engine->executor_, CreateExecutor(comm, model, engine_options.executor, pool));
+  if (options.two_batch_overlap) {
+    EPMOE_ASSIGN_OR_RETURN(engine->lane_comm_, comm.Split(0, comm.rank()));
+    engine->lane_pool_ = std::make_unique<ThreadPool>(pool.size());
+    EPMOE_ASSIGN_OR_RETURN(engine->lane_executor_,
+                           engine->executor_->CreateLane(*engine->lane_comm_, *engine->lane_pool_));
+  }
   engine->live_ = engine->executor_->live_placement();
   const bool record = options.rebalance || !options.record_load_path.empty();
   if (record && engine->live_ == nullptr) {
@@ -213,41 +234,133 @@ Result<std::unique_ptr<Engine>> Engine::Create(Communicator& comm, const ModelCo
   return engine;
 }
 
+// One batch of this rank's rows as it goes through the layers of a step.
+struct Engine::Batch {
+  Matrix rows;            // in: the batch's rows; out: with every layer's output added
+  int64_t first_row = 0;  // global index of rows' first row
+  int64_t step = 0;
+  std::vector<Picks> picks;             // per layer
+  std::vector<StepStats> stats;         // per layer, route_us included
+  std::vector<double> wall_us;          // per layer
+  std::vector<Matrix> inputs, outputs;  // per layer, kept for the check
+};
+
+Status Engine::RunBatch(MoeExecutor& executor, ThreadPool& pool, const Routing& routing, Batch* batch) const {
+  const int layers = options_.executor.num_layers;
+  batch->picks.resize(layers);
+  batch->stats.assign(layers, StepStats{});
+  batch->wall_us.assign(layers, 0);
+  if (options_.check) {
+    batch->inputs.resize(layers);
+    batch->outputs.resize(layers);
+  }
+  for (int layer = 0; layer < layers; ++layer) {
+    const auto start = std::chrono::steady_clock::now();
+    Picks& picks = batch->picks[layer];
+    EPMOE_RETURN_IF_ERROR(routing.Route(batch->step, layer, batch->rows, batch->first_row, &picks, pool)
+                              .WithContext(fmt::format("step {} layer {}: routing", batch->step, layer)));
+    const double route_us = SecondsSince(start) * 1e6;
+    Matrix out;
+    StepStats& st = batch->stats[layer];
+    EPMOE_RETURN_IF_ERROR(
+        executor.Forward(layer, batch->rows, picks, &out, &st)
+            .WithContext(fmt::format("{} step {} layer {}", EpOptionName(executor.option()), batch->step, layer)));
+    st.route_us = route_us;
+    if (options_.settle_each_step && layer + 1 == layers) {
+      const auto settle = std::chrono::steady_clock::now();
+      EPMOE_RETURN_IF_ERROR(executor.Settle());
+      st.dispatch_us += SecondsSince(settle) * 1e6;
+    }
+    batch->wall_us[layer] = SecondsSince(start) * 1e6;
+    if (options_.check) batch->inputs[layer] = batch->rows;
+    for (size_t i = 0; i < batch->rows.data.size(); ++i) batch->rows.data[i] += out.data[i];  // residual stream
+    if (options_.check) batch->outputs[layer] = std::move(out);
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// Rows [first, first + count) of m.
+Matrix RowSlice(const Matrix& m, int64_t first, int64_t count) {
+  Matrix slice(count, m.cols);
+  std::copy(m.row(first), m.row(first) + count * m.cols, slice.data.begin());
+  return slice;
+}
+
+// a's rows, then b's.
+Matrix ConcatRows(const Matrix& a, const Matrix& b) {
+  Matrix both(a.rows + b.rows, a.cols);
+  std::copy(a.data.begin(), a.data.end(), both.data.begin());
+  std::copy(b.data.begin(), b.data.end(), both.data.begin() + static_cast<ptrdiff_t>(a.data.size()));
+  return both;
+}
+
+}  // namespace
+
 Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& routing) {
   const int g = comm_.size(), me = comm_.rank(), layers = options_.executor.num_layers;
   const bool tensor_parallel = options_.executor.origin == RowOrigin::kTensorParallel;
   StepReport report;
   report.step = steps_done_;
+  EPMOE_RETURN_IF_ERROR(comm_.Barrier());
+  // The step's batches: the rank's rows, or with two-batch overlap its first half and the rest,
+  // the second on the lane in a thread of its own while this thread runs the first.
+  std::vector<Batch> batches(lane_executor_ ? 2 : 1);
+  const int64_t first_count = lane_executor_ ? (rows->rows + 1) / 2 : rows->rows;
+  batches[0].rows = lane_executor_ ? RowSlice(*rows, 0, first_count) : std::move(*rows);
+  batches[0].first_row = first_row;
+  if (lane_executor_) {
+    batches[1].rows = RowSlice(*rows, first_count, rows->rows - first_count);
+    batches[1].first_row = first_row + first_count;
+  }
+  for (Batch& batch : batches) batch.step = steps_done_;
+  const auto start = std::chrono::steady_clock::now();
+  Status second = Status::Ok();
+  std::thread lane;
+  if (lane_executor_) {
+    lane = std::thread([&] { second = RunBatch(*lane_executor_, *lane_pool_, routing, &batches[1]); });
+  }
+  Status first = RunBatch(*executor_, pool_, routing, &batches[0]);
+  if (lane.joinable()) lane.join();
+  const double elapsed_us = SecondsSince(start) * 1e6;
+  EPMOE_RETURN_IF_ERROR(first);
+  EPMOE_RETURN_IF_ERROR(second);
+  *rows = batches.size() == 1 ? std::move(batches[0].rows) : ConcatRows(batches[0].rows, batches[1].rows);
+
   // Per layer this rank's stage seconds and wall seconds (doubles), and its counts (integers).
   std::vector<double> times;
   std::vector<int64_t> counts;
-  double max_error = 0;
-  EPMOE_RETURN_IF_ERROR(comm_.Barrier());
+  double max_error = 0, longest_sum = 0;
   for (int layer = 0; layer < layers; ++layer) {
-    const auto start = std::chrono::steady_clock::now();
-    Picks picks;
-    EPMOE_RETURN_IF_ERROR(routing.Route(steps_done_, layer, *rows, first_row, &picks, pool_)
-                              .WithContext(fmt::format("step {} layer {}: routing", steps_done_, layer)));
-    const double route_us = SecondsSince(start) * 1e6;
-    if (recorder_) {
-      EPMOE_RETURN_IF_ERROR(recorder_->Record(layer, tensor_parallel ? DataParallelShare(picks, g, me) : picks));
+    double longest = 0;
+    for (const Batch& batch : batches) longest = std::max(longest, batch.wall_us[layer]);
+    longest_sum += longest;
+  }
+  for (int layer = 0; layer < layers; ++layer) {
+    // The recorder deals each batch's picks as its executor did: one Record call per batch.
+    for (const Batch& batch : batches) {
+      if (recorder_) {
+        EPMOE_RETURN_IF_ERROR(recorder_->Record(
+            layer, tensor_parallel ? DataParallelShare(batch.picks[layer], g, me) : batch.picks[layer]));
+      }
     }
-    Matrix out;
-    StepStats st;
-    EPMOE_RETURN_IF_ERROR(
-        executor_->Forward(layer, *rows, picks, &out, &st)
-            .WithContext(fmt::format("{} step {} layer {}", EpOptionName(executor_->option()), steps_done_, layer)));
-    st.route_us = route_us;
-    if (options_.settle_each_step && layer + 1 == layers) {
-      const auto settle = std::chrono::steady_clock::now();
-      EPMOE_RETURN_IF_ERROR(executor_->Settle());
-      st.dispatch_us += SecondsSince(settle) * 1e6;
-    }
-    const double wall_us = SecondsSince(start) * 1e6;
     if (!references_.empty()) {
+      const bool two = batches.size() == 2;
+      const Matrix input =
+          two ? ConcatRows(batches[0].inputs[layer], batches[1].inputs[layer]) : batches[0].inputs[layer];
+      const Matrix output =
+          two ? ConcatRows(batches[0].outputs[layer], batches[1].outputs[layer]) : batches[0].outputs[layer];
+      Picks picks = batches[0].picks[layer];
+      if (two) {
+        const Picks& more = batches[1].picks[layer];
+        picks.rows += more.rows;
+        picks.experts.insert(picks.experts.end(), more.experts.begin(), more.experts.end());
+        picks.weights.insert(picks.weights.end(), more.weights.begin(), more.weights.end());
+      }
       Matrix expected;
-      EPMOE_RETURN_IF_ERROR(references_[layer]->Forward(*rows, picks, &expected, pool_, nullptr));
-      const double error = NormalizedMaxError(out, expected);
+      EPMOE_RETURN_IF_ERROR(references_[layer]->Forward(input, picks, &expected, pool_, nullptr));
+      const double error = NormalizedMaxError(output, expected);
       const double allowed = CheckTolerance(options_.executor.dispatch_format, options_.executor.combine_format,
                                             options_.executor.pack.format);
       EPMOE_ASSIGN_OR_RETURN(const int64_t any_bad, comm_.AllreduceMax(error <= allowed ? 0 : 1));
@@ -258,11 +371,20 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
                         EpOptionName(executor_->option()), steps_done_, layer, me, error, allowed));
       max_error = std::max(max_error, error);
     }
+    StepStats st = batches[0].stats[layer];
+    double wall_us = batches[0].wall_us[layer];
+    if (batches.size() == 2) {
+      st.Add(batches[1].stats[layer]);
+      // Both lanes hold their buffers at once; the step's wall time is shared out over the layers
+      // in proportion to each layer's longer micro-batch.
+      st.peak_buffer_bytes = batches[0].stats[layer].peak_buffer_bytes + batches[1].stats[layer].peak_buffer_bytes;
+      const double longest = std::max(batches[0].wall_us[layer], batches[1].wall_us[layer]);
+      wall_us = longest_sum > 0 ? elapsed_us * longest / longest_sum : 0;
+    }
     for (const StageField& stage : kStages) times.push_back(st.*stage.us);
     times.push_back(wall_us);
     counts.insert(counts.end(), {st.rows, st.row_copies, st.picks, st.expert_bytes_read, st.bytes_sent,
                                  st.bytes_received, st.peak_buffer_bytes, st.rounds});
-    for (size_t i = 0; i < rows->data.size(); ++i) rows->data[i] += out.data[i];  // residual stream
   }
   times.push_back(max_error);
 
@@ -407,6 +529,7 @@ Status Engine::Close() {
     EPMOE_RETURN_IF_ERROR(load_file_->Close().WithContext("--record-load"));
     load_file_.reset();
   }
+  if (lane_executor_) EPMOE_RETURN_IF_ERROR(lane_executor_->Close());
   return executor_->Close();
 }
 

@@ -33,8 +33,19 @@ namespace {
 
 class A2aExecutor : public MoeExecutor {
  public:
-  A2aExecutor(Communicator& comm, const ModelConfig& model, const ExecutorOptions& options, ThreadPool& pool)
-      : comm_(comm), model_(model), options_(options), pool_(pool) {}
+  // This rank's weights of every layer: built by Init and shared with the executor's lanes.
+  struct RankWeights {
+    std::vector<std::unique_ptr<ExpertStore>> stores;  // per layer: this rank's slots
+    std::vector<std::unique_ptr<ExpertStore>> shared;  // per layer; null without shared experts
+    std::vector<std::vector<float>> shared_gates;      // per layer; empty without a shared output gate
+  };
+
+  A2aExecutor(Communicator& comm, const ModelConfig& model, const ExecutorOptions& options, ThreadPool& pool,
+              std::shared_ptr<RankWeights> weights = std::make_shared<RankWeights>(),
+              std::shared_ptr<LivePlacement> live = nullptr)
+      : comm_(comm), model_(model), options_(options), pool_(pool), live_(std::move(live)),
+        weights_(std::move(weights)), stores_(weights_->stores), shared_(weights_->shared),
+        shared_gates_(weights_->shared_gates) {}
 
   Status Init() {
     const int me = comm_.rank();
@@ -58,6 +69,15 @@ class A2aExecutor : public MoeExecutor {
 
   RebalanceTarget* rebalance_target() override { return target_.get(); }
   std::shared_ptr<LivePlacement> live_placement() override { return live_; }
+
+  // A lane reads this executor's weights and live placement (so a rebalance of this executor moves
+  // the lane's experts too) and keeps its own buffers and per-step state.
+  Result<std::unique_ptr<MoeExecutor>> CreateLane(Communicator& comm, ThreadPool& pool) override {
+    if (comm.size() != comm_.size() || comm.rank() != comm_.rank())
+      return InvalidArgument(fmt::format("a2a lane: its communicator has rank {} of {}, the executor's rank {} of {}",
+                                         comm.rank(), comm.size(), comm_.rank(), comm_.size()));
+    return std::unique_ptr<MoeExecutor>(new A2aExecutor(comm, model_, options_, pool, weights_, live_));
+  }
 
   EpOption option() const override { return EpOption::kA2a; }
   std::string description() const override {
@@ -553,11 +573,11 @@ class A2aExecutor : public MoeExecutor {
   ExecutorOptions options_;
   ThreadPool& pool_;
   std::shared_ptr<LivePlacement> live_;                // the placement and this rank's dispatch table
-  std::vector<std::unique_ptr<ExpertStore>> stores_;   // per layer: this rank's slots
-  std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_
-  std::vector<std::unique_ptr<ExpertStore>> shared_;   // per layer; null without shared experts
-  // Per layer; empty without a shared output gate.
-  std::vector<std::vector<float>> shared_gates_;
+  std::shared_ptr<RankWeights> weights_;               // shared with this executor's lanes
+  std::vector<std::unique_ptr<ExpertStore>>& stores_;  // weights_->stores
+  std::vector<std::unique_ptr<ExpertStore>>& shared_;  // weights_->shared
+  std::vector<std::vector<float>>& shared_gates_;      // weights_->shared_gates
+  std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ (null in a lane)
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
   int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;

@@ -181,6 +181,10 @@ MemoryEstimate EstimateRunMemory(const ModelConfig& model, std::span<const Execu
   return run;
 }
 
+Result<std::unique_ptr<MoeExecutor>> MoeExecutor::CreateLane(Communicator&, ThreadPool&) {
+  return InvalidArgument(fmt::format("{} runs one batch at a time: two-batch overlap needs a2a", EpOptionName(option())));
+}
+
 Result<std::unique_ptr<MoeExecutor>> CreateExecutor(Communicator& comm, const ModelConfig& model,
                                                     const ExecutorOptions& given, ThreadPool& pool) {
   EPMOE_RETURN_IF_ERROR(ValidateModel(model, "executor"));

@@ -42,6 +42,7 @@ struct RunOptions {
   std::string dispatch_format = "bf16";
   std::string combine_format = "bf16";
   bool partial_sums = false;
+  bool tbo = false;
   std::string weight_format = "fp32";
   std::string isa = "auto";
   std::string weights;
@@ -121,6 +122,7 @@ class OptionRun {
     auto run = std::unique_ptr<OptionRun>(new OptionRun(comm, o, model, result));
     EPMOE_ASSIGN_OR_RETURN(run->engine_, Engine::Create(comm, model, options, pool));
     result->description = run->engine_->executor().description();
+    if (options.two_batch_overlap) result->description += ", two micro-batches at once (--tbo)";
     EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(run->engine_->executor().resident_weight_bytes()));
     if (options.rebalance) run->eplb_.emplace(o.eplb);
     run->tensor_parallel_ = options.executor.origin == RowOrigin::kTensorParallel;
@@ -257,6 +259,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
     EngineOptions eo = engine_options;
     eo.executor = OptionExecutorOptions(base, o, options[i], g);
+    eo.two_batch_overlap = o.tbo && options[i] == EpOption::kA2a;  // the other options run one batch
     return OptionRun::Start(*comm, o, model, eo, pool, &results[i]);
   };
   auto step = [&](size_t i, OptionRun& run, int s) -> Status {
@@ -429,6 +432,9 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--partial-sums", o->partial_sums,
                 "a2a: sum a row's picks on each expert rank and send one row back per rank (fewer bytes; not "
                 "bit-exact with the single process)");
+  cmd->add_flag("--tbo", o->tbo,
+                "a2a: two-batch overlap: each rank's rows in two micro-batches, one's exchange in flight while the "
+                "other's experts run (same outputs; the other options of --option run one batch)");
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""a2a across nodes on the cluster on this machine (scripts/cluster): step time, exposed exchange
+time and inter-node bytes of each a2a variant, with the planner's prediction beside each.
+
+For every link rate (--gbit), a 2-node cluster is made; on it, 2 nodes x 2 ranks and 2 nodes x 1
+rank run `epmoe run --option a2a` at each batch (--tokens, rows per step over all ranks) for every
+variant (--variants: flat and two-level exchange, normal and low-latency mode, with TBO or SBO).
+The variants' runs are interleaved (one run of each, --repeats times) and each figure is the median
+over runs of epmoe run's own median over steps. Exposed exchange = the dispatch and combine stages
+(time a rank waits on the exchange, the count exchange included). The planner's line for each run
+comes from `epmoe plan --hardware PROFILE` with the same shape and variant, where PROFILE is this
+machine's profile with its links measured on the cluster (`epmoe calibrate --links` under
+scripts/cluster mpirun) unless --profile is given. Needs root (network namespaces).
+
+    benchmarks/cluster_bench.py build                 # the full table (about 15 minutes)
+    benchmarks/cluster_bench.py build --gbit 1 --tokens 16 --repeats 1   # a quick look
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(ROOT, "scripts", "cluster")
+
+# name -> epmoe run flags (the planner takes the same ones).
+VARIANTS = {
+    "flat": ["--a2a-levels", "flat", "--a2a-mode", "normal"],
+    "two-level": ["--a2a-levels", "two-level", "--a2a-mode", "normal"],
+    "low-latency": ["--a2a-levels", "flat", "--a2a-mode", "low-latency"],
+    "flat+tbo": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--tbo"],
+    "flat+sbo": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--sbo"],
+    "two-level+tbo": ["--a2a-levels", "two-level", "--a2a-mode", "normal", "--tbo"],
+}
+
+
+def run(cmd, **kwargs):
+    result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        sys.exit(f"cluster_bench: {' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-2000:]}"
+                 f"{result.stderr[-2000:]}")
+    return result.stdout
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("build", help="build folder holding epmoe")
+    parser.add_argument("--gbit", type=float, nargs="+", default=[1, 5], help="link rates, Gbit/s")
+    parser.add_argument("--layouts", nargs="+", default=["2x2", "2x1"], help="NODESxRANKS_PER_NODE")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024], help="rows per step")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each variant")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run")
+    parser.add_argument("--model", nargs="+", default=["--model", "qwen3-30b-a3b", "--hidden", "1024",
+                                                       "--intermediate", "512", "--weight-format", "bf16",
+                                                       "--layers", "2"],
+                        help="epmoe run's model flags (also given to epmoe plan)")
+    parser.add_argument("--profile", help="hardware profile for the planner (default: calibrated here)")
+    parser.add_argument("--name", default="cbench", help="cluster name")
+    args = parser.parse_args()
+    epmoe = os.path.join(os.path.abspath(args.build), "epmoe")
+    rows = []
+    for gbit in args.gbit:
+        run([CLUSTER, "up", "--name", args.name, "--nodes", "2", "--link-gbit", str(gbit)])
+        try:
+            profile = args.profile or calibrate(epmoe, args.name, gbit)
+            for layout in args.layouts:
+                nodes, per_node = (int(x) for x in layout.split("x"))
+                ranks = nodes * per_node
+                for tokens in args.tokens:
+                    figures = {v: [] for v in args.variants}
+                    for _ in range(args.repeats):
+                        for variant in args.variants:
+                            out = run([CLUSTER, "mpirun", "--name", args.name, "-np", str(ranks), epmoe, "run",
+                                       "--option", "a2a", "--tokens", str(tokens), "--steps", str(args.steps),
+                                       "--format", "json", *args.model, *VARIANTS[variant]])
+                            figures[variant].append(json.loads(out)["options"][0])
+                    for variant in args.variants:
+                        runs = figures[variant]
+                        med = lambda f: statistics.median(f(r) for r in runs)
+                        plan = predict(epmoe, profile, args.model, ranks, tokens, variant)
+                        rows.append({
+                            "gbit": gbit, "layout": layout, "tokens": tokens, "variant": variant,
+                            "step_ms": med(lambda r: r["step_ms_median"]),
+                            "exposed_ms": med(lambda r: r["stage_ms_median"]["dispatch"] +
+                                              r["stage_ms_median"]["combine"]),
+                            "experts_ms": med(lambda r: r["stage_ms_median"]["experts"]),
+                            "inter_node_kb": med(lambda r: r["inter_node_bytes_sent_per_rank_step"]) / 1e3,
+                            "plan_step_ms": plan.get("step_ms"), "plan_exposed_ms": plan.get("exposed_ms"),
+                        })
+                        print(json.dumps(rows[-1]), file=sys.stderr)
+        finally:
+            run([CLUSTER, "down", "--name", args.name])
+    print("| link | nodes x ranks | T | variant | step ms | exposed exchange ms | experts ms | inter-node KB/rank/step |"
+          " planner step ms | planner exposed ms | planner / measured |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['plan_step_ms'] / r['step_ms']:.2f}" if r["plan_step_ms"] else "-"
+        plan_step = f"{r['plan_step_ms']:.1f}" if r["plan_step_ms"] else "-"
+        plan_exposed = f"{r['plan_exposed_ms']:.1f}" if r["plan_exposed_ms"] is not None else "-"
+        print(f"| {r['gbit']:g} Gbit/s | {r['layout']} | {r['tokens']} | {r['variant']} | {r['step_ms']:.1f} |"
+              f" {r['exposed_ms']:.1f} | {r['experts_ms']:.1f} | {r['inter_node_kb']:.0f} | {plan_step} |"
+              f" {plan_exposed} | {ratio} |")
+
+
+def calibrate(epmoe, name, gbit):
+    """This machine's profile with the cluster's two links measured; a temporary file."""
+    handle, path = tempfile.mkstemp(suffix=".json", prefix="cluster_bench_")
+    os.close(handle)
+    run([CLUSTER, "mpirun", "--name", name, "-np", "4", epmoe, "calibrate", "--links", "--link-gbit", str(gbit),
+         "--out", path])
+    return path
+
+
+def predict(epmoe, profile, model_flags, ranks, tokens, variant):
+    """The planner's step and exposed exchange time for one run, in ms (empty when it has none)."""
+    flags = list(VARIANTS[variant])
+    # epmoe plan names the weight format --weights and prices one layer (scaled by --layers here).
+    plan_model = []
+    i = 0
+    while i < len(model_flags):
+        flag, value = model_flags[i], model_flags[i + 1]
+        if flag == "--weight-format":
+            plan_model += ["--weights", value]
+        elif flag != "--layers":
+            plan_model += [flag, value]
+        i += 2
+    out = run([epmoe, "plan", "--hardware", profile, *plan_model, "--options", "a2a", "--gpus", str(ranks),
+               "--batch", str(tokens), "--format", "json", *flags])
+    plan = json.loads(out)
+    for cost in plan.get("costs", []):
+        if cost.get("option") == "a2a":
+            return {"step_ms": cost.get("layer_us", 0) * 2 / 1e3, "exposed_ms": cost.get("exposed_us", 0) * 2 / 1e3}
+    return {}
+
+
+if __name__ == "__main__":
+    main()
