@@ -121,6 +121,13 @@ class TimingCommunicator : public Communicator {
     return Timed("alltoallv",
                  [&] { return inner_.StartAlltoallv(send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets); });
   }
+  Result<std::unique_ptr<Request>> StartCappedAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                        std::span<const int64_t> send_offsets, void* recv,
+                                                        int64_t capacity, std::span<int64_t> received_bytes) override {
+    return Timed("capped alltoallv", [&] {
+      return inner_.StartCappedAlltoallv(send, send_bytes, send_offsets, recv, capacity, received_bytes);
+    });
+  }
   Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
     return inner_.ExchangeCounts(send, recv);
   }
