@@ -593,16 +593,22 @@ TEST(Executor, A2aModeAutoAndLowLatencyRefusals) {
   const ModelConfig model = TinyModel(1);
   ExecutorOptions o = OptionsFor(Case{}, g);
   o.a2a_mode = A2aMode::kAuto;
-  EXPECT_EQ(ResolveA2aMode(o), A2aMode::kNormal);  // no bound given
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);  // no bound given
   o.max_rows_per_rank = 16;
-  EXPECT_EQ(ResolveA2aMode(o), A2aMode::kLowLatency);
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kLowLatency);
   o.max_rows_per_rank = kAutoLowLatencyMaxRows;
-  EXPECT_EQ(ResolveA2aMode(o), A2aMode::kLowLatency);
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kLowLatency);
   o.max_rows_per_rank = kAutoLowLatencyMaxRows + 1;
-  EXPECT_EQ(ResolveA2aMode(o), A2aMode::kNormal);
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);
+  // Auto never picks buffers the bound refuses: normal then.
+  o.max_rows_per_rank = 16;
+  o.max_buffer_bytes = 1000;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+  o.max_buffer_bytes = int64_t{1} << 30;
   o.a2a_mode = A2aMode::kNormal;
   o.max_rows_per_rank = 1;
-  EXPECT_EQ(ResolveA2aMode(o), A2aMode::kNormal);
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);
   auto normal = CreateExecutor(World(), model, o, Pool());
   ASSERT_TRUE(normal.ok());
   EXPECT_NE((*normal)->description().find("a2a (normal)"), std::string::npos) << (*normal)->description();

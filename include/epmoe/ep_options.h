@@ -26,7 +26,7 @@ bool GathersRows(EpOption option);
 // How a2a's dispatch learns what each rank receives (seed 003's --deepep-mode): normal all-gathers
 // the row counts first and sizes buffers exactly (rounds under the buffer bound); low-latency
 // sizes fixed buffers once from the most rows a rank may send and exchanges no counts (decode);
-// auto picks low-latency when that bound is small (ResolveA2aMode, executor.h).
+// auto picks low-latency when that bound is small and its buffers fit (ResolveA2aMode, executor.h).
 enum class A2aMode { kNormal, kLowLatency, kAuto };
 const char* A2aModeName(A2aMode mode);                // "normal", "low-latency", "auto"
 Result<A2aMode> ParseA2aMode(std::string_view name);  // also SGLang's "low_latency"

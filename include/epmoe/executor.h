@@ -162,14 +162,15 @@ class MoeExecutor {
   virtual Status Close() { return Status::Ok(); }
 };
 
-// Low-latency is chosen by auto when a rank sends at most this many rows per step: up to it the
-// count exchange normal mode runs first costs more than the fixed buffers' unused capacity
-// (docs/architecture.md, "Low-latency mode").
-inline constexpr int64_t kAutoLowLatencyMaxRows = 128;
+// Auto picks low-latency when a rank holds at most this many rows per step (and its fixed buffers
+// fit max_buffer_bytes): measured, low-latency's dispatch + combine was faster up to 512 rows per
+// rank and slower at 2,048 (docs/architecture.md, "The a2a exchange").
+inline constexpr int64_t kAutoLowLatencyMaxRows = 512;
 
-// The a2a mode that options.a2a_mode runs (normal or low-latency; auto resolved by
-// max_rows_per_rank against kAutoLowLatencyMaxRows).
-A2aMode ResolveA2aMode(const ExecutorOptions& options);
+// The a2a mode that options.a2a_mode runs on `num_ranks` ranks: normal or low-latency (auto:
+// low-latency when 0 < max_rows_per_rank <= kAutoLowLatencyMaxRows and the fixed buffers fit
+// max_buffer_bytes, else normal).
+A2aMode ResolveA2aMode(const ModelConfig& model, const ExecutorOptions& options, int num_ranks);
 
 // Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory
 // bound, placement) and says why not; called by CreateExecutor before any work.

@@ -45,7 +45,7 @@ class A2aExecutor : public MoeExecutor {
 
   Status Init() {
     const int me = comm_.rank();
-    low_latency_ = ResolveA2aMode(options_) == A2aMode::kLowLatency;
+    low_latency_ = ResolveA2aMode(model_, options_, comm_.size()) == A2aMode::kLowLatency;
     EPMOE_ASSIGN_OR_RETURN(live_, ResolveLivePlacement(model_, options_, comm_));
     const PlacementPtr placement = live_->placement();
     const Placement& p = *placement;
@@ -335,12 +335,7 @@ class A2aExecutor : public MoeExecutor {
     StepStats st;
     st.rows = n;
     Stopwatch watch;
-    // The previous step's records and outputs may still be on their way to their peers; their
-    // buffers are about to be reused.
-    EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
-    st.dispatch_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
-    st.combine_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(FinishPreviousSends(watch, st));
     Layout(layer, *snapshot, picks);
 
     // Counts: every rank's row counts to every rank, all-gathered (G values per rank) so that every
@@ -448,10 +443,7 @@ class A2aExecutor : public MoeExecutor {
     st.rounds = 1;
     st.peak_buffer_bytes = fixed_buffer_bytes_;
     Stopwatch watch;
-    EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
-    st.dispatch_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
-    st.combine_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(FinishPreviousSends(watch, st));
     // Each destination's message: the header, then (within the bound) its records.
     std::vector<int64_t> message_bytes(g, kHeaderBytes), message_offsets(g);
     if (n <= bound) {
@@ -672,6 +664,16 @@ class A2aExecutor : public MoeExecutor {
     st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, out, pool_);
     st.shared_us += watch.Lap();
     if (stats != nullptr) *stats = st;
+    return Status::Ok();
+  }
+
+  // The previous step's records and outputs may still be on their way to their peers; their
+  // buffers are about to be reused.
+  Status FinishPreviousSends(Stopwatch& watch, StepStats& st) {
+    EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
+    st.dispatch_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
+    st.combine_us += watch.Lap();
     return Status::Ok();
   }
 

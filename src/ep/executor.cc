@@ -31,12 +31,6 @@ int64_t RowBegin(int64_t total, int ranks, int rank) {
   return rank * base + std::min<int64_t>(rank, extra);
 }
 
-A2aMode ResolveA2aMode(const ExecutorOptions& options) {
-  if (options.a2a_mode != A2aMode::kAuto) return options.a2a_mode;
-  const bool decode = options.max_rows_per_rank > 0 && options.max_rows_per_rank <= kAutoLowLatencyMaxRows;
-  return decode ? A2aMode::kLowLatency : A2aMode::kNormal;
-}
-
 namespace ep_internal {
 
 int64_t LowLatencyMessageBytes(const ModelConfig& model, const ExecutorOptions& o) {
@@ -63,7 +57,20 @@ std::array<int64_t, kA2aBuffers> LowLatencyBufferBytes(const ModelConfig& model,
           (g - 1) * rows * back_per_row};
 }
 
+int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& o, int ranks) {
+  int64_t bytes = 0;
+  for (int64_t buffer : LowLatencyBufferBytes(model, o, ranks)) bytes += buffer;
+  return bytes;
+}
+
 }  // namespace ep_internal
+
+A2aMode ResolveA2aMode(const ModelConfig& model, const ExecutorOptions& options, int num_ranks) {
+  if (options.a2a_mode != A2aMode::kAuto) return options.a2a_mode;
+  const bool decode = options.max_rows_per_rank > 0 && options.max_rows_per_rank <= kAutoLowLatencyMaxRows;
+  const bool fits = decode && ep_internal::LowLatencyBytes(model, options, num_ranks) <= options.max_buffer_bytes;
+  return fits ? A2aMode::kLowLatency : A2aMode::kNormal;
+}
 
 Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, int num_ranks) {
   const std::string name = EpOptionName(o.option);
@@ -124,13 +131,12 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   if (o.max_rows_per_rank < 0)
     return InvalidArgument(
         fmt::format("{}: {} rows per rank at most: must not be negative", name, o.max_rows_per_rank));
-  if (o.option == EpOption::kA2a && ResolveA2aMode(o) == A2aMode::kLowLatency) {
+  if (o.option == EpOption::kA2a && ResolveA2aMode(model, o, g) == A2aMode::kLowLatency) {
     if (o.max_rows_per_rank == 0)
       return InvalidArgument(
           "a2a low-latency: its buffers are sized from the most rows a rank sends per step, which "
           "was not given (ExecutorOptions::max_rows_per_rank; epmoe run sets it from --tokens)");
-    int64_t fixed = 0;
-    for (int64_t bytes : ep_internal::LowLatencyBufferBytes(model, o, g)) fixed += bytes;
+    const int64_t fixed = ep_internal::LowLatencyBytes(model, o, g);
     if (fixed > o.max_buffer_bytes)
       return OutOfRange(
           fmt::format("a2a low-latency: the fixed buffers for {} rows per rank on {} ranks need {} bytes, "
@@ -204,7 +210,7 @@ MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOp
   const double record = 8.0 * k + static_cast<double>(RowBytes(o.dispatch_format, model.hidden));
   const double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
   m.exchange = std::min(static_cast<double>(o.max_buffer_bytes), static_cast<double>(tokens) * per_row);
-  if (o.option == EpOption::kA2a && ResolveA2aMode(o) == A2aMode::kLowLatency) {
+  if (o.option == EpOption::kA2a && ResolveA2aMode(model, o, g) == A2aMode::kLowLatency) {
     // Fixed buffers, sized for the bound whatever a step sends (CheckExecutorShape keeps them
     // within max_buffer_bytes), in whole huge pages when those fit the bound too (as the executor
     // allocates them).

@@ -86,6 +86,7 @@ inline constexpr int kA2aBuffers = 8;
 int64_t LowLatencyMessageBytes(const ModelConfig& model, const ExecutorOptions& options);
 std::array<int64_t, kA2aBuffers> LowLatencyBufferBytes(const ModelConfig& model, const ExecutorOptions& options,
                                                        int ranks);
+int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& options, int ranks);  // their sum
 
 // Makes rows travel: encode then decode (what a receiver sees).
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out);

@@ -236,7 +236,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   for (size_t i = 0; i < options.size(); ++i) {
     results[i].name = EpOptionName(options[i]);
     const ExecutorOptions executor_options = OptionExecutorOptions(base, o, options[i], g);
-    if (options[i] == EpOption::kA2a) results[i].a2a_mode = A2aModeName(ResolveA2aMode(executor_options));
+    if (options[i] == EpOption::kA2a) results[i].a2a_mode = A2aModeName(ResolveA2aMode(model, executor_options, g));
     const Status fits = CheckExecutorShape(model, executor_options, g);
     if (!fits.ok()) {
       if (!all) return fits;
