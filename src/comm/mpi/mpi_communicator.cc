@@ -271,10 +271,9 @@ class MpiRequest : public Request {
   // Waits for the first n requests.
   Status WaitFor(size_t n) {
     if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
-    Status status =
-        WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n), timeout_seconds_,
-                what_, rank_, comm_.get(),
-                lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n));
+    Status status = WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n),
+                            timeout_seconds_, what_, rank_, comm_.get(),
+                            lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n));
     if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
     if (status.ok() && n >= static_cast<size_t>(std::max<ptrdiff_t>(receives_, 0))) ReportLengths();
     return status;
