@@ -121,6 +121,13 @@ class TimingCommunicator : public Communicator {
     return Timed("alltoallv",
                  [&] { return inner_.StartAlltoallv(send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets); });
   }
+  Result<std::unique_ptr<Request>> StartCappedAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                        std::span<const int64_t> send_offsets, void* recv,
+                                                        int64_t capacity, std::span<int64_t> received_bytes) override {
+    return Timed("capped alltoallv", [&] {
+      return inner_.StartCappedAlltoallv(send, send_bytes, send_offsets, recv, capacity, received_bytes);
+    });
+  }
   Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
     return inner_.ExchangeCounts(send, recv);
   }
@@ -200,15 +207,21 @@ double MinOverRanks(double value) {
   return result;
 }
 
+// qwen3-30b-a3b's routing (E = 128, top-8, hidden 2048) with experts of intermediate 16, so a
+// step is mostly the exchange.
+ModelConfig ExchangeModel() {
+  auto base = LoadModel("qwen3-30b-a3b");
+  EPMOE_CHECK(base.ok());
+  return ScaledModel(*base, 0, 16);
+}
+
 // args: T (rows per step over all ranks), dispatch format (0 fp32, 1 bf16, 2 q8, 3 q4).
 void BM_A2aExchangeVsRawAlltoallv(benchmark::State& state) {
   Communicator& comm = World();
   const int g = comm.size(), me = comm.rank();
   const int64_t total = state.range(0);
   const RowFormat format = static_cast<RowFormat>(state.range(1));
-  auto base = LoadModel("qwen3-30b-a3b");
-  EPMOE_CHECK(base.ok());
-  const ModelConfig model = ScaledModel(*base, 0, 16);
+  const ModelConfig model = ExchangeModel();
   ThreadPool pool(1);
   ExecutorOptions options;
   options.option = EpOption::kA2a;
@@ -417,6 +430,71 @@ BENCHMARK(BM_A2aExchangeVsRawAlltoallv)
     ->Args({4096, 1})
     ->Args({256, 2})
     ->Iterations(20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// a2a's two modes on the same rows and picks, alternating step by step (which goes first
+// alternates too): normal (count all-gather, then alltoallv) against low-latency (buffers sized
+// at creation for the largest rank's share of T, one capped message per peer, no counts).
+// Per step and mode: the dispatch + combine stages as the last rank to arrive spends each
+// (minimum over ranks, as exchange_ms above) and the whole Forward on the slowest rank; medians.
+//   mpirun -np 4 build/benchmarks/ep_exchange_bench --benchmark_filter=A2aModes
+void BM_A2aModes(benchmark::State& state) {
+  Communicator& comm = World();
+  const int g = comm.size(), me = comm.rank();
+  const int64_t total = state.range(0);
+  const ModelConfig model = ExchangeModel();
+  ThreadPool pool(1);
+  ExecutorOptions options;
+  options.option = EpOption::kA2a;
+  options.dispatch_format = RowFormat::kBf16;
+  options.combine_format = RowFormat::kBf16;
+  options.max_rows_per_rank = RowBegin(total, g, 1);
+  std::unique_ptr<MoeExecutor> executors[2];
+  for (int mode = 0; mode < 2; ++mode) {
+    options.a2a_mode = mode == 0 ? A2aMode::kNormal : A2aMode::kLowLatency;
+    auto executor = CreateExecutor(comm, model, options, pool);
+    EPMOE_CHECK_MSG(executor.ok(), executor.status().ToString());
+    executors[mode] = std::move(executor).value();
+  }
+  const int64_t first = RowBegin(total, g, me), n = RowBegin(total, g, me + 1) - first;
+  const Matrix rows = SyntheticRows(1, model, 0, first, n);
+  const Picks picks = UniformPicks(model, n, 11, first);
+  std::vector<double> exchange_us[2], step_us[2];
+  int iteration = 0;
+  for (auto _ : state) {
+    for (int i = 0; i < 2; ++i) {
+      const int mode = (iteration + i) % 2;
+      Matrix out;
+      StepStats st;
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto start = std::chrono::steady_clock::now();
+      const Status status = executors[mode]->Forward(0, rows, picks, &out, &st);
+      const double wall = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+      EPMOE_CHECK_MSG(status.ok(), status.ToString());
+      exchange_us[mode].push_back(MinOverRanks(st.dispatch_us) + MinOverRanks(st.combine_us));
+      step_us[mode].push_back(MaxOverRanks(wall));
+    }
+    state.SetIterationTime(exchange_us[1].back() * 1e-6);
+    ++iteration;
+  }
+  const double normal = Median(exchange_us[0]), low_latency = Median(exchange_us[1]);
+  state.counters["ranks"] = g;
+  state.counters["normal_exchange_ms"] = normal / 1000;
+  state.counters["low_latency_exchange_ms"] = low_latency / 1000;
+  state.counters["low_latency_pct"] = normal > 0 ? 100.0 * (low_latency / normal - 1.0) : 0;
+  state.counters["normal_step_ms"] = Median(step_us[0]) / 1000;
+  state.counters["low_latency_step_ms"] = Median(step_us[1]) / 1000;
+}
+
+BENCHMARK(BM_A2aModes)
+    ->ArgNames({"T"})
+    ->Args({16})
+    ->Args({64})
+    ->Args({256})
+    ->Args({1024})
+    ->Args({4096})
+    ->Iterations(200)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -133,6 +133,52 @@ TEST(Comm, AlltoallvWithCountsExchangedFirst) {
     for (int i = 0; i < (s + me) % 3; ++i) EXPECT_EQ(recv[at++], s * 1000 + me * 10 + i);
 }
 
+// The low-latency exchange: no counts first; each receiver learns a block's size from its message.
+// Rank s sends (s + d) % 3 values to rank d (empty messages included), twice in flight at once
+// (the second with the values negated), into receives of a fixed capacity per peer.
+TEST(Comm, CappedAlltoallvLearnsSizesFromTheMessages) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  constexpr int64_t kCapacity = 3 * sizeof(int32_t);  // room for one more value than anyone sends
+  std::vector<int64_t> send_bytes(g);
+  std::vector<int32_t> send, negated;
+  for (int d = 0; d < g; ++d) {
+    const int n = (me + d) % 3;
+    send_bytes[d] = n * static_cast<int64_t>(sizeof(int32_t));
+    for (int i = 0; i < n; ++i) send.push_back(me * 1000 + d * 10 + i);
+  }
+  for (int32_t v : send) negated.push_back(-v);
+  const auto offsets = PrefixOffsets(send_bytes);
+  const std::span<const int64_t> send_offsets(offsets.data(), g);
+  std::vector<int32_t> recv(g * kCapacity / sizeof(int32_t), -1), recv_negated(recv);
+  std::vector<int64_t> received(g, -1), received_negated(g, -1);
+  auto first = comm->StartCappedAlltoallv(send.data(), send_bytes, send_offsets, recv.data(), kCapacity, received);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto second = comm->StartCappedAlltoallv(negated.data(), send_bytes, send_offsets, recv_negated.data(), kCapacity,
+                                           received_negated);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  ASSERT_TRUE((*second)->WaitReceived().ok());
+  ASSERT_TRUE((*first)->Wait().ok());
+  ASSERT_TRUE((*second)->Wait().ok());
+  for (int s = 0; s < g; ++s) {
+    const int n = (s + me) % 3;
+    EXPECT_EQ(received[s], n * static_cast<int64_t>(sizeof(int32_t))) << "from rank " << s;
+    EXPECT_EQ(received_negated[s], received[s]) << "from rank " << s;
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(recv[s * 3 + i], s * 1000 + me * 10 + i);
+      EXPECT_EQ(recv_negated[s * 3 + i], -(s * 1000 + me * 10 + i));
+    }
+    for (int i = n; i < 3; ++i) EXPECT_EQ(recv[s * 3 + i], -1) << "beyond rank " << s << "'s message";
+  }
+  // A block over the capacity is refused before anything is posted, naming it.
+  std::vector<int64_t> too_big(g, kCapacity + 1);
+  std::vector<int32_t> big(4 * g);
+  const std::vector<int64_t> big_offsets(g, 0);
+  const auto refused = comm->StartCappedAlltoallv(big.data(), too_big, big_offsets, recv.data(), kCapacity, received);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(refused.status().message().find("capacity of 12 bytes"), std::string::npos) << refused.status().message();
+}
+
 TEST(Comm, NonblockingExchangesOverlap) {
   auto comm = World();
   const int g = comm->size();
@@ -357,6 +403,44 @@ TEST(Comm, LateNodeIsNamedWithItsRanks) {
   };
   expect_names(impatient->node_of(me) == 0, per_node == 1 ? "node 0 (rank 0)" : "node 0 (ranks 0, 1)");
   if (per_node == 2) expect_names(me == 0, "rank 0 (node 0)");
+}
+
+// The capped alltoallv names a late peer the same way: rank 0 joins 2 s late, the others give up
+// within their 0.5 s limit naming it, and rank 0's own exchange then completes with every size.
+TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  auto impatient = World(0, 0.5);
+  const int g = world->size(), me = world->rank();
+  constexpr int64_t kCapacity = 64;
+  std::vector<int64_t> bytes(g, 16);
+  const std::vector<int64_t> offsets(g, 0);
+  // Kept until the end of the program: abandoned receives may still be written when rank 0 arrives.
+  static std::vector<uint8_t> send, recv;
+  static std::vector<int64_t> received;
+  send.assign(16, static_cast<uint8_t>(me));
+  recv.assign(g * kCapacity, 255);
+  received.assign(g, -1);
+  const auto start = std::chrono::steady_clock::now();
+  if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+  auto exchange = impatient->StartCappedAlltoallv(send.data(), bytes, offsets, recv.data(), kCapacity, received);
+  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+  const Status status = (*exchange)->Wait();
+  if (me == 0) {
+    EXPECT_TRUE(status.ok()) << status.ToString();
+    for (int s = 0; s < g; ++s) {
+      EXPECT_EQ(received[s], 16);
+      EXPECT_EQ(recv[s * kCapacity], s);
+    }
+  } else {
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": capped alltoallv"), std::string::npos)
+        << status.message();
+    EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+    EXPECT_LT(waited, 1.9);
+  }
+  ASSERT_TRUE(world->Barrier().ok());
 }
 
 // The count exchanges are point-to-point like alltoallv: when rank 0 never arrives, every other

@@ -4,6 +4,8 @@
 // Shapes are tiny (hidden 64, intermediate 32) so 8 oversubscribed ranks stay fast.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "epmoe/comm.h"
 #include "epmoe/executor.h"
 #include "epmoe/layer.h"
@@ -104,6 +106,8 @@ struct Case {
   RowFormat combine = RowFormat::kFp32;
   SharedMode shared_mode = SharedMode::kDefault;
   bool partial_sums = false;
+  A2aMode a2a_mode = A2aMode::kNormal;
+  int64_t max_rows_per_rank = 0;  // low-latency's bound
   int shared = 1;
   int64_t max_buffer_bytes = int64_t{1} << 30;
   PlacementPtr placement;
@@ -127,6 +131,8 @@ ExecutorOptions OptionsFor(const Case& c, int ranks) {
   o.combine_format = c.combine;
   o.shared = c.shared_mode;
   o.combine_partial_sums = c.partial_sums;
+  o.a2a_mode = c.a2a_mode;
+  o.max_rows_per_rank = c.max_rows_per_rank;
   o.max_buffer_bytes = c.max_buffer_bytes;
   o.seed = kSeed;
   o.placement = c.placement;
@@ -475,6 +481,158 @@ TEST(Executor, RedundantPlacement) {
   }
 }
 
+// Low-latency a2a (fixed buffers, no count exchange) against the single-process layer: every row
+// format out and back, both row origins, partial sums, redundant slots, ranks at the bound and
+// ranks without rows, and skew that sends every row to one rank.
+Case LowLatency(int64_t max_rows_per_rank) {
+  Case c;
+  c.a2a_mode = A2aMode::kLowLatency;
+  c.max_rows_per_rank = max_rows_per_rank;
+  return c;
+}
+
+TEST(Executor, A2aLowLatencyMatchesTheLayer) {
+  const int g = World().size();
+  const std::vector<int64_t> rows = EvenishRows(2 * g + 3);
+  const int64_t most = *std::max_element(rows.begin(), rows.end());  // some ranks exactly at the bound
+  for (RowOrigin origin : {RowOrigin::kDataParallel, RowOrigin::kTensorParallel}) {
+    for (RowFormat dispatch : {RowFormat::kFp32, RowFormat::kBf16, RowFormat::kQ8, RowFormat::kQ4}) {
+      for (RowFormat combine : {RowFormat::kFp32, RowFormat::kBf16}) {
+        SCOPED_TRACE(std::string(RowOriginName(origin)) + " " + RowFormatName(dispatch) + " out, " +
+                     RowFormatName(combine) + " back");
+        Case c = LowLatency(most);
+        c.origin = origin;
+        c.dispatch = dispatch;
+        c.combine = combine;
+        const StepStats st = RunAndCheck(c, rows, nullptr, 2);
+        EXPECT_EQ(st.rounds, 1);
+        EXPECT_GT(st.peak_buffer_bytes, 0);
+      }
+    }
+  }
+  Case partial = LowLatency(most);
+  partial.partial_sums = true;
+  RunAndCheck(partial, rows, nullptr, 1);
+  Case weights = LowLatency(most);
+  weights.weights = WeightFormat::kInt8;
+  RunAndCheck(weights, rows, nullptr, 1);
+  Case gated = LowLatency(most);
+  gated.shared_output_gate = true;
+  RunAndCheck(gated, rows, nullptr, 1);
+  // A bound above every rank's rows, and ranks without rows.
+  std::vector<int64_t> last_only(g, 0);
+  last_only[g - 1] = 3;
+  RunAndCheck(LowLatency(5), last_only, nullptr, 1);
+  RunAndCheck(LowLatency(1), std::vector<int64_t>(g, 0), nullptr, 1);
+}
+
+TEST(Executor, A2aLowLatencyWithRedundantSlotsAndSkew) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  auto placement = Placement::Trivial(2, model.num_experts, g, g, 1);
+  ASSERT_TRUE(placement.ok()) << placement.status().ToString();
+  Case redundant = LowLatency(4);
+  redundant.placement = std::make_shared<const Placement>(*placement);
+  RunAndCheck(redundant, EvenishRows(3 * g + 1), nullptr, 2);
+  // Every row to experts 0..k-1 (rank 0's): rank 0 receives every rank's rows at once.
+  const int64_t total = 4 * g;
+  Picks picks{total, model.top_k, {}, {}};
+  for (int64_t r = 0; r < total; ++r) {
+    for (int j = 0; j < model.top_k; ++j) {
+      picks.experts.push_back(j);
+      picks.weights.push_back(0.3f - 0.05f * j);
+    }
+  }
+  const StepStats st = RunAndCheck(LowLatency(4), EvenishRows(total), &picks, 1);
+  if (World().rank() == 0) {
+    EXPECT_EQ(st.picks, total * std::min(model.top_k, model.num_experts / g));
+  }
+}
+
+// A step over the bound fails on every rank, naming the ranks over it, and the executor runs the
+// next step within the bound correctly.
+TEST(Executor, A2aLowLatencyStepOverTheBoundFailsOnEveryRank) {
+  Communicator& comm = World();
+  const int g = comm.size(), me = comm.rank();
+  const ModelConfig model = TinyModel(1);
+  auto executor = CreateExecutor(comm, model, OptionsFor(LowLatency(2), g), Pool());
+  ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+  EXPECT_NE((*executor)->description().find("low-latency, buffers for 2 rows per rank"), std::string::npos)
+      << (*executor)->description();
+  // The last rank has 3 rows, one over; the others 1.
+  std::vector<int64_t> counts(g, 1);
+  counts[g - 1] = 3;
+  int64_t total = 0, first = 0;
+  for (int r = 0; r < g; ++r) {
+    if (r < me) first += counts[r];
+    total += counts[r];
+  }
+  const Matrix all_rows = SyntheticRows(kSeed, model, 0, 0, total);
+  const Picks all_picks = UniformPicks(model, total, kSeed);
+  Matrix out;
+  const Status over = (*executor)->Forward(0, RowsOf(all_rows, first, counts[me]),
+                                           PicksOf(all_picks, first, counts[me]), &out, nullptr);
+  EXPECT_EQ(over.code(), StatusCode::kOutOfRange) << over.ToString();
+  EXPECT_NE(over.message().find("rank " + std::to_string(g - 1) + " has 3 rows this step, over the 2 rows per rank"),
+            std::string::npos)
+      << over.message();
+  // Within the bound again: right, bit for bit.
+  const std::vector<int64_t> within = EvenishRows(g);
+  first = RowBegin(g, g, me);
+  const Matrix rows = SyntheticRows(kSeed, model, 1, 0, g);
+  const Picks picks = UniformPicks(model, g, kSeed + 1);
+  ASSERT_TRUE(
+      (*executor)->Forward(0, RowsOf(rows, first, within[me]), PicksOf(picks, first, within[me]), &out, nullptr).ok());
+  const Matrix expected = Expected(model, 0, rows, picks, RowFormat::kFp32, false);
+  EXPECT_EQ(out.data, RowsOf(expected, first, within[me]).data);
+  EXPECT_TRUE((*executor)->Close().ok());
+}
+
+TEST(Executor, A2aModeAutoAndLowLatencyRefusals) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  ExecutorOptions o = OptionsFor(Case{}, g);
+  o.a2a_mode = A2aMode::kAuto;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);  // no bound given
+  o.max_rows_per_rank = 16;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kLowLatency);
+  o.max_rows_per_rank = kAutoLowLatencyMaxRows;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kLowLatency);
+  o.max_rows_per_rank = kAutoLowLatencyMaxRows + 1;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);
+  // Auto never picks buffers the bound refuses: normal then.
+  o.max_rows_per_rank = 16;
+  o.max_buffer_bytes = 1000;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+  o.max_buffer_bytes = int64_t{1} << 30;
+  o.a2a_mode = A2aMode::kNormal;
+  o.max_rows_per_rank = 1;
+  EXPECT_EQ(ResolveA2aMode(model, o, g), A2aMode::kNormal);
+  auto normal = CreateExecutor(World(), model, o, Pool());
+  ASSERT_TRUE(normal.ok());
+  EXPECT_NE((*normal)->description().find("a2a (normal)"), std::string::npos) << (*normal)->description();
+  EXPECT_TRUE((*normal)->Close().ok());
+  EXPECT_EQ(ParseA2aMode("low_latency").value(), A2aMode::kLowLatency);
+  EXPECT_EQ(ParseA2aMode("fast").status().code(), StatusCode::kInvalidArgument);
+
+  // Low-latency needs its bound, and its fixed buffers must fit the buffer bound.
+  o.a2a_mode = A2aMode::kLowLatency;
+  o.max_rows_per_rank = 0;
+  const Status no_bound = CheckExecutorShape(model, o, g);
+  EXPECT_EQ(no_bound.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_bound.message().find("--tokens"), std::string::npos) << no_bound.message();
+  o.max_rows_per_rank = 1000;
+  o.max_buffer_bytes = 1 << 20;
+  const Status too_big = CheckExecutorShape(model, o, g);
+  EXPECT_EQ(too_big.code(), StatusCode::kOutOfRange);
+  EXPECT_NE(too_big.message().find("fixed buffers for 1000 rows per rank"), std::string::npos) << too_big.message();
+  EXPECT_FALSE(CreateExecutor(World(), model, o, Pool()).ok());
+  // Other options ignore the mode.
+  o.option = EpOption::kWhole;
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+}
+
 TEST(Executor, RefusesShapesBeforeAnyWork) {
   Communicator& comm = World();
   const int g = comm.size();
@@ -552,9 +710,15 @@ TEST(Executor, MemoryEstimateMatchesWhatTheExecutorHolds) {
   const ModelConfig model = TinyModel(1);
   const int64_t total = 4 * g + 1;
   for (WeightFormat format : {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4}) {
-    for (EpOption option : AllEpOptions()) {
-      SCOPED_TRACE(std::string(EpOptionName(option)) + " " + WeightFormatName(format));
-      Case c = CaseOf(option);
+    std::vector<Case> cases;
+    for (EpOption option : AllEpOptions()) cases.push_back(CaseOf(option));
+    Case low_latency;  // fixed buffers for the largest share of the step's rows
+    low_latency.a2a_mode = A2aMode::kLowLatency;
+    low_latency.max_rows_per_rank = RowBegin(total, g, 1);
+    cases.push_back(low_latency);
+    for (Case c : cases) {
+      const EpOption option = c.option;
+      SCOPED_TRACE(std::string(EpOptionName(option)) + " " + A2aModeName(c.a2a_mode) + " " + WeightFormatName(format));
       c.weights = format;
       const ExecutorOptions options = OptionsFor(c, g);
       if (!CheckExecutorShape(model, options, g).ok()) continue;  // the same on every rank
@@ -575,6 +739,11 @@ TEST(Executor, MemoryEstimateMatchesWhatTheExecutorHolds) {
         EXPECT_EQ(estimate.exchange, 0);  // rows stay; its double buffer is among the weights
       } else {
         EXPECT_LE(static_cast<double>(stats.peak_buffer_bytes), estimate.exchange);
+      }
+      if (c.a2a_mode == A2aMode::kLowLatency) {
+        // Held from creation whatever a step sends, and estimated whatever the step's rows.
+        EXPECT_EQ(static_cast<double>(stats.peak_buffer_bytes), estimate.exchange);
+        EXPECT_EQ(EstimateExecutorMemory(model, options, g, me, 1).exchange, estimate.exchange);
       }
       EXPECT_TRUE((*executor)->Close().ok());
     }

@@ -83,6 +83,36 @@ TEST(EpRunCli, TwoRanksUnderMpirun) {
     EXPECT_NE(text.out.find(name), std::string::npos) << name;
 }
 
+// --a2a-mode: low-latency and auto at decode sizes match the single-process layer on two ranks and
+// say which mode ran; a bound its fixed buffers cannot fit is refused before any work.
+TEST(EpRunCli, A2aModes) {
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 2 ";
+  for (const auto& [requested, ran] :
+       {std::pair{"low-latency", "low-latency"}, std::pair{"auto", "low-latency"}, std::pair{"normal", "normal"}}) {
+    SCOPED_TRACE(requested);
+    const CommandRun run =
+        Shell(mpirun + Binary() + " run --option a2a --check --format json --a2a-mode " + requested + kSmall, false);
+    ASSERT_EQ(run.exit_code, 0) << run.out;
+    const auto j = nlohmann::json::parse(run.out);
+    EXPECT_EQ(j["a2a_mode_requested"], requested);
+    const auto& a2a = j["options"][0];
+    EXPECT_EQ(a2a["a2a_mode"], ran);
+    EXPECT_NE(a2a["description"].get<std::string>().find(std::string("a2a (") + ran), std::string::npos)
+        << a2a["description"];
+    EXPECT_LE(a2a["max_normalized_error"].get<double>(), 2e-2);
+  }
+  const CommandRun text = Shell(mpirun + Binary() + " run --option a2a --a2a-mode low-latency" + kSmall, true);
+  ASSERT_EQ(text.exit_code, 0) << text.out;
+  EXPECT_NE(text.out.find("a2a (low-latency, buffers for 5 rows per rank)"), std::string::npos) << text.out;
+  const CommandRun refused =
+      Shell(Binary() + " run --option a2a --a2a-mode low-latency --max-buffer-mb 0.01" + kSmall, true);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.out.find("a2a low-latency: the fixed buffers for 9 rows per rank"), std::string::npos)
+      << refused.out;
+}
+
 TEST(EpRunCli, RunsTheListedOptionsInTheirOrder) {
   const CommandRun run = Shell(Binary() + " run --option dwdp,sliced --check --format json" + kSmall, false);
   ASSERT_EQ(run.exit_code, 0) << run.out;

@@ -64,6 +64,18 @@ TEST(RebalanceCli, RebalancingA2aRunMatchesTheFixedOneBitForBit) {
   std::remove(metrics.c_str());
 }
 
+// a2a's low-latency mode (fixed buffers sized for the redundant placement's slots) follows every
+// installed placement too, exactly.
+TEST(RebalanceCli, RebalancingLowLatencyA2aMatchesTheSingleProcessLayer) {
+  const auto live = RunJson(
+      " --option a2a --a2a-mode low-latency --eplb --eplb-interval 3 --eplb-redundant 2"
+      " --eplb-policy deepseek-guarded");
+  ASSERT_FALSE(live.is_null());
+  EXPECT_EQ(live["options"][0]["a2a_mode"], "low-latency");
+  EXPECT_EQ(live["options"][0]["max_normalized_error"].get<double>(), 0.0);
+  ASSERT_GE(live["options"][0]["eplb"]["rebalances"].size(), 3u) << live["options"][0]["eplb"].dump();
+}
+
 TEST(RebalanceCli, WholeAsyncChunkedMatchesTheSingleProcessLayer) {
   // Enough steps that the placement thread gets the core (two ranks poll on two cores) several
   // times over: a run's step count, not wall time, bounds how many rebalances it can see.

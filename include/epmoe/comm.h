@@ -129,6 +129,19 @@ class Communicator {
                                                           std::span<const int64_t> recv_bytes,
                                                           std::span<const int64_t> recv_offsets) = 0;
 
+  // The exchange with no counts sent first (a2a's low-latency mode): rank r's
+  // send[send_offsets[d] .. + send_bytes[d]) goes to rank d as one message, empty ones too, landing
+  // at rank d's recv + r * capacity (recv holds size() * capacity bytes); received_bytes[s] gets
+  // the length of rank s's message once the receiving side completes (Wait or WaitReceived; this
+  // rank's own block is copied at once). capacity is the most bytes any rank sends one peer and
+  // must be the same on every rank: a block over it is refused with OutOfRange before anything is
+  // posted (the peers then time out naming this rank). Its Request tells the sides apart; a
+  // timeout names the ranks not heard from.
+  virtual Result<std::unique_ptr<Request>> StartCappedAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                                std::span<const int64_t> send_offsets, void* recv,
+                                                                int64_t capacity,
+                                                                std::span<int64_t> received_bytes) = 0;
+
   // One int64 to and from every rank: recv[s] = the send[r] that rank s addressed to this rank.
   // Used to exchange counts before an alltoallv so receive buffers are sized exactly.
   virtual Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) = 0;

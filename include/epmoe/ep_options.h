@@ -23,6 +23,14 @@ int EpOptionNumber(EpOption option);
 // Options 1-3: every row visits every rank (all-gather, then reduce-scatter).
 bool GathersRows(EpOption option);
 
+// How a2a's dispatch learns what each rank receives (seed 003's --deepep-mode): normal all-gathers
+// the row counts first and sizes buffers exactly (rounds under the buffer bound); low-latency
+// sizes fixed buffers once from the most rows a rank may send and exchanges no counts (decode);
+// auto picks low-latency when that bound is small and its buffers fit (ResolveA2aMode, executor.h).
+enum class A2aMode { kNormal, kLowLatency, kAuto };
+const char* A2aModeName(A2aMode mode);                // "normal", "low-latency", "auto"
+Result<A2aMode> ParseA2aMode(std::string_view name);  // also SGLang's "low_latency"
+
 enum class RowOrigin { kDataParallel, kTensorParallel };
 const char* RowOriginName(RowOrigin origin);
 Result<RowOrigin> ParseRowOrigin(std::string_view name);  // also "dp", "tp"

@@ -62,6 +62,15 @@ struct ExecutorOptions {
   // (row, rank) instead of one per pick: fewer bytes back (copies instead of k per row), but the
   // sum order differs from the single process (equal to fp32 rounding, not bit-exact).
   bool combine_partial_sums = false;
+  // a2a: how the dispatch learns what it receives (ep_options.h); resolved once, at creation
+  // (ResolveA2aMode). The other options ignore it.
+  A2aMode a2a_mode = A2aMode::kNormal;
+  // a2a low-latency: the most rows a rank is home for in one Forward (data-parallel: the rows it
+  // holds; tensor-parallel: its RowBegin share of the T rows), from which the fixed buffers are
+  // sized at creation. A step over it fails on every rank, naming the ranks over it (the ranks
+  // cannot agree on falling back to normal mode without the count exchange low-latency avoids).
+  // 0: not given (low-latency is refused; auto runs normal).
+  int64_t max_rows_per_rank = 0;
   SharedMode shared = SharedMode::kDefault;
   // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
   // double buffer its reads land in). A step that would exceed it runs in rounds (dwdp: reads
@@ -159,6 +168,16 @@ class MoeExecutor {
   // destructor does it too when Close was not called, as a last resort whose errors are dropped.
   virtual Status Close() { return Status::Ok(); }
 };
+
+// Auto picks low-latency when a rank holds at most this many rows per step (and its fixed buffers
+// fit max_buffer_bytes): measured, low-latency's dispatch + combine was faster up to 512 rows per
+// rank and slower at 2,048 (docs/architecture.md, "The a2a exchange").
+inline constexpr int64_t kAutoLowLatencyMaxRows = 512;
+
+// The a2a mode that options.a2a_mode runs on `num_ranks` ranks: normal or low-latency (auto:
+// low-latency when 0 < max_rows_per_rank <= kAutoLowLatencyMaxRows and the fixed buffers fit
+// max_buffer_bytes, else normal).
+A2aMode ResolveA2aMode(const ModelConfig& model, const ExecutorOptions& options, int num_ranks);
 
 // Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory
 // bound, placement) and says why not; called by CreateExecutor before any work.

@@ -9,6 +9,8 @@ constexpr EnumNames<EpOption, 5> kEpOptions("option", {{{EpOption::kSliced, "sli
                                                         {EpOption::kHybrid, "hybrid"},
                                                         {EpOption::kA2a, "a2a"},
                                                         {EpOption::kDwdp, "dwdp"}}});
+constexpr EnumNames<A2aMode, 3> kA2aModes(
+    "a2a mode", {{{A2aMode::kNormal, "normal"}, {A2aMode::kLowLatency, "low-latency"}, {A2aMode::kAuto, "auto"}}});
 constexpr EnumNames<RowOrigin, 2> kRowOrigins("row origin", {{{RowOrigin::kDataParallel, "data-parallel"},
                                                               {RowOrigin::kTensorParallel, "tensor-parallel"}}});
 constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedMode::kDefault, "default"},
@@ -36,6 +38,13 @@ int EpOptionNumber(EpOption option) {
 }
 bool GathersRows(EpOption option) {
   return option == EpOption::kSliced || option == EpOption::kWhole || option == EpOption::kHybrid;
+}
+
+const char* A2aModeName(A2aMode mode) {
+  return kA2aModes.Name(mode);
+}
+Result<A2aMode> ParseA2aMode(std::string_view name) {
+  return kA2aModes.Parse(name, {{"low_latency", A2aMode::kLowLatency}});
 }
 
 const char* RowOriginName(RowOrigin origin) {

@@ -13,15 +13,22 @@
 // decoded straight into the expert-ordered input, weighted outputs are encoded straight into the
 // return buffer (this rank's own straight into where they are summed), and returned outputs are
 // summed where they landed. Buffers live across steps.
+// Low-latency mode (ExecutorOptions::a2a_mode, for decode) exchanges no counts: buffers are sized
+// once, at creation, for max_rows_per_rank rows per rank, and each rank sends every peer one
+// message (StartCappedAlltoallv) as soon as its records are packed: a header with the sender's row
+// count this step, then its records for that peer; the receiver learns how many from the message's
+// length. A step over the bound sends headers only, so every rank learns of it from the same
+// messages and all fail that step alike. The combine is the same as normal mode's.
 // Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
 // last need not wait for its peers to take its own records or outputs, which they do whenever
 // they next poll; those sends are finished before their buffer is written again (next round or
 // step, counted in that step's dispatch or combine).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
-
-#include <fmt/format.h>
 
 #include "ep/executor_internal.h"
 #include "ep/scratch_buffer.h"
@@ -64,6 +71,19 @@ class A2aExecutor : public MoeExecutor {
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
     target_ = std::make_unique<SlotStoresTarget>(me, live_.get(), &stores_);
+    return InitExchange();
+  }
+
+  // The exchange's mode and, in low-latency mode, its fixed buffers (every lane has its own).
+  Status InitExchange() {
+    low_latency_ = ResolveA2aMode(model_, options_, comm_.size()) == A2aMode::kLowLatency;
+    if (low_latency_) {
+      // CheckExecutorShape has kept the fixed buffers within the bound.
+      message_bytes_ = LowLatencyMessageBytes(model_, options_);
+      const std::array<int64_t, kBuffers> needs = LowLatencyBufferBytes(model_, options_, comm_.size());
+      fixed_buffer_bytes_ = Reserve(needs);
+      items_cap_ = needs[5] / (int64_t{4} * model_.hidden);  // expert-ordered inputs: one per received pick
+    }
     return Status::Ok();
   }
 
@@ -76,12 +96,16 @@ class A2aExecutor : public MoeExecutor {
     if (comm.size() != comm_.size() || comm.rank() != comm_.rank())
       return InvalidArgument(fmt::format("a2a lane: its communicator has rank {} of {}, the executor's rank {} of {}",
                                          comm.rank(), comm.size(), comm_.rank(), comm_.size()));
-    return std::unique_ptr<MoeExecutor>(new A2aExecutor(comm, model_, options_, pool, weights_, live_));
+    auto lane = std::make_unique<A2aExecutor>(comm, model_, options_, pool, weights_, live_);
+    EPMOE_RETURN_IF_ERROR(lane->InitExchange());
+    return std::unique_ptr<MoeExecutor>(std::move(lane));
   }
 
   EpOption option() const override { return EpOption::kA2a; }
   std::string description() const override {
-    return fmt::format("a2a: {} rows out, {} outputs back ({}), shared expert copied",
+    const std::string mode =
+        low_latency_ ? fmt::format("low-latency, buffers for {} rows per rank", options_.max_rows_per_rank) : "normal";
+    return fmt::format("a2a ({}): {} rows out, {} outputs back ({}), shared expert copied", mode,
                        RowFormatName(options_.dispatch_format), RowFormatName(options_.combine_format),
                        options_.combine_partial_sums ? "one per row and rank" : "one per pick");
   }
@@ -98,7 +122,7 @@ class A2aExecutor : public MoeExecutor {
 
   Status Forward(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) override {
     EPMOE_RETURN_IF_ERROR(CheckForwardInput(model_, options_.num_layers, layer, rows, picks));
-    if (options_.origin == RowOrigin::kDataParallel) return ForwardHome(layer, rows, picks, out, stats);
+    if (options_.origin == RowOrigin::kDataParallel) return ForwardRows(layer, rows, picks, out, stats);
     // Tensor-parallel rows: each rank is home for its data-parallel share, then all outputs are
     // all-gathered.
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
@@ -110,7 +134,7 @@ class A2aExecutor : public MoeExecutor {
                    std::vector<float>(picks.weights.begin() + first * k, picks.weights.begin() + (first + count) * k)};
     Matrix my_out;
     StepStats st;
-    EPMOE_RETURN_IF_ERROR(ForwardHome(layer, mine, my_picks, &my_out, &st));
+    EPMOE_RETURN_IF_ERROR(ForwardRows(layer, mine, my_picks, &my_out, &st));
     Stopwatch watch;
     *out = Matrix(total, h);
     std::vector<int64_t> bytes(g);
@@ -130,7 +154,8 @@ class A2aExecutor : public MoeExecutor {
   // The step's buffers: returns, records sent and received, received rows decoded and in the
   // kernel's input format, expert-ordered inputs (kernel format) and outputs (fp32), outputs going
   // back.
-  static constexpr int kBuffers = 8;
+  static constexpr int kBuffers = kA2aBuffers;
+  static constexpr int64_t kHeaderBytes = 8;  // low-latency: the sender's row count, before its records
 
   // Rows [first, first + count) of destination d's list in round `round` of `rounds`: both sides
   // split a pair's rows the same way, so no per-round counts travel.
@@ -201,7 +226,8 @@ class A2aExecutor : public MoeExecutor {
   // Packs round `round` of `rounds`: one record per (row, destination) straight into the send
   // buffer (this rank's own records too; they are read from there, never sent), and where each
   // destination's returns will land. Sets send_n_, send_bytes_, send_offsets_, back_recv_*.
-  void PackRound(int64_t round, int64_t rounds, const Matrix& rows, const Picks& picks) {
+  // header_bytes: room left before each destination's records (low-latency's header).
+  void PackRound(int64_t round, int64_t rounds, const Matrix& rows, const Picks& picks, int64_t header_bytes = 0) {
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
     const int64_t h = hidden_;
     int64_t send_at = 0;
@@ -210,6 +236,7 @@ class A2aExecutor : public MoeExecutor {
       const int64_t first = RoundFirst(send_count_[d], round, rounds);
       const int64_t count = RoundFirst(send_count_[d], round + 1, rounds) - first;
       send_n_[d] = count;
+      send_at += header_bytes;
       send_offsets_[d] = send_at;
       send_bytes_[d] = d == me ? 0 : count * record_bytes_;
       uint8_t* record = send_.data() + send_at;
@@ -228,31 +255,24 @@ class A2aExecutor : public MoeExecutor {
     }
   }
 
-  // Memory model of one step (what max_buffer_bytes bounds), per rank:
-  //   returns: every output coming back for this rank's rows, held for the whole step (one per
-  //            pick, or one per row and destination with partial sums), so the home rank sums
-  //            straight from where they landed, in pick order;
-  //   per round: the records packed (this rank's own records among them: they are read where they
-  //            were packed and never pass through MPI); the records received from other ranks;
-  //            the expert-ordered input and output rows (at most min(k, slots) picks per record);
-  //            the weighted outputs going back to other ranks (this rank's own go straight into
-  //            returns).
-  // Buffers are kept across steps and reused; when a step needs a different mix whose total would
-  // exceed the bound, the oversized ones are released first, so what is held never exceeds it.
-  // Buffers of 1 MiB or more are rounded up to whole 2 MiB pages when the rounded total fits.
-  // The count matrix is all-gathered while the first round is packed (when this rank's own part
-  // of a one-round step fits the bound), so the count exchange costs no extra wait.
-  Status ForwardHome(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
-    const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
-    const int64_t h = model_.hidden, n = rows.rows;
-    // The placement and dispatch table of this step (a rebalance installs only between steps).
-    const LivePlacement::SnapshotPtr snapshot = live_->current();
-    const Placement& p = *snapshot->placement;
-    const DispatchTable& dispatch = snapshot->dispatch;
+  // This step's rows through the exchange of the mode chosen at creation.
+  Status ForwardRows(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
+    return low_latency_ ? ForwardLowLatency(layer, rows, picks, out, stats)
+                        : ForwardHome(layer, rows, picks, out, stats);
+  }
+
+  // The step's row, record and return sizes (for `layer`'s kernel), and the layout of its rows:
+  // where each pick goes, each destination's rows, and where their returns will land.
+  void Layout(int layer, const LivePlacement::Snapshot& snapshot, const Picks& picks) {
+    const int g = comm_.size(), k = model_.top_k;
+    const int64_t n = picks.rows;
+    const Placement& p = *snapshot.placement;
+    const DispatchTable& dispatch = snapshot.dispatch;
     const int slots = p.slots_per_rank();
     const ExpertStore& store = *stores_[layer];
     const RowFormat dispatch_format = options_.dispatch_format, combine_format = options_.combine_format;
     const bool partial = options_.combine_partial_sums;
+    const int64_t h = model_.hidden;
     hidden_ = h;
     partial_ = partial;
     record_bytes_ = k * 8 + RowBytes(dispatch_format, h);
@@ -261,16 +281,6 @@ class A2aExecutor : public MoeExecutor {
     activation_bytes_ = store.activation_row_bytes();
     per_returned_row_ = (partial ? 1 : picks_per_row_) * return_bytes_;
     const int64_t return_bytes = return_bytes_;
-    StepStats st;
-    st.rows = n;
-    Stopwatch watch;
-    // The previous step's records and outputs may still be on their way to their peers; their
-    // buffers are about to be reused.
-    EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
-    st.dispatch_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
-    st.combine_us += watch.Lap();
-
     // Layout, pass 1: the destination rank and local slot of every pick; rows and picks per
     // destination (a row counts once per destination it visits).
     pick_rank_.resize(n * k);
@@ -327,6 +337,33 @@ class A2aExecutor : public MoeExecutor {
     send_offsets_.assign(g, 0);
     back_recv_bytes_.assign(g, 0);
     back_recv_offsets_.assign(g, 0);
+    if (partial) partial_row_.resize(h);
+  }
+
+  // Memory model of one step (what max_buffer_bytes bounds), per rank:
+  //   returns: every output coming back for this rank's rows, held for the whole step (one per
+  //            pick, or one per row and destination with partial sums), so the home rank sums
+  //            straight from where they landed, in pick order;
+  //   per round: the records packed (this rank's own records among them: they are read where they
+  //            were packed and never pass through MPI); the records received from other ranks;
+  //            the expert-ordered input and output rows (at most min(k, slots) picks per record);
+  //            the weighted outputs going back to other ranks (this rank's own go straight into
+  //            returns).
+  // Buffers are kept across steps and reused; when a step needs a different mix whose total would
+  // exceed the bound, the oversized ones are released first, so what is held never exceeds it.
+  // Buffers of 1 MiB or more are rounded up to whole 2 MiB pages when the rounded total fits.
+  // The count matrix is all-gathered while the first round is packed (when this rank's own part
+  // of a one-round step fits the bound), so the count exchange costs no extra wait.
+  Status ForwardHome(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
+    const int g = comm_.size(), me = comm_.rank();
+    const int64_t n = rows.rows;
+    // The placement and dispatch table of this step (a rebalance installs only between steps).
+    const LivePlacement::SnapshotPtr snapshot = live_->current();
+    StepStats st;
+    st.rows = n;
+    Stopwatch watch;
+    EPMOE_RETURN_IF_ERROR(FinishPreviousSends(watch, st));
+    Layout(layer, *snapshot, picks);
 
     // Counts: every rank's row counts to every rank, all-gathered (G values per rank) so that every
     // rank computes every rank's need and all agree on the rounds without a second exchange. While
@@ -383,14 +420,10 @@ class A2aExecutor : public MoeExecutor {
     // Reserving the whole step's buffers may have released and replaced send_ (to stay within the
     // bound): then the records are packed again.
     if (send_.generation() != packed_generation) packed = false;
-    if (partial) partial_row_.resize(h);
     st.pack_us += watch.Lap();
 
-    std::vector<int64_t> recv_bytes(g), recv_offsets(g), recv_n(g), source_first(g + 1);
-    std::vector<int64_t> back_send_bytes(g), back_send_offsets(g);
-    std::vector<int64_t> slot_offsets(slots + 1), slot_cursor(slots);
+    std::vector<int64_t> recv_bytes(g), recv_offsets(g), recv_n(g);
     std::vector<const uint8_t*> source_records(g);
-    uint8_t* const returns = returns_.data();
     for (int64_t round = 0; round < rounds; ++round) {
       if (round > 0) {  // the previous round's records are still being sent from send_
         EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
@@ -418,131 +451,232 @@ class A2aExecutor : public MoeExecutor {
         st.bytes_received += recv_bytes[r];
       }
 
-      // Expert side: group the received picks by local slot (counting sort) and decode each row
-      // straight into its places in the expert-ordered input. Records are numbered q in source
-      // order; this rank's own are read where they were packed.
-      for (int s = 0; s < g; ++s) {
+      // This rank's own records are read where they were packed.
+      for (int s = 0; s < g; ++s)
         source_records[s] = s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s];
-        source_first[s + 1] = source_first[s] + recv_n[s];
-      }
-      const int64_t received = source_first[g];
-      std::fill(slot_offsets.begin(), slot_offsets.end(), 0);
-      for (int s = 0; s < g; ++s) {
-        for (int64_t i = 0; i < recv_n[s]; ++i) {
-          std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
-          for (int j = 0; j < k; ++j) {
-            const int32_t slot = slot_ids_[j];
-            if (slot < -1 || slot >= slots)
-              return Internal(fmt::format("a2a: rank {} received a pick for slot {} from rank {} (it holds {})", me,
-                                          slot, s, slots));
-            if (slot >= 0) ++slot_offsets[slot + 1];
-          }
-        }
-      }
-      for (int s = 0; s < slots; ++s) slot_offsets[s + 1] += slot_offsets[s];
-      const int64_t items = slot_offsets[slots];
-      EPMOE_CHECK(items <= items_cap_);
-      std::copy(slot_offsets.begin(), slot_offsets.end() - 1, slot_cursor.begin());
-      // Each received row is decoded once and put in the kernel's input format once
-      // (QuantizeRows); its picks then take copies of those smaller rows, and RunQuantized gives
-      // what Run would on the decoded rows, bit for bit.
-      position_.resize(received * k);
-      float* const decoded = decoded_.floats();
-      for (int s = 0; s < g; ++s) {
-        for (int64_t i = 0; i < recv_n[s]; ++i) {
-          DecodeRow(dispatch_format, source_records[s] + i * record_bytes_ + k * 8, h,
-                    decoded + (source_first[s] + i) * h);
-        }
-      }
-      const int64_t act = activation_bytes_;
-      std::byte* const quantized = reinterpret_cast<std::byte*>(quantized_.data());
-      std::byte* const work_in = reinterpret_cast<std::byte*>(work_in_.data());
-      st.pack_us += watch.Lap();
-      if (received > 0) store.QuantizeRows(decoded, received, quantized, pool_);
-      st.experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
-      for (int s = 0; s < g; ++s) {
-        for (int64_t i = 0; i < recv_n[s]; ++i) {
-          const int64_t q = source_first[s] + i;
-          std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
-          for (int j = 0; j < k; ++j) {
-            const int32_t slot = slot_ids_[j];
-            position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
-            if (slot >= 0) std::memcpy(work_in + position_[q * k + j] * act, quantized + q * act, act);
-          }
-        }
-      }
-      st.pack_us += watch.Lap();
-      if (items > 0) store.RunQuantized(work_in, slot_offsets, work_out_.floats(), pool_);
-      for (int s = 0; s < slots; ++s) {
-        if (slot_offsets[s + 1] > slot_offsets[s]) st.expert_bytes_read += store.expert_bytes(s);
-      }
-      st.picks += items;
-      st.experts_us += watch.Lap();
+      EPMOE_RETURN_IF_ERROR(ExpertRound(layer, source_records, recv_n, watch, st));
+    }
+    return FinishStep(layer, rows, out, watch, st, stats);
+  }
 
-      // Weighted outputs back, per source in record order: one per pick in pick order, or (partial
-      // sums) one per record with its picks here summed in pick order. This rank's own go straight
-      // to their place in returns.
-      int64_t back_at = 0;
-      for (int s = 0; s < g; ++s) {
-        int64_t count = 0;
-        for (int64_t q = source_first[s]; q < source_first[s + 1]; ++q) {
-          if (partial) {
-            ++count;
-            continue;
-          }
-          for (int j = 0; j < k; ++j) count += position_[q * k + j] >= 0;
+  // Low-latency mode (see the top of this file): one message to every peer into the buffers sized
+  // at creation, no counts first; the combine as in normal mode.
+  Status ForwardLowLatency(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) {
+    const int g = comm_.size(), me = comm_.rank();
+    const int64_t n = rows.rows, bound = options_.max_rows_per_rank;
+    const LivePlacement::SnapshotPtr snapshot = live_->current();
+    StepStats st;
+    st.rows = n;
+    st.rounds = 1;
+    st.peak_buffer_bytes = fixed_buffer_bytes_;
+    Stopwatch watch;
+    EPMOE_RETURN_IF_ERROR(FinishPreviousSends(watch, st));
+    // Each destination's message: the header, then (within the bound) its records.
+    std::vector<int64_t> message_bytes(g, kHeaderBytes), message_offsets(g);
+    if (n <= bound) {
+      Layout(layer, *snapshot, picks);
+      PackRound(0, 1, rows, picks, kHeaderBytes);
+      for (int d = 0; d < g; ++d) {
+        message_offsets[d] = send_offsets_[d] - kHeaderBytes;
+        message_bytes[d] += send_bytes_[d];
+        st.row_copies += send_n_[d];
+      }
+    } else {
+      for (int d = 0; d < g; ++d) message_offsets[d] = d * kHeaderBytes;
+    }
+    message_bytes[me] = 0;  // this rank's own records are read where they were packed
+    for (int d = 0; d < g; ++d) std::memcpy(send_.data() + message_offsets[d], &n, kHeaderBytes);
+    st.pack_us += watch.Lap();
+    received_bytes_.assign(g, 0);
+    EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartCappedAlltoallv(send_.data(), message_bytes, message_offsets,
+                                                                       recv_.data(), message_bytes_, received_bytes_));
+    EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
+    st.dispatch_us += watch.Lap();
+
+    // Every rank's row count from the headers: a rank over the bound fails the step on every rank.
+    std::vector<std::string> over;
+    for (int s = 0; s < g; ++s) {
+      int64_t home_rows = n;
+      if (s != me) {
+        if (received_bytes_[s] < kHeaderBytes)
+          return Internal(fmt::format("a2a low-latency: rank {} received {} bytes from rank {}, less than its header",
+                                      me, received_bytes_[s], s));
+        std::memcpy(&home_rows, recv_.data() + s * message_bytes_, kHeaderBytes);
+      }
+      if (home_rows > bound) over.push_back(fmt::format("rank {} has {}", s, home_rows));
+    }
+    if (!over.empty())
+      return OutOfRange(
+          fmt::format("a2a low-latency: {} rows this step, over the {} rows per rank its buffers were "
+                      "sized for (max_rows_per_rank; epmoe run: --tokens); use normal mode for larger "
+                      "steps",
+                      fmt::join(over, ", "), bound));
+    std::vector<int64_t> recv_n(g);
+    std::vector<const uint8_t*> source_records(g);
+    for (int s = 0; s < g; ++s) {
+      if (s == me) {
+        recv_n[s] = send_n_[me];
+        source_records[s] = send_.data() + send_offsets_[me];
+        continue;
+      }
+      const int64_t record_bytes = received_bytes_[s] - kHeaderBytes;
+      if (record_bytes % record_bytes_ != 0)
+        return Internal(
+            fmt::format("a2a low-latency: rank {} received {} bytes of records from rank {}, not whole "
+                        "records of {} bytes",
+                        me, record_bytes, s, record_bytes_));
+      recv_n[s] = record_bytes / record_bytes_;
+      source_records[s] = recv_.data() + s * message_bytes_ + kHeaderBytes;
+      st.bytes_sent += message_bytes[s];
+      st.bytes_received += received_bytes_[s];
+    }
+    st.pack_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(ExpertRound(layer, source_records, recv_n, watch, st));
+    return FinishStep(layer, rows, out, watch, st, stats);
+  }
+
+  // One round's expert side and combine: recv_n[s] records of rank s at source_records[s] are run
+  // and each source gets its weighted outputs back (this rank's own straight into returns_);
+  // returns once this rank's own returns have landed.
+  Status ExpertRound(int layer, std::span<const uint8_t* const> source_records, std::span<const int64_t> recv_n,
+                     Stopwatch& watch, StepStats& st) {
+    const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
+    const int64_t h = hidden_, return_bytes = return_bytes_;
+    const ExpertStore& store = *stores_[layer];
+    const int slots = store.num_experts();
+    const RowFormat dispatch_format = options_.dispatch_format, combine_format = options_.combine_format;
+    const bool partial = partial_;
+    std::vector<int64_t> source_first(g + 1), back_send_bytes(g), back_send_offsets(g);
+    std::vector<int64_t> slot_offsets(slots + 1), slot_cursor(slots);
+    uint8_t* const returns = returns_.data();
+    // Expert side: group the received picks by local slot (counting sort) and decode each row
+    // straight into its places in the expert-ordered input. Records are numbered q in source
+    // order; this rank's own are read where they were packed.
+    for (int s = 0; s < g; ++s) source_first[s + 1] = source_first[s] + recv_n[s];
+    const int64_t received = source_first[g];
+    std::fill(slot_offsets.begin(), slot_offsets.end(), 0);
+    for (int s = 0; s < g; ++s) {
+      for (int64_t i = 0; i < recv_n[s]; ++i) {
+        std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
+        for (int j = 0; j < k; ++j) {
+          const int32_t slot = slot_ids_[j];
+          if (slot < -1 || slot >= slots)
+            return Internal(
+                fmt::format("a2a: rank {} received a pick for slot {} from rank {} (it holds {})", me, slot, s, slots));
+          if (slot >= 0) ++slot_offsets[slot + 1];
         }
-        back_send_offsets[s] = back_at;
-        back_send_bytes[s] = s == me ? 0 : count * return_bytes;
-        back_at += back_send_bytes[s];
       }
-      if (combine_sends_ != nullptr) {  // the previous round's outputs are still being sent from back_send_
-        st.pack_us += watch.Lap();
-        EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
-        st.combine_us += watch.Lap();
+    }
+    for (int s = 0; s < slots; ++s) slot_offsets[s + 1] += slot_offsets[s];
+    const int64_t items = slot_offsets[slots];
+    EPMOE_CHECK(items <= items_cap_);
+    std::copy(slot_offsets.begin(), slot_offsets.end() - 1, slot_cursor.begin());
+    // Each received row is decoded once and put in the kernel's input format once
+    // (QuantizeRows); its picks then take copies of those smaller rows, and RunQuantized gives
+    // what Run would on the decoded rows, bit for bit.
+    position_.resize(received * k);
+    float* const decoded = decoded_.floats();
+    for (int s = 0; s < g; ++s) {
+      for (int64_t i = 0; i < recv_n[s]; ++i) {
+        DecodeRow(dispatch_format, source_records[s] + i * record_bytes_ + k * 8, h,
+                  decoded + (source_first[s] + i) * h);
       }
-      const float* const work_out = work_out_.floats();
-      for (int s = 0; s < g; ++s) {
-        uint8_t* to = s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s];
-        for (int64_t i = 0; i < recv_n[s]; ++i) {
-          const int64_t q = source_first[s] + i;
-          const uint8_t* weights = source_records[s] + i * record_bytes_ + k * 4;
-          if (partial) {
-            std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
-            for (int j = 0; j < k; ++j) {
-              const int64_t pos = position_[q * k + j];
-              if (pos < 0) continue;
-              float w;
-              std::memcpy(&w, weights + j * 4, 4);
-              const float* src = work_out + pos * h;
-              for (int64_t c = 0; c < h; ++c) partial_row_[c] += w * src[c];
-            }
-            EncodeRow(combine_format, partial_row_.data(), h, to);
-            to += return_bytes;
-            continue;
-          }
+    }
+    const int64_t act = activation_bytes_;
+    std::byte* const quantized = reinterpret_cast<std::byte*>(quantized_.data());
+    std::byte* const work_in = reinterpret_cast<std::byte*>(work_in_.data());
+    st.pack_us += watch.Lap();
+    if (received > 0) store.QuantizeRows(decoded, received, quantized, pool_);
+    st.experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
+    for (int s = 0; s < g; ++s) {
+      for (int64_t i = 0; i < recv_n[s]; ++i) {
+        const int64_t q = source_first[s] + i;
+        std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
+        for (int j = 0; j < k; ++j) {
+          const int32_t slot = slot_ids_[j];
+          position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
+          if (slot >= 0) std::memcpy(work_in + position_[q * k + j] * act, quantized + q * act, act);
+        }
+      }
+    }
+    st.pack_us += watch.Lap();
+    if (items > 0) store.RunQuantized(work_in, slot_offsets, work_out_.floats(), pool_);
+    for (int s = 0; s < slots; ++s) {
+      if (slot_offsets[s + 1] > slot_offsets[s]) st.expert_bytes_read += store.expert_bytes(s);
+    }
+    st.picks += items;
+    st.experts_us += watch.Lap();
+
+    // Weighted outputs back, per source in record order: one per pick in pick order, or (partial
+    // sums) one per record with its picks here summed in pick order. This rank's own go straight
+    // to their place in returns.
+    int64_t back_at = 0;
+    for (int s = 0; s < g; ++s) {
+      int64_t count = 0;
+      for (int64_t q = source_first[s]; q < source_first[s + 1]; ++q) {
+        if (partial) {
+          ++count;
+          continue;
+        }
+        for (int j = 0; j < k; ++j) count += position_[q * k + j] >= 0;
+      }
+      back_send_offsets[s] = back_at;
+      back_send_bytes[s] = s == me ? 0 : count * return_bytes;
+      back_at += back_send_bytes[s];
+    }
+    if (combine_sends_ != nullptr) {  // the previous round's outputs are still being sent from back_send_
+      st.pack_us += watch.Lap();
+      EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
+      st.combine_us += watch.Lap();
+    }
+    const float* const work_out = work_out_.floats();
+    for (int s = 0; s < g; ++s) {
+      uint8_t* to = s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s];
+      for (int64_t i = 0; i < recv_n[s]; ++i) {
+        const int64_t q = source_first[s] + i;
+        const uint8_t* weights = source_records[s] + i * record_bytes_ + k * 4;
+        if (partial) {
+          std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
           for (int j = 0; j < k; ++j) {
             const int64_t pos = position_[q * k + j];
             if (pos < 0) continue;
             float w;
             std::memcpy(&w, weights + j * 4, 4);
-            EncodeScaledRow(combine_format, w, work_out + pos * h, h, to);
-            to += return_bytes;
+            const float* src = work_out + pos * h;
+            for (int64_t c = 0; c < h; ++c) partial_row_[c] += w * src[c];
           }
+          EncodeRow(combine_format, partial_row_.data(), h, to);
+          to += return_bytes;
+          continue;
+        }
+        for (int j = 0; j < k; ++j) {
+          const int64_t pos = position_[q * k + j];
+          if (pos < 0) continue;
+          float w;
+          std::memcpy(&w, weights + j * 4, 4);
+          EncodeScaledRow(combine_format, w, work_out + pos * h, h, to);
+          to += return_bytes;
         }
       }
-      st.pack_us += watch.Lap();
-      EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_send_bytes,
-                                                                  back_send_offsets, returns, back_recv_bytes_,
-                                                                  back_recv_offsets_));
-      EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
-      st.combine_us += watch.Lap();
-      for (int r = 0; r < g; ++r) {
-        st.bytes_sent += back_send_bytes[r];
-        st.bytes_received += back_recv_bytes_[r];
-      }
     }
+    st.pack_us += watch.Lap();
+    EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_send_bytes, back_send_offsets,
+                                                                returns, back_recv_bytes_, back_recv_offsets_));
+    EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
+    st.combine_us += watch.Lap();
+    for (int r = 0; r < g; ++r) {
+      st.bytes_sent += back_send_bytes[r];
+      st.bytes_received += back_recv_bytes_[r];
+    }
+    return Status::Ok();
+  }
 
+  // Sums each row's returned outputs, adds the shared experts and reports the step.
+  Status FinishStep(int layer, const Matrix& rows, Matrix* out, Stopwatch& watch, StepStats& st, StepStats* stats) {
+    const int k = model_.top_k;
+    const int64_t h = hidden_, n = rows.rows;
+    const RowFormat combine_format = options_.combine_format;
+    const uint8_t* const returns = returns_.data();
     // Sum each row's outputs in pick order j = 0..k-1, exactly as CombinePermutedRows, straight
     // from where they landed.
     *out = Matrix(n, h);
@@ -557,6 +691,16 @@ class A2aExecutor : public MoeExecutor {
     st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, out, pool_);
     st.shared_us += watch.Lap();
     if (stats != nullptr) *stats = st;
+    return Status::Ok();
+  }
+
+  // The previous step's records and outputs may still be on their way to their peers; their
+  // buffers are about to be reused.
+  Status FinishPreviousSends(Stopwatch& watch, StepStats& st) {
+    EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
+    st.dispatch_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
+    st.combine_us += watch.Lap();
     return Status::Ok();
   }
 
@@ -578,6 +722,11 @@ class A2aExecutor : public MoeExecutor {
   std::vector<std::unique_ptr<ExpertStore>>& shared_;  // weights_->shared
   std::vector<std::vector<float>>& shared_gates_;      // weights_->shared_gates
   std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ (null in a lane)
+
+  bool low_latency_ = false;             // a2a_mode resolved at creation (ResolveA2aMode)
+  int64_t message_bytes_ = 0;            // low-latency: the capacity of one peer's message
+  int64_t fixed_buffer_bytes_ = 0;       // low-latency: the buffers held from creation on
+  std::vector<int64_t> received_bytes_;  // low-latency: this step's message length from each rank
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
   int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;

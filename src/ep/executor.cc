@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/huge_pages.h"
 #include "ep/executor_internal.h"
 #include "epmoe/layer.h"
 #include "epmoe/thread_pool.h"
@@ -28,6 +29,47 @@ void StepStats::Add(const StepStats& o) {
 int64_t RowBegin(int64_t total, int ranks, int rank) {
   const int64_t base = total / ranks, extra = total % ranks;
   return rank * base + std::min<int64_t>(rank, extra);
+}
+
+namespace ep_internal {
+
+int64_t LowLatencyMessageBytes(const ModelConfig& model, const ExecutorOptions& o) {
+  const int64_t record = 8 * int64_t{model.top_k} + RowBytes(o.dispatch_format, model.hidden);
+  return 8 + o.max_rows_per_rank * record;
+}
+
+std::array<int64_t, kA2aBuffers> LowLatencyBufferBytes(const ModelConfig& model, const ExecutorOptions& o, int ranks) {
+  const int64_t g = ranks, k = model.top_k, h = model.hidden, rows = o.max_rows_per_rank;
+  const int64_t slots = o.placement != nullptr ? o.placement->slots_per_rank() : (model.num_experts + g - 1) / g;
+  const int64_t picks_per_row = std::min(k, slots), returned = RowBytes(o.combine_format, h);
+  const int64_t message = LowLatencyMessageBytes(model, o);
+  const int64_t received = g * rows;  // every source sends a row here at most once
+  // Returns per home row: one per pick, or one per destination rank with partial sums.
+  const int64_t returns = rows * (o.combine_partial_sums ? std::min(k, g) : k) * returned;
+  const int64_t back_per_row = (o.combine_partial_sums ? 1 : picks_per_row) * returned;
+  return {returns,
+          g * message,
+          g * message,
+          received * h * 4,
+          received * h * 4,
+          received * picks_per_row * h * 4,
+          received * picks_per_row * h * 4,
+          (g - 1) * rows * back_per_row};
+}
+
+int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& o, int ranks) {
+  int64_t bytes = 0;
+  for (int64_t buffer : LowLatencyBufferBytes(model, o, ranks)) bytes += buffer;
+  return bytes;
+}
+
+}  // namespace ep_internal
+
+A2aMode ResolveA2aMode(const ModelConfig& model, const ExecutorOptions& options, int num_ranks) {
+  if (options.a2a_mode != A2aMode::kAuto) return options.a2a_mode;
+  const bool decode = options.max_rows_per_rank > 0 && options.max_rows_per_rank <= kAutoLowLatencyMaxRows;
+  const bool fits = decode && ep_internal::LowLatencyBytes(model, options, num_ranks) <= options.max_buffer_bytes;
+  return fits ? A2aMode::kLowLatency : A2aMode::kNormal;
 }
 
 Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, int num_ranks) {
@@ -85,6 +127,22 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
       return FailedPrecondition(fmt::format("{}: {} experts cannot be split evenly over {} ranks (give a placement with "
                                             "redundant slots)", name, model.num_experts, g));
     }
+  }
+  if (o.max_rows_per_rank < 0)
+    return InvalidArgument(
+        fmt::format("{}: {} rows per rank at most: must not be negative", name, o.max_rows_per_rank));
+  if (o.option == EpOption::kA2a && ResolveA2aMode(model, o, g) == A2aMode::kLowLatency) {
+    if (o.max_rows_per_rank == 0)
+      return InvalidArgument(
+          "a2a low-latency: its buffers are sized from the most rows a rank sends per step, which "
+          "was not given (ExecutorOptions::max_rows_per_rank; epmoe run sets it from --tokens)");
+    const int64_t fixed = ep_internal::LowLatencyBytes(model, o, g);
+    if (fixed > o.max_buffer_bytes)
+      return OutOfRange(
+          fmt::format("a2a low-latency: the fixed buffers for {} rows per rank on {} ranks need {} bytes, "
+                      "over the buffer bound of {} bytes (raise the bound, send fewer rows per rank, or "
+                      "use normal mode)",
+                      o.max_rows_per_rank, g, fixed, o.max_buffer_bytes));
   }
   if (o.option == EpOption::kDwdp && g > 1) {
     // The double buffer holds two pieces of at least one packed expert each (the reads land in
@@ -152,6 +210,17 @@ MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOp
   const double record = 8.0 * k + static_cast<double>(RowBytes(o.dispatch_format, model.hidden));
   const double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
   m.exchange = std::min(static_cast<double>(o.max_buffer_bytes), static_cast<double>(tokens) * per_row);
+  if (o.option == EpOption::kA2a && ResolveA2aMode(model, o, g) == A2aMode::kLowLatency) {
+    // Fixed buffers, sized for the bound whatever a step sends (CheckExecutorShape keeps them
+    // within max_buffer_bytes), in whole huge pages when those fit the bound too (as the executor
+    // allocates them).
+    double exact = 0, rounded = 0;
+    for (int64_t bytes : ep_internal::LowLatencyBufferBytes(model, o, g)) {
+      exact += static_cast<double>(bytes);
+      rounded += static_cast<double>(HugePageBytes(bytes));
+    }
+    m.exchange = rounded <= static_cast<double>(o.max_buffer_bytes) ? rounded : exact;
+  }
   return m;
 }
 

@@ -1,6 +1,7 @@
 // Helpers shared by the executors (not part of the public API).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -75,6 +76,17 @@ class SlotStoresTarget final : public RebalanceTarget {
   mutable std::map<std::pair<int, int>, std::vector<std::byte>> exported_;
   std::map<std::pair<int, int>, std::vector<std::byte>> staged_;
 };
+
+// a2a low-latency: the bytes of one rank's message to a peer (a header of the sender's row count,
+// then at most max_rows_per_rank records), and the fixed buffers sized from it for `ranks` ranks,
+// in the order A2aExecutor holds them (returns, records sent and received, received rows decoded
+// and in the kernel's input format, expert-ordered inputs and outputs, outputs going back). The
+// kernel's input format is bounded by fp32, as in normal mode's memory model.
+inline constexpr int kA2aBuffers = 8;
+int64_t LowLatencyMessageBytes(const ModelConfig& model, const ExecutorOptions& options);
+std::array<int64_t, kA2aBuffers> LowLatencyBufferBytes(const ModelConfig& model, const ExecutorOptions& options,
+                                                       int ranks);
+int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& options, int ranks);  // their sum
 
 // Makes rows travel: encode then decode (what a receiver sees).
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out);

@@ -43,6 +43,7 @@ struct RunOptions {
   std::string combine_format = "bf16";
   bool partial_sums = false;
   bool tbo = false;
+  std::string a2a_mode = "normal";
   std::string weight_format = "fp32";
   std::string isa = "auto";
   std::string weights;
@@ -90,6 +91,7 @@ class ProgressBar {
 
 struct OptionResult {
   std::string name, description, refused;
+  std::string a2a_mode;  // a2a: the mode that ran (normal or low-latency)
   std::vector<double> step_ms;
   std::vector<std::vector<double>> stage_ms = std::vector<std::vector<double>>(kNumStages);  // [stage][step]
   double copies_per_row = 0, picks_balance = 0, bytes_balance = 0, peak_buffer = 0, rounds = 0, max_error = 0;
@@ -193,6 +195,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   EPMOE_ASSIGN_OR_RETURN(base.dispatch_format, ParseRowFormat(o.dispatch_format));
   EPMOE_ASSIGN_OR_RETURN(base.combine_format, ParseRowFormat(o.combine_format));
   base.combine_partial_sums = o.partial_sums;
+  EPMOE_ASSIGN_OR_RETURN(base.a2a_mode, ParseA2aMode(o.a2a_mode));
   EPMOE_ASSIGN_OR_RETURN(base.pack.format, ParseWeightFormat(o.weight_format));
   base.pack.isa = o.isa;
   EPMOE_ASSIGN_OR_RETURN(base.shared, ParseSharedMode(o.shared));
@@ -200,6 +203,17 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   base.seed = o.seed;
   EPMOE_ASSIGN_OR_RETURN(const OpenedWeights opened, OpenWeights(o.weights, model, o.layers, o.seed));
   base.weights = opened.source;
+  std::unique_ptr<TraceRouting> trace;
+  const int steps = o.steps;  // a shorter trace is replayed from its start
+  if (!o.trace.empty()) {
+    EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, o.steps));
+  }
+  auto tokens = [&](int step) { return trace ? trace->rows(step) : o.tokens; };
+  // Low-latency a2a sizes its buffers once for the most rows a rank holds in any step (the first
+  // rank's share of the largest step).
+  int64_t most_tokens = 0;
+  for (int step = 0; step < (trace ? steps : 1); ++step) most_tokens = std::max(most_tokens, tokens(step));
+  base.max_rows_per_rank = std::max<int64_t>(1, RowBegin(most_tokens, g, 1));
 
   std::vector<EpOption> options;
   const bool all = o.options.size() == 1 && o.options[0] == "all";
@@ -223,7 +237,9 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   std::vector<OptionResult> results(options.size());
   for (size_t i = 0; i < options.size(); ++i) {
     results[i].name = EpOptionName(options[i]);
-    const Status fits = CheckExecutorShape(model, OptionExecutorOptions(base, o, options[i], g), g);
+    const ExecutorOptions executor_options = OptionExecutorOptions(base, o, options[i], g);
+    if (options[i] == EpOption::kA2a) results[i].a2a_mode = A2aModeName(ResolveA2aMode(model, executor_options, g));
+    const Status fits = CheckExecutorShape(model, executor_options, g);
     if (!fits.ok()) {
       if (!all) return fits;
       results[i].refused = fits.message();
@@ -239,11 +255,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
 
   ThreadPool pool(o.threads);
   std::unique_ptr<Routing> routing;
-  std::unique_ptr<TraceRouting> trace;
-  const int steps = o.steps;  // a shorter trace is replayed from its start
-  if (!o.trace.empty()) {
-    EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, o.steps));
-  } else {
+  if (!trace) {
     EPMOE_ASSIGN_OR_RETURN(const RoutingMode mode, ParseRoutingMode(o.routing));
     if (mode == RoutingMode::kScores) {
       EPMOE_ASSIGN_OR_RETURN(routing, ModelRouting(model, *base.weights, o.layers, o.isa, pool));
@@ -252,7 +264,6 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     }
   }
   const Routing& picks = trace ? static_cast<const Routing&>(*trace) : *routing;
-  auto tokens = [&](int step) { return trace ? trace->rows(step) : o.tokens; };
 
   ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * steps);
   int64_t done = 0;
@@ -297,6 +308,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   nlohmann::json rows = nlohmann::json::array();
   for (const OptionResult& r : results) {
     nlohmann::json j = {{"option", r.name}};
+    if (!r.a2a_mode.empty()) j["a2a_mode"] = r.a2a_mode;
     if (!r.refused.empty()) {
       j["refused"] = r.refused;
       rows.push_back(j);
@@ -337,6 +349,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"row_origin", o.origin},
              {"dispatch_format", o.dispatch_format},
              {"combine_format", o.combine_format},
+             {"a2a_mode_requested", o.a2a_mode},
              {"weight_format", o.weight_format},
              {"weights", opened.report},
              {"threads_per_rank", pool.size()},
@@ -382,6 +395,7 @@ void PrintText(const nlohmann::json& r) {
                 static_cast<int>(o["max_rounds"].get<double>()));
     if (checked) std::printf(" %9.2g", o["max_normalized_error"].get<double>());
     std::printf("\n");
+    if (o.contains("a2a_mode")) std::printf("        %s\n", o["description"].get<std::string>().c_str());
     if (o.contains("eplb")) PrintEplbText(o["eplb"]);
   }
   std::printf(
@@ -435,6 +449,13 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--tbo", o->tbo,
                 "a2a: two-batch overlap: each rank's rows in two micro-batches, one's exchange in flight while the "
                 "other's experts run (same outputs; the other options of --option run one batch)");
+  cmd->add_option("--a2a-mode", o->a2a_mode,
+                  fmt::format("a2a: normal (row counts exchanged first, buffers sized to them), low-latency (buffers "
+                              "sized once for the most rows a rank holds at --tokens, no count exchange; for decode) "
+                              "or auto (low-latency up to {} rows per rank)",
+                              kAutoLowLatencyMaxRows))
+      ->check(CLI::IsMember({"normal", "low-latency", "low_latency", "auto"}))
+      ->capture_default_str();
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();

@@ -51,6 +51,7 @@ constexpr int kBarrierTag = 4;
 constexpr int kWindowCloseTag = 5;  // and 6
 constexpr int kWindowOpenTag = 7;   // and 8
 constexpr int kSplitTag = 9;        // and 10
+constexpr int kCappedAlltoallvTag = 11;
 // The agreement before the world communicator's own creation has no private communicator yet: it
 // runs on MPI_COMM_WORLD with these two tags (the MPI standard guarantees tags up to 32767), named
 // in comm.h.
@@ -142,12 +143,15 @@ using CommPeersPtr = std::shared_ptr<CommPeers>;
 
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
 // for (-1: a collective, any rank), named in the timeout's message with its node (comm).
+// statuses: empty, or one per request, set as each completes.
 Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, double timeout_seconds,
-               const std::string& what, int rank, CommPeers* comm = nullptr) {
+               const std::string& what, int rank, CommPeers* comm = nullptr, std::span<MPI_Status> statuses = {}) {
   if (requests.empty()) return Status::Ok();
+  const bool keep_statuses = !statuses.empty();
   if (timeout_seconds <= 0) {
-    return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), what.c_str(),
-                    rank);
+    return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
+                                keep_statuses ? statuses.data() : MPI_STATUSES_IGNORE),
+                    what.c_str(), rank);
   }
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
@@ -157,6 +161,7 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
   int remaining = 0;
   for (const MPI_Request& r : requests) remaining += r != MPI_REQUEST_NULL;
   std::vector<int> completed(requests.size());
+  std::vector<MPI_Status> completed_statuses(keep_statuses ? requests.size() : 0);
   // Open MPI's MPI_Testsome first collects the requests already complete and, only when there are
   // none, runs the progress engine once, which is where messages land (a large receive's single
   // copy included); it does not look again, so what that progress completed is only reported by
@@ -170,9 +175,11 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
   for (;;) {
     if (remaining == 0) return Status::Ok();
     int outcount = 0;
-    EPMOE_RETURN_IF_ERROR(CheckMpi(
-        MPI_Testsome(count, requests.data(), &outcount, completed.data(), MPI_STATUSES_IGNORE), what.c_str(), rank));
+    EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Testsome(count, requests.data(), &outcount, completed.data(),
+                                                keep_statuses ? completed_statuses.data() : MPI_STATUSES_IGNORE),
+                                   what.c_str(), rank));
     if (outcount == MPI_UNDEFINED) return Status::Ok();
+    for (int i = 0; keep_statuses && i < outcount; ++i) statuses[completed[i]] = completed_statuses[i];
     remaining -= outcount;
     if (remaining == 0) return Status::Ok();
     const bool give_away = outcount == 0 && previous_empty;
@@ -224,7 +231,9 @@ class MpiRequest : public Request {
   bool Test() override {
     if (requests_.empty()) return true;
     int done = 0;
-    MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE);
+    MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done,
+                lengths_.empty() ? MPI_STATUSES_IGNORE : statuses_.data());
+    if (done) ReportLengths();
     return done != 0;
   }
   // Gives up on the unfinished messages without waiting (as a timeout does): the destructor then
@@ -232,6 +241,13 @@ class MpiRequest : public Request {
   void Abandon() { timed_out_ = true; }
   // Marks the requests added so far as the receiving side (WaitReceived completes those).
   void MarkReceives() { receives_ = static_cast<ptrdiff_t>(requests_.size()); }
+  // Once the receiving side completes, writes each receive's length in bytes to lengths[peer] (an
+  // exchange whose receives are posted for a capacity, not an exact size). Call after adding every
+  // request.
+  void ReportReceivedBytes(std::span<int64_t> lengths) {
+    lengths_ = lengths;
+    statuses_.resize(requests_.size());
+  }
   // A new request slot; peer: the rank it waits for (-1: a collective). The slot stays valid until
   // the next call (call reserve first when adding several).
   MPI_Request* Add(int peer = -1) {
@@ -255,17 +271,30 @@ class MpiRequest : public Request {
   // Waits for the first n requests.
   Status WaitFor(size_t n) {
     if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
-    Status status =
-        WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n), timeout_seconds_,
-                what_, rank_, comm_.get());
+    Status status = WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n),
+                            timeout_seconds_, what_, rank_, comm_.get(),
+                            lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n));
     if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    if (status.ok() && n >= static_cast<size_t>(std::max<ptrdiff_t>(receives_, 0))) ReportLengths();
     return status;
+  }
+  void ReportLengths() {
+    if (lengths_.empty() || lengths_reported_) return;
+    for (ptrdiff_t i = 0; i < receives_; ++i) {
+      int bytes = 0;
+      MPI_Get_count(&statuses_[i], MPI_BYTE, &bytes);
+      lengths_[peers_[i]] = bytes;
+    }
+    lengths_reported_ = true;
   }
 
   bool timed_out_ = false;
   std::vector<MPI_Request> requests_;
   std::vector<int> peers_;
   ptrdiff_t receives_ = -1;  // requests_[0, receives_) receive; -1: the sides are not apart
+  std::span<int64_t> lengths_;        // ReportReceivedBytes' destination; empty: not asked
+  std::vector<MPI_Status> statuses_;  // per request, kept when lengths_ is asked for
+  bool lengths_reported_ = false;
 };
 
 // One message block of a point-to-point exchange: `bytes` at `data`; post = false: no message.
@@ -609,6 +638,42 @@ class MpiCommunicator : public Communicator {
     if (send_bytes[rank_] > 0)
       std::memcpy(static_cast<char*>(recv) + recv_offsets[rank_], static_cast<const char*>(send) + send_offsets[rank_],
                   static_cast<size_t>(send_bytes[rank_]));
+    return std::unique_ptr<Request>(std::move(request));
+  }
+
+  Result<std::unique_ptr<Request>> StartCappedAlltoallv(const void* send, std::span<const int64_t> send_bytes,
+                                                        std::span<const int64_t> send_offsets, void* recv,
+                                                        int64_t capacity, std::span<int64_t> received_bytes) override {
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_bytes.size(), "capped alltoallv send sizes"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_offsets.size(), "capped alltoallv send offsets"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(received_bytes.size(), "capped alltoallv received sizes"));
+    EPMOE_ASSIGN_OR_RETURN(const int cap, ToInt(capacity, "capped alltoallv capacity", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckOffsets(send_offsets, "capped alltoallv send offset"));
+    for (int d = 0; d < size_; ++d) {
+      if (send_bytes[d] < 0 || send_bytes[d] > capacity)
+        return OutOfRange(
+            fmt::format("rank {}: capped alltoallv block of {} bytes for rank {} is outside the capacity "
+                        "of {} bytes per rank",
+                        rank_, send_bytes[d], d, capacity));
+    }
+    auto request = NewRequest("capped alltoallv");
+    char* const into = static_cast<char*>(recv);
+    char* const from = const_cast<char*>(static_cast<const char*>(send));
+    // Every pair exchanges a message, empty ones too: the receiver learns a block's size from the
+    // message itself (MPI_Get_count) instead of from counts sent first.
+    EPMOE_RETURN_IF_ERROR(PostMessages(
+        messages_, rank_, size_, kCappedAlltoallvTag, *request,
+        [&](int peer) {
+          return Block{into + static_cast<int64_t>(peer) * capacity, cap, true};
+        },
+        [&](int peer) {
+          return Block{from + send_offsets[peer], static_cast<int>(send_bytes[peer]), true};
+        }));
+    request->ReportReceivedBytes(received_bytes);
+    if (send_bytes[rank_] > 0)
+      std::memcpy(into + static_cast<int64_t>(rank_) * capacity, from + send_offsets[rank_],
+                  static_cast<size_t>(send_bytes[rank_]));
+    received_bytes[rank_] = send_bytes[rank_];
     return std::unique_ptr<Request>(std::move(request));
   }
 
