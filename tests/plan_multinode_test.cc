@@ -10,6 +10,7 @@
 #include "epmoe/model.h"
 #include "epmoe/plan.h"
 #include "epmoe/trace.h"
+#include "plan_tiny.h"
 
 namespace epmoe {
 namespace {
@@ -17,35 +18,13 @@ namespace {
 // 2 nodes of 2 ranks: inside a node 1 B/us and 10 us per collective step, between nodes 0.5 B/us
 // and 20 us. Reading 1 B/us, 1 flop/us.
 HardwareProfile TwoNodeProfile() {
-  HardwareProfile p;
+  HardwareProfile p = testing::UnitProfile();
   p.name = "two-node";
-  p.description = "hand-priced";
-  p.sources = {"test"};
-  p.gpus_per_node = 2;
-  p.memory_capacity_gb = 1e6;
-  p.memory_bandwidth_gbs = 1e-3;
-  p.memory_read_efficiency = 1;
-  p.peak_tflops = {1e-6, 1e-6, 1e-6, 1e-6, 1e-6};
-  p.arithmetic_efficiency = 1;
-  p.gemm_efficiency = 1;
-  p.kernel_fixed_us = 5;
-  p.intra_node = {1e-3, 1, 10};
   p.inter_node = {0.5e-3, 1, 20};
   return p;
 }
 
-// 4 experts of hidden 16, top-2, one layer: on 4 ranks each rank holds one expert.
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.hidden = 16;
-  m.num_experts = 4;
-  m.expert_intermediate = 16;
-  m.top_k = 2;
-  m.num_layers = 1;
-  m.scoring = Scoring::kSoftmax;
-  return m;
-}
+using testing::TinyPlanModel;  // top-2: on 4 ranks each rank holds one of the 4 experts
 
 // One step of 4 rows, every expert picked twice: each rank computes a quarter of the picks.
 ExpertLoad EvenTrace() {
@@ -94,7 +73,7 @@ A2aVariant Variant(A2aLevels levels, A2aMode mode, bool tbo = false, bool sbo = 
 // a node of 2 ranks with 1 - C(2,2)/C(4,2) = 5/6. One row per rank, 32 B each way (bf16).
 TEST(PlanMultinodeTest, TwoLevelCrossesOncePerNode) {
   const ExpertLoad trace = EvenTrace();
-  const PlanResult r = Plan(TinyModel(), TwoNodeProfile(),
+  const PlanResult r = Plan(TinyPlanModel(2), TwoNodeProfile(),
                             A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal}), &trace);
   // Flat: a rank sends 1/2 record to its node's other rank and 2 x 1/2 to the other node, and
   // receives as many; its outputs come back the same way. Per rank: 32 B intra and 64 B inter.
@@ -124,7 +103,7 @@ TEST(PlanMultinodeTest, TwoLevelEqualsFlatWithOneRankPerNode) {
   hw.gpus_per_node = 1;
   const ExpertLoad trace = EvenTrace();
   const PlanResult r =
-      Plan(TinyModel(), hw, A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal}), &trace);
+      Plan(TinyPlanModel(2), hw, A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal}), &trace);
   const OptionCost& flat = Find(r, Variant(A2aLevels::kFlat, A2aMode::kNormal));
   const OptionCost& two = Find(r, Variant(A2aLevels::kTwoLevel, A2aMode::kNormal));
   EXPECT_DOUBLE_EQ(two.inter_node_mb, flat.inter_node_mb);
@@ -133,7 +112,7 @@ TEST(PlanMultinodeTest, TwoLevelEqualsFlatWithOneRankPerNode) {
   // And on one node two-level has nothing to cross.
   hw.gpus_per_node = 4;
   const PlanResult one =
-      Plan(TinyModel(), hw, A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal}), &trace);
+      Plan(TinyPlanModel(2), hw, A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal}), &trace);
   EXPECT_DOUBLE_EQ(Find(one, Variant(A2aLevels::kTwoLevel, A2aMode::kNormal)).comm_us,
                    Find(one, Variant(A2aLevels::kFlat, A2aMode::kNormal)).comm_us);
   EXPECT_DOUBLE_EQ(Find(one, Variant(A2aLevels::kFlat, A2aMode::kNormal)).inter_node_mb, 0);
@@ -142,7 +121,7 @@ TEST(PlanMultinodeTest, TwoLevelEqualsFlatWithOneRankPerNode) {
 TEST(PlanMultinodeTest, LowLatencySavesTheCountStep) {
   const ExpertLoad trace = EvenTrace();
   const PlanResult r =
-      Plan(TinyModel(), TwoNodeProfile(),
+      Plan(TinyPlanModel(2), TwoNodeProfile(),
            A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal, A2aMode::kLowLatency}), &trace);
   const OptionCost& normal = Find(r, Variant(A2aLevels::kFlat, A2aMode::kNormal));
   const OptionCost& low = Find(r, Variant(A2aLevels::kFlat, A2aMode::kLowLatency));
@@ -159,23 +138,23 @@ TEST(PlanMultinodeTest, AutoResolvesAsTheRuntime) {
   const ExpertLoad trace = EvenTrace();
   PlanConfig config = A2aConfig({A2aLevels::kAuto}, {A2aMode::kAuto});
   // Decode: low-latency, hence flat.
-  PlanResult r = Plan(TinyModel(), TwoNodeProfile(), config, &trace);
+  PlanResult r = Plan(TinyPlanModel(2), TwoNodeProfile(), config, &trace);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kFlat, A2aMode::kLowLatency));
   // Prefill: normal, and two-level on 2 nodes of 2 ranks.
   config.phase = PlanPhase::kPrefill;
-  r = Plan(TinyModel(), TwoNodeProfile(), config, &trace);
+  r = Plan(TinyPlanModel(2), TwoNodeProfile(), config, &trace);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kTwoLevel, A2aMode::kNormal));
   // ... but flat with one rank per node.
   HardwareProfile hw = TwoNodeProfile();
   hw.gpus_per_node = 1;
-  r = Plan(TinyModel(), hw, config, &trace);
+  r = Plan(TinyPlanModel(2), hw, config, &trace);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kFlat, A2aMode::kNormal));
   // auto and the level it resolves to are one line.
   config.a2a_levels = {A2aLevels::kAuto, A2aLevels::kFlat};
-  r = Plan(TinyModel(), hw, config, &trace);
+  r = Plan(TinyPlanModel(2), hw, config, &trace);
   EXPECT_EQ(r.costs.size(), 1u);
 }
 
@@ -235,7 +214,7 @@ TEST(PlanMultinodeTest, TwoBatchOverlapNeverAboveItsSequentialTime) {
 // SBO runs the shared expert beside the dispatch: with a dispatch longer than the shared expert, the
 // layer loses exactly the shared expert's time.
 TEST(PlanMultinodeTest, SingleBatchOverlapHidesTheSharedExpert) {
-  ModelConfig m = TinyModel();
+  ModelConfig m = TinyPlanModel(2);
   m.num_shared_experts = 1;
   m.shared_intermediate = 16;
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
