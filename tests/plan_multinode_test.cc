@@ -152,6 +152,10 @@ TEST(PlanMultinodeTest, AutoResolvesAsTheRuntime) {
   r = Plan(TinyPlanModel(2), hw, config, &trace);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kFlat, A2aMode::kNormal));
+  // An empty list of levels or modes is refused.
+  config.a2a_modes.clear();
+  EXPECT_FALSE(RunPlan(TinyPlanModel(2), hw, config, &trace, "trace").ok());
+  config.a2a_modes = {A2aMode::kAuto};
   // auto and the level it resolves to are one line.
   config.a2a_levels = {A2aLevels::kAuto, A2aLevels::kFlat};
   r = Plan(TinyPlanModel(2), hw, config, &trace);

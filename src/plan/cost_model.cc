@@ -281,7 +281,8 @@ std::vector<KernelParts> RankKernels(const Context& c, EpOption option, int gpus
   return per_rank;
 }
 
-// The slowest rank's kernel, its split, the mean rank's and the balancedness of the picks.
+// Adds the slowest rank's kernel, its split and the mean rank's to `cost` (TBO adds both
+// micro-batches'), and sets the balancedness of the picks.
 void SummarizeKernels(const std::vector<KernelParts>& per_rank, EpOption option, SampleCost* cost) {
   const auto slowest =
       std::max_element(per_rank.begin(), per_rank.end(),
@@ -696,6 +697,8 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
   if (config.gpus.empty()) return InvalidArgument("no EP sizes given");
   EPMOE_RETURN_IF_ERROR(CheckRowWidth(config.rows, model.hidden).WithContext("rows under a2a"));
   if (config.options.empty()) return InvalidArgument("no options given");
+  if (config.a2a_levels.empty() || config.a2a_modes.empty())
+    return InvalidArgument("no a2a levels or modes given (auto prices what the runtime would run)");
   if (config.samples < 1 || config.samples > 4096)
     return InvalidArgument(fmt::format("samples must be in 1..4096, got {}", config.samples));
   for (int64_t b : config.batches)
