@@ -191,6 +191,22 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   run = Epmoe("plan --model qwen3-30b-a3b --hardware " + cluster +
               " --gpus 2 --batch 64 --weights int8 --samples 2 --a2a-levels flat,two-level");
   EXPECT_EQ(run.exit_code, 0) << run.out;
+  // 2 nodes of 2 ranks: both links measured, each among its own ranks.
+  const std::string four = ::testing::TempDir() + "plan_cli_cluster4.json";
+  run = epmoe::testing::RunCommand(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 4 " +
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --ranks-per-node 2 --base " +
+      linked + " --out " + four);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  std::ifstream four_in(four);
+  const auto f = nlohmann::json::parse(four_in);
+  EXPECT_EQ(f["gpus_per_node"], 2);
+  EXPECT_GT(f["intra_node"]["bandwidth_gbs"].get<double>(), 0);
+  EXPECT_GT(f["inter_node"]["bandwidth_gbs"].get<double>(), 0);
+  const std::string notes = f["sources"].dump();
+  EXPECT_NE(notes.find("intra_node among the ranks of each node: fixed cost"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("4 ranks on 2 nodes"), std::string::npos) << notes;
   // A link measured faster than --link-gbit is not that link; --link-gbit on one node has no link.
   run = epmoe::testing::RunCommand(mpirun + " --ranks-per-node 1 --link-gbit 0.001");
   EXPECT_NE(run.exit_code, 0);
