@@ -362,9 +362,20 @@ TEST(PlanCliTest, A2aVariantsAreLinesOfTheirOwn) {
   run = Epmoe(plan + " --phase prefill --batch 4096 --format csv");
   ASSERT_EQ(run.exit_code, 0) << run.out;
   EXPECT_NE(run.out.find(",a2a,1,two-level,normal,0,0,1,"), std::string::npos) << run.out;  // auto in prefill
-  for (const char* bad : {" --a2a-levels three-level", " --a2a-mode fast"}) {
+  // The combine as `epmoe run` makes it by default (one output per pick) moves more than summed rows.
+  const std::string a2a_only =
+      "plan --model deepseek-v3 --hardware h200x8 --gpus 16 --batch 256 --samples 2 "
+      "--options a2a --format json";
+  run = Epmoe(a2a_only);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const double summed = nlohmann::json::parse(run.out)["costs"][0]["comm_us"].get<double>();
+  run = Epmoe(a2a_only + " --a2a-combine per-pick --combine-format fp32");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_GT(nlohmann::json::parse(run.out)["costs"][0]["comm_us"].get<double>(), summed);
+  for (const char* bad :
+       {" --a2a-levels three-level", " --a2a-mode fast", " --a2a-combine sums", " --combine-format q4"}) {
     run = Epmoe(plan + bad);
-    EXPECT_EQ(run.exit_code, 1) << bad << run.out;
+    EXPECT_NE(run.exit_code, 0) << bad << run.out;
     EXPECT_LE(std::count(run.out.begin(), run.out.end(), '\n'), 1) << run.out;
   }
   run = Epmoe(plan + " --a2a-levels three-level");

@@ -98,6 +98,39 @@ TEST(PlanMultinodeTest, TwoLevelCrossesOncePerNode) {
   EXPECT_NEAR(two.copies_per_row, flat.copies_per_row, 1e-12);
 }
 
+// The combine as `epmoe run` makes it without --partial-sums: one output per pick instead of one
+// summed row per rank a row visited.
+TEST(PlanMultinodeTest, PerPickCombineReturnsEveryOutput) {
+  const ExpertLoad trace = EvenTrace();
+  // One node of 2 ranks holding 2 experts each: a row (top-2) reaches the other rank with
+  // probability 1 - C(2,2)/C(4,2) = 5/6 and has 2 x 1/2 = 1 pick there on average. 2 rows per rank:
+  // 2 x 5/6 records out; back 2 x 5/6 summed rows, or 2 x 1 outputs (32 B in bf16, 64 B in fp32).
+  HardwareProfile hw = TwoNodeProfile();
+  PlanConfig config = A2aConfig({A2aLevels::kFlat}, {A2aMode::kLowLatency});
+  config.gpus = {2};
+  const PlanResult summed = Plan(TinyPlanModel(2), hw, config, &trace);
+  config.a2a_partial_sums = false;
+  const PlanResult per_pick = Plan(TinyPlanModel(2), hw, config, &trace);
+  config.combine = RowFormat::kFp32;
+  const PlanResult per_pick_fp32 = Plan(TinyPlanModel(2), hw, config, &trace);
+  const A2aVariant flat_low = Variant(A2aLevels::kFlat, A2aMode::kLowLatency);
+  EXPECT_NEAR(Find(summed, flat_low).intra_node_mb * 1e6, 2 * 5.0 / 6 * 32 * 2, 1e-9);
+  EXPECT_NEAR(Find(per_pick, flat_low).intra_node_mb * 1e6, 2 * 5.0 / 6 * 32 + 2 * 32, 1e-9);
+  EXPECT_NEAR(Find(per_pick_fp32, flat_low).intra_node_mb * 1e6, 2 * 5.0 / 6 * 32 + 2 * 64, 1e-9);
+  EXPECT_NEAR(Find(summed, flat_low).comm_us, 2 * 10 + 2 * (2 * 5.0 / 6 * 32), 1e-9);
+  EXPECT_NEAR(Find(per_pick, flat_low).comm_us, 2 * 10 + 2 * 5.0 / 6 * 32 + 2 * 32, 1e-9);
+  EXPECT_NEAR(Find(per_pick_fp32, flat_low).comm_us, 2 * 10 + 2 * 5.0 / 6 * 32 + 2 * 64, 1e-9);
+  // Two nodes of 2 ranks, two-level: the gateway forwards a node's outputs back unchanged, so a row
+  // gets 2 x 2/4 = 1 output back across the link where the summed combine sends 5/6 of a row.
+  config = A2aConfig({A2aLevels::kTwoLevel}, {A2aMode::kNormal});
+  const PlanResult two_summed = Plan(TinyPlanModel(2), hw, config, &trace);
+  config.a2a_partial_sums = false;
+  const PlanResult two_per_pick = Plan(TinyPlanModel(2), hw, config, &trace);
+  const A2aVariant two = Variant(A2aLevels::kTwoLevel, A2aMode::kNormal);
+  EXPECT_NEAR(Find(two_summed, two).inter_node_mb * 1e6, 2 * 5.0 / 6 * 32, 1e-9);
+  EXPECT_NEAR(Find(two_per_pick, two).inter_node_mb * 1e6, 5.0 / 6 * 32 + 32, 1e-9);
+}
+
 TEST(PlanMultinodeTest, TwoLevelEqualsFlatWithOneRankPerNode) {
   HardwareProfile hw = TwoNodeProfile();
   hw.gpus_per_node = 1;

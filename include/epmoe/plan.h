@@ -151,7 +151,11 @@ struct PlanConfig {
   std::vector<int> gpus;         // EP sizes
   std::vector<EpOption> options = AllEpOptions();
   WeightFormats formats;
-  RowFormat rows = RowFormat::kBf16;  // how rows travel out under a2a (1-3 gather bf16)
+  RowFormat rows = RowFormat::kBf16;     // how rows travel out under a2a (1-3 gather bf16)
+  RowFormat combine = RowFormat::kBf16;  // how a2a's outputs come back
+  // a2a's combine: one summed row back per rank a row visited (GPU runtimes), or one output per
+  // pick (`epmoe run` without --partial-sums).
+  bool a2a_partial_sums = true;
   SharedMode shared = SharedMode::kDefault;
   SharedMode dense = SharedMode::kSliced;  // the seed's servers kept dense layers sliced
   int samples = 16;                        // layer loads per batch (even router or trace)

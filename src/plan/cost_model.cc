@@ -326,6 +326,48 @@ struct A2aExchange {
   double inter_bytes = 0, intra_bytes = 0;
 };
 
+// What one rank moves in one direction of option 4's exchange, in rows: straight to ranks of its
+// node and between nodes (sent, received), and forwarded inside its node by a gateway (two-level).
+struct A2aTraffic {
+  double sent_intra = 0, received_intra = 0, sent_inter = 0, received_inter = 0;
+  double forwarded = 0, forwarded_in = 0;
+};
+
+// Rank g's traffic when its rows put weight[h] rows on rank h each (per row of a rank) and
+// node_weight[n] on node n (two-level: what crosses to the node). The dispatch's weights are the
+// chances that a row reaches a rank (a node); the combine's are the outputs returned (as many, or
+// one per pick). Whatever g sends to h, h sends to g by symmetry, so each link's time is
+// max(sent, received).
+A2aTraffic RankTraffic(const NodeLayout& nodes, int g, bool two_level, double rows_per_rank,
+                       const std::vector<double>& weight, const std::vector<double>& node_weight,
+                       const std::vector<double>& node_covered) {
+  A2aTraffic t;
+  const int node = nodes.node_of(g);
+  const int on_node = nodes.ranks_on(node);
+  const int first = node * nodes.per_node;
+  for (int h = 0; h < nodes.gpus; ++h) {
+    if (h == g) continue;
+    (nodes.node_of(h) == node ? t.sent_intra : t.sent_inter) += rows_per_rank * weight[h];
+  }
+  t.received_intra = rows_per_rank * (on_node - 1) * weight[g];
+  t.received_inter = rows_per_rank * (nodes.gpus - on_node) * weight[g];
+  if (!two_level) return t;
+  t.sent_inter = 0;
+  for (int n = 0; n < nodes.count; ++n)
+    if (n != node) t.sent_inter += rows_per_rank * node_weight[n];
+  // This gateway's share of the rows crossing to its node: those of (G - L) / L senders.
+  const double crossing = rows_per_rank * (nodes.gpus - on_node) / on_node;
+  t.received_inter = crossing * node_weight[node];
+  if (node_covered[node] > 0) {
+    double others = 0;
+    for (int h = first; h < first + on_node; ++h)
+      if (h != g) others += weight[h];
+    t.forwarded = crossing * others;
+    t.forwarded_in = (on_node - 1) * crossing * weight[g];
+  }
+  return t;
+}
+
 A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gpus, int64_t rows,
                              const std::vector<KernelParts>& per_rank) {
   A2aExchange x;
@@ -335,66 +377,55 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
   const int top_k = c.model.top_k;
   double all_picks = 0;
   for (const auto& k : per_rank) all_picks += k.picks;
-  std::vector<double> covered(gpus, 0.0), node_held(nodes.count, 0.0), node_covered(nodes.count, 0.0);
+  // Per rank and node: the chance a row reaches it, and the outputs a row gets back from it (one
+  // per pick, or one summed row per rank visited).
+  std::vector<double> covered(gpus, 0.0), returned(gpus, 0.0);
+  std::vector<double> node_held(nodes.count, 0.0), node_covered(nodes.count, 0.0), node_returned(nodes.count, 0.0);
   double covered_sum = 0;
   for (int g = 0; g < gpus; ++g) {
-    const double held = all_picks > 0 ? per_rank[g].picks / all_picks * experts : 0.0;
-    covered[g] = 1.0 - ProbabilityNoneHeld(experts, held, top_k);
+    const double share = all_picks > 0 ? per_rank[g].picks / all_picks : 0.0;
+    covered[g] = 1.0 - ProbabilityNoneHeld(experts, share * experts, top_k);
+    returned[g] = c.config.a2a_partial_sums ? covered[g] : share * top_k;
     covered_sum += covered[g];
-    node_held[nodes.node_of(g)] += held;
+    node_held[nodes.node_of(g)] += share * experts;
+    node_returned[nodes.node_of(g)] += share * top_k;
   }
-  for (int n = 0; n < nodes.count; ++n) node_covered[n] = 1.0 - ProbabilityNoneHeld(experts, node_held[n], top_k);
+  for (int n = 0; n < nodes.count; ++n) {
+    node_covered[n] = 1.0 - ProbabilityNoneHeld(experts, node_held[n], top_k);
+    if (c.config.a2a_partial_sums) node_returned[n] = node_covered[n];
+  }
   x.copies = covered_sum * (gpus - 1) / gpus;
 
-  // Rows travel quantized and come back weighted in bf16.
+  // Rows travel in the dispatch format; outputs come back weighted in the combine format.
   const double out_row = static_cast<double>(RowBytes(c.config.rows, c.model.hidden));
-  const double back_row = static_cast<double>(RowBytes(RowFormat::kBf16, c.model.hidden));
+  const double back_row = static_cast<double>(RowBytes(c.config.combine, c.model.hidden));
   const double intra_rate = c.hw.intra_node.bytes_per_second() * 1e-6;  // bytes per us
   const double inter_rate = c.hw.inter_node.bytes_per_second() * 1e-6;
   const bool two_level = variant.levels == A2aLevels::kTwoLevel && nodes.count > 1;
   const double rows_per_rank = static_cast<double>(rows) / gpus;
+  // One direction's time: straight to the ranks (both link kinds at once), then the forwarding
+  // inside the node (its own step; nothing to forward inside a node of one rank).
+  auto direction_us = [&](const A2aTraffic& t, double row_bytes, int on_node) {
+    const double direct = std::max(std::max(t.sent_intra, t.received_intra) * row_bytes / intra_rate,
+                                   std::max(t.sent_inter, t.received_inter) * row_bytes / inter_rate);
+    if (!two_level || on_node < 2) return direct;
+    return direct + c.hw.intra_node.latency_us + std::max(t.forwarded, t.forwarded_in) * row_bytes / intra_rate;
+  };
   double worst = -1;
   for (int g = 0; g < gpus; ++g) {
-    const int node = nodes.node_of(g);
-    const int on_node = nodes.ranks_on(node);
-    double sent_intra = 0, sent_inter = 0;
-    for (int h = 0; h < gpus; ++h) {
-      if (h == g) continue;
-      (nodes.node_of(h) == node ? sent_intra : sent_inter) += rows_per_rank * covered[h];
-    }
-    const double received_intra = rows_per_rank * (on_node - 1) * covered[g];
-    double received_inter = rows_per_rank * (gpus - on_node) * covered[g];
-    double forwarded = 0, forwarded_in = 0;  // records this gateway forwards inside its node, and receives so
-    if (two_level) {
-      sent_inter = 0;
-      for (int n = 0; n < nodes.count; ++n)
-        if (n != node) sent_inter += rows_per_rank * node_covered[n];
-      received_inter = rows_per_rank * (gpus - on_node) / on_node * node_covered[node];
-      if (node_covered[node] > 0) {
-        double others = 0;
-        for (int h = node * nodes.per_node; h < node * nodes.per_node + on_node; ++h)
-          if (h != g) others += covered[h];
-        forwarded = received_inter * others / node_covered[node];
-        forwarded_in = (on_node - 1) * received_inter * covered[g] / node_covered[node];
-      }
-    }
-    auto direct_us = [&](double row_bytes) {
-      return std::max(std::max(sent_intra, received_intra) * row_bytes / intra_rate,
-                      std::max(sent_inter, received_inter) * row_bytes / inter_rate);
-    };
-    auto forward_us = [&](double row_bytes) {
-      if (!two_level || on_node < 2) return 0.0;  // nothing to forward inside a node of one rank
-      return c.hw.intra_node.latency_us + std::max(forwarded, forwarded_in) * row_bytes / intra_rate;
-    };
-    const double dispatch = direct_us(out_row) + forward_us(out_row);
-    const double combine = direct_us(back_row) + forward_us(back_row);
+    const int on_node = nodes.ranks_on(nodes.node_of(g));
+    const A2aTraffic out = RankTraffic(nodes, g, two_level, rows_per_rank, covered, node_covered, node_covered);
+    const A2aTraffic back = RankTraffic(nodes, g, two_level, rows_per_rank, returned, node_returned, node_covered);
+    const double dispatch = direction_us(out, out_row, on_node);
+    const double combine = direction_us(back, back_row, on_node);
     if (dispatch + combine > worst) {
       worst = dispatch + combine;
       x.dispatch = dispatch;
       x.combine = combine;
     }
-    x.inter_bytes += sent_inter * out_row + received_inter * back_row;
-    x.intra_bytes += (sent_intra + forwarded) * out_row + (received_intra + forwarded_in) * back_row;
+    // What this rank sends: its records out, and the outputs of the records it received.
+    x.inter_bytes += out.sent_inter * out_row + back.received_inter * back_row;
+    x.intra_bytes += (out.sent_intra + out.forwarded) * out_row + (back.received_intra + back.forwarded_in) * back_row;
   }
   x.inter_bytes /= gpus;
   x.intra_bytes /= gpus;

@@ -46,6 +46,8 @@ struct PlanFlags {
   std::string shared_weights = "bf16";
   std::string dense_weights = "int8";
   std::string rows = "bf16";
+  std::string combine = "bf16";
+  std::string a2a_combine = "partial-sums";
   std::string shared = "default";
   std::string dense = "sliced";
   int samples = 16;
@@ -534,6 +536,10 @@ int RunPlanCommand(const PlanFlags& f) {
   auto rows = ParseRowFormat(f.rows == "nvfp4" || f.rows == "fp4" ? "q4" : f.rows);
   if (!rows.ok()) return ReportError(rows.status().WithContext("--rows"));
   config.rows = *rows;
+  auto combine = ParseRowFormat(f.combine);
+  if (!combine.ok()) return ReportError(combine.status().WithContext("--combine-format"));
+  config.combine = *combine;
+  config.a2a_partial_sums = f.a2a_combine == "partial-sums";
   auto shared = ParseSharedMode(f.shared);
   if (!shared.ok()) return ReportError(shared.status().WithContext("--shared"));
   auto dense = ParseSharedMode(f.dense);
@@ -683,6 +689,14 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--rows", f->rows,
                   "How rows travel under a2a, as `epmoe run --dispatch-format` names them: fp32, bf16, q8, q4 (nvfp4 "
                   "and fp4, the former names, mean q4); results return in bf16, the all-gather of 1-3 moves bf16")
+      ->capture_default_str();
+  cmd->add_option("--combine-format", f->combine, "How a2a's outputs come back, as `epmoe run --combine-format`")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--a2a-combine", f->a2a_combine,
+                  "a2a's combine: partial-sums (one summed row back per rank a row visited, as GPU runtimes and "
+                  "`epmoe run --partial-sums`) or per-pick (one output per pick, `epmoe run`'s default)")
+      ->check(CLI::IsMember({"partial-sums", "per-pick"}))
       ->capture_default_str();
   cmd->add_option("--shared", f->shared,
                   "Shared expert, as `epmoe run --shared`: default (sliced under 1-3, copied under a2a and dwdp), "
