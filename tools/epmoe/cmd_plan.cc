@@ -686,9 +686,10 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--dense-weights", f->dense_weights, "Dense FFN layers' weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
-  cmd->add_option("--rows", f->rows,
-                  "How rows travel under a2a, as `epmoe run --dispatch-format` names them: fp32, bf16, q8, q4 (nvfp4 "
-                  "and fp4, the former names, mean q4); results return in bf16, the all-gather of 1-3 moves bf16")
+  cmd->add_option(
+         "--rows", f->rows,
+         "How rows travel under a2a, as `epmoe run --dispatch-format` names them: fp32, bf16, q8, q4 (nvfp4 "
+         "and fp4, the former names, mean q4); results return in --combine-format, the all-gather of 1-3 moves bf16")
       ->capture_default_str();
   cmd->add_option("--combine-format", f->combine, "How a2a's outputs come back, as `epmoe run --combine-format`")
       ->check(CLI::IsMember({"fp32", "bf16"}))
