@@ -201,11 +201,15 @@ py::dict Plan(const std::string& model_name, const std::string& hardware_name, c
     d["gpus"] = c.gpus;
     d["batch"] = c.batch;
     d["slices"] = c.slices;
+    d["label"] = CostLabel(c.option, c.slices, c.a2a);
     d["applicable"] = c.applicable;
     d["not_applicable"] = c.not_applicable;
     d["kernel_us"] = c.kernel_us;
     d["comm_us"] = c.comm_us;
+    d["exposed_comm_us"] = c.exposed_comm_us;
     d["layer_us"] = c.layer_us;
+    d["inter_node_mb"] = c.inter_node_mb;
+    d["intra_node_mb"] = c.intra_node_mb;
     d["step_ms"] = c.step_ms;
     d["balancedness"] = c.balancedness;
     d["copies_per_row"] = c.copies_per_row;
@@ -221,6 +225,7 @@ py::dict Plan(const std::string& model_name, const std::string& hardware_name, c
     d["gpus"] = w.gpus;
     d["option"] = EpOptionName(w.option);
     d["slices"] = w.slices;
+    d["label"] = CostLabel(w.option, w.slices, w.a2a);
     d["step_ms"] = w.step_ms;
     d["why"] = w.why;
     winners.append(d);

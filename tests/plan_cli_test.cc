@@ -114,7 +114,8 @@ TEST(PlanCliTest, MeasuredRunIsCompared) {
     out << R"({"ranks": 8, "tokens": 64, "layers": 2, "hidden": 1024, "expert_intermediate": 512, "num_experts": 256,)"
         << R"( "top_k": 8, "weight_format": "nvfp4", "options": [{"option": "a2a", "step_ms_median": 0.5}]})";
   }
-  const std::string plan = "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --measured " + scaled;
+  const std::string plan =
+      "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --measured " + scaled;
   CommandRun refused = Epmoe(plan);
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_NE(refused.out.find("hidden 1024"), std::string::npos) << refused.out;
@@ -153,14 +154,15 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   ASSERT_EQ(j["kernel_lines"].size(), 1u);
   EXPECT_EQ(j["kernel_lines"][0]["format"], "int8");
   EXPECT_GT(j["kernel_lines"][0]["us_per_gb"].get<double>(), 0);
-  run = Epmoe(
-      "plan --model qwen3-30b-a3b --hardware " + machine + " --gpus 2 --batch 64 --weights int8 --samples 2 --format json");
+  run = Epmoe("plan --model qwen3-30b-a3b --hardware " + machine +
+              " --gpus 2 --batch 64 --weights int8 --samples 2 --format json");
   ASSERT_EQ(run.exit_code, 0) << run.out;
 
   run = epmoe::testing::RunCommand(
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
       "mpirun --oversubscribe --bind-to none -np 2 " +
-      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --base " + machine + " --out " + linked);
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --base " + machine + " --out " +
+      linked);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   std::ifstream linked_in(linked);
   const auto l = nlohmann::json::parse(linked_in);
@@ -169,6 +171,49 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_GT(l["intra_node"]["one_sided_efficiency"].get<double>(), 0);
   run = Epmoe("plan --model qwen3-30b-a3b --hardware " + linked + " --gpus 2 --batch 64 --weights int8 --samples 2");
   EXPECT_EQ(run.exit_code, 0) << run.out;
+  // Several nodes (modeled here, 1 rank each): the inter-node link measured between them, recorded
+  // against the rate --link-gbit gives each node's link; the intra-node link kept from the base.
+  const std::string cluster = ::testing::TempDir() + "plan_cli_cluster.json";
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 2 " +
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --base " + linked;
+  run = epmoe::testing::RunCommand(mpirun + " --ranks-per-node 1 --link-gbit 1000 --out " + cluster);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  std::ifstream cluster_in(cluster);
+  const auto c = nlohmann::json::parse(cluster_in);
+  EXPECT_EQ(c["name"], "local-cluster");
+  EXPECT_EQ(c["gpus_per_node"], 1);
+  EXPECT_TRUE(c["nodes_share_device"].get<bool>());  // both ranks ran on this machine
+  EXPECT_EQ(c["inter_node"]["bandwidth_gbs"], 125);  // 1000 Gbit/s / 8 / 1 rank per node
+  EXPECT_LT(c["inter_node"]["efficiency"].get<double>(), 1);
+  EXPECT_EQ(c["intra_node"], l["intra_node"]);
+  run = Epmoe("plan --model qwen3-30b-a3b --hardware " + cluster +
+              " --gpus 2 --batch 64 --weights int8 --samples 2 --a2a-levels flat,two-level");
+  EXPECT_EQ(run.exit_code, 0) << run.out;
+  // 2 nodes of 2 ranks: both links measured, each among its own ranks.
+  const std::string four = ::testing::TempDir() + "plan_cli_cluster4.json";
+  run = epmoe::testing::RunCommand(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 4 " +
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --ranks-per-node 2 --base " +
+      linked + " --out " + four);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  std::ifstream four_in(four);
+  const auto f = nlohmann::json::parse(four_in);
+  EXPECT_EQ(f["gpus_per_node"], 2);
+  EXPECT_GT(f["intra_node"]["bandwidth_gbs"].get<double>(), 0);
+  EXPECT_GT(f["inter_node"]["bandwidth_gbs"].get<double>(), 0);
+  const std::string notes = f["sources"].dump();
+  EXPECT_NE(notes.find("intra_node among the ranks of each node: fixed cost"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("4 ranks on 2 nodes"), std::string::npos) << notes;
+  // A link measured faster than --link-gbit is not that link; --link-gbit on one node has no link.
+  run = epmoe::testing::RunCommand(mpirun + " --ranks-per-node 1 --link-gbit 0.001");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("above the"), std::string::npos) << run.out;
+  run = epmoe::testing::RunCommand(mpirun + " --link-gbit 1");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("on one node"), std::string::npos) << run.out;
   // --links needs peers.
   run = Epmoe("calibrate --links --base " + machine);
   EXPECT_NE(run.exit_code, 0);
@@ -194,7 +239,8 @@ TEST(PlanCliTest, SeveralMeasuredRunsPoolTheirSteps) {
         R"({"option": "a2a", "step_ms_median": 5, "step_ms": [5, 5, 5, 5, 5, 5]},)"
         R"({"option": "whole", "step_ms_median": 4, "step_ms": [4, 4, 4, 4, 4, 4]})");
   write(other, 4, R"({"option": "a2a", "step_ms_median": 5, "step_ms": [5, 5]})");
-  const std::string plan = "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured ";
+  const std::string plan =
+      "plan --model glm-5.3 --hardware b300x8 --gpus 8 --batch 64 --samples 2 --format json --measured ";
   CommandRun run = Epmoe(plan + a);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   auto j = nlohmann::json::parse(run.out)["calibration_check"];
@@ -281,6 +327,63 @@ TEST(PlanCliTest, OptionsAndFormatsUseTheExecutorsNames) {
   const CommandRun bad_rows = Epmoe(plan + " --rows fp8");
   EXPECT_NE(bad_rows.exit_code, 0);
   EXPECT_NE(bad_rows.out.find("--rows"), std::string::npos) << bad_rows.out;
+}
+
+// --a2a-levels and --a2a-mode take lists, --tbo and --sbo add the overlapped lines: one a2a line
+// per variant (auto resolved), the winner among them all; bad names are refused with the list.
+TEST(PlanCliTest, A2aVariantsAreLinesOfTheirOwn) {
+  const std::string plan =
+      "plan --model deepseek-v3 --hardware h200x8 --gpus 16 --batch 256 --samples 2 --options whole,a2a";
+  CommandRun run = Epmoe(plan + " --a2a-levels flat,two-level --a2a-mode normal,low-latency --tbo --sbo --format json");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  auto j = nlohmann::json::parse(run.out);
+  // whole, then 2 levels x 2 modes x {plain, sbo, tbo, tbo + sbo}.
+  ASSERT_EQ(j["costs"].size(), 1u + 16u) << run.out;
+  int not_applicable = 0;
+  for (const auto& c : j["costs"]) {
+    if (c["option"] != "a2a") continue;
+    ASSERT_TRUE(c.contains("a2a")) << c.dump();
+    if (!c["applicable"].get<bool>()) {
+      ++not_applicable;  // two-level low-latency
+      EXPECT_EQ(c["a2a"]["levels"], "two-level");
+      EXPECT_EQ(c["a2a"]["mode"], "low-latency");
+      continue;
+    }
+    EXPECT_GE(c["exposed_comm_us"].get<double>(), 0);
+    EXPECT_GT(c["inter_node_mb_per_rank"].get<double>(), 0);  // 16 ranks on 2 nodes of 8
+  }
+  EXPECT_EQ(not_applicable, 4);
+  EXPECT_FALSE(j["winners"][0]["label"].get<std::string>().empty());
+  run = Epmoe(plan + " --a2a-levels flat,two-level --tbo");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  for (const char* line :
+       {"a2a low-latency ", "a2a low-latency +tbo", "not applicable: low-latency", "exposed us", "inter MB"})
+    EXPECT_NE(run.out.find(line), std::string::npos) << line << "\n" << run.out;
+  run = Epmoe(plan + " --phase prefill --batch 4096 --format csv");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find(",a2a,1,two-level,normal,0,0,1,"), std::string::npos) << run.out;  // auto in prefill
+  // The combine as `epmoe run` makes it by default (one output per pick) moves more than summed rows.
+  const std::string a2a_only =
+      "plan --model deepseek-v3 --hardware h200x8 --gpus 16 --batch 256 --samples 2 "
+      "--options a2a --format json";
+  run = Epmoe(a2a_only);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const double summed = nlohmann::json::parse(run.out)["costs"][0]["comm_us"].get<double>();
+  run = Epmoe(a2a_only + " --a2a-combine per-pick --combine-format fp32");
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_GT(nlohmann::json::parse(run.out)["costs"][0]["comm_us"].get<double>(), summed);
+  for (const char* bad :
+       {" --a2a-levels three-level", " --a2a-mode fast", " --a2a-combine sums", " --combine-format q4"}) {
+    run = Epmoe(plan + bad);
+    EXPECT_NE(run.exit_code, 0) << bad << run.out;
+    EXPECT_LE(std::count(run.out.begin(), run.out.end(), '\n'), 1) << run.out;
+  }
+  run = Epmoe(plan + " --a2a-levels three-level");
+  EXPECT_NE(run.out.find("--a2a-levels: unknown a2a levels 'three-level' (flat, two-level, auto)"), std::string::npos)
+      << run.out;
+  run = Epmoe(plan + " --a2a-mode fast");
+  EXPECT_NE(run.out.find("--a2a-mode: unknown a2a mode 'fast' (normal, low-latency, auto)"), std::string::npos)
+      << run.out;
 }
 
 TEST(PlanCliTest, HardwareListAndShow) {

@@ -10,6 +10,7 @@
 #include "epmoe/model.h"
 #include "epmoe/plan.h"
 #include "epmoe/trace.h"
+#include "plan_tiny.h"
 
 namespace epmoe {
 namespace {
@@ -48,38 +49,8 @@ PlanResult Plan(const ModelConfig& m, const HardwareProfile& hw, PlanConfig conf
   return r.ok() ? *r : PlanResult{};
 }
 
-// A tiny profile whose numbers make hand pricing easy: 1 byte/us reading, 1 flop/us arithmetic.
-HardwareProfile UnitProfile() {
-  HardwareProfile p;
-  p.name = "unit";
-  p.description = "hand-priced";
-  p.sources = {"test"};
-  p.gpus_per_node = 2;
-  p.memory_capacity_gb = 1e6;
-  p.memory_bandwidth_gbs = 1e-3;  // 1e6 B/s = 1 B/us
-  p.memory_read_efficiency = 1;
-  p.peak_tflops = {1e-6, 1e-6, 1e-6, 1e-6, 1e-6};  // 1e6 flop/s = 1 flop/us
-  p.arithmetic_efficiency = 1;
-  p.gemm_efficiency = 1;
-  p.kernel_fixed_us = 5;
-  p.intra_node = {1e-3, 1, 10};  // 1 B/us, 10 us per collective
-  p.inter_node = {1e-3, 1, 10};
-  return p;
-}
-
-// 4 experts of hidden 16 and intermediate 16, top_k picks per row, one layer, no shared expert, no
-// dense layers.
-ModelConfig TinyModel(int top_k) {
-  ModelConfig m;
-  m.name = "tiny";
-  m.hidden = 16;
-  m.num_experts = 4;
-  m.expert_intermediate = 16;
-  m.top_k = top_k;
-  m.num_layers = 1;
-  m.scoring = Scoring::kSoftmax;
-  return m;
-}
+using testing::TinyPlanModel;
+using testing::UnitProfile;
 
 // One step of 2 rows, top-2: expert 0 twice, expert 1 twice (rows {0,1} and {0,1}); experts 2, 3
 // idle.
@@ -104,7 +75,7 @@ PlanConfig TinyConfig(std::vector<EpOption> options) {
 
 TEST(PlanCostTest, HandPricedTinyModel) {
   // Top-2, fp32 weights: 3 x 16 x 16 x 4 = 3,072 B per expert, 2 x 768 = 1,536 flops per pick.
-  const ModelConfig m = TinyModel(2);
+  const ModelConfig m = TinyPlanModel(2);
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
   const ExpertLoad trace = TinyTrace();
   const PlanResult r =
@@ -139,7 +110,7 @@ TEST(PlanCostTest, Fp32PartialSumsPriceOutputsAndReduceScatterAtFourBytes) {
   // The tiny model of HandPricedTinyModel on a runtime whose pick outputs and partial sums are fp32
   // (epmoe's CPU executors): a pick moves its fp32 input (64 B) and its fp32 output written and read
   // (2 x 64 B) = 192 B; the all-gather still moves bf16 rows, the reduce-scatter fp32 partials.
-  const ModelConfig m = TinyModel(2);
+  const ModelConfig m = TinyPlanModel(2);
   EXPECT_EQ(PickRowBytes(m, WeightFormat::kFp32, 4), 192);
   const ExpertLoad trace = TinyTrace();
   HardwareProfile hw = UnitProfile();
@@ -509,7 +480,7 @@ TEST(PlanCostTest, DwdpFetchesOverlapOnGpusAndAddUpOnASharedDevice) {
 // copy rate shared by the ranks: hand-priced on the unit profile, sharing the device makes the layer
 // slower by exactly that term on top of the kernel.
 TEST(PlanCostTest, DwdpOnASharedDeviceAddsTheCopyOfTheFetchedBytes) {
-  const ModelConfig m = TinyModel(1);
+  const ModelConfig m = TinyPlanModel(1);
   ASSERT_TRUE(ValidateModel(m, "tiny").ok());
   PlanConfig config;
   config.formats = {WeightFormat::kBf16, WeightFormat::kBf16, WeightFormat::kBf16};

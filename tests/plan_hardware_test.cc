@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-
 #include <nlohmann/json.hpp>
 
 #include "epmoe/hardware.h"
@@ -30,7 +29,8 @@ void ExpectRefused(const json& j, std::initializer_list<const char*> expected) {
 }
 
 TEST(PlanHardwareTest, EveryBuiltInProfileLoads) {
-  const std::vector<std::string> expected = {"b200x8", "b300x8", "gb200nvl72", "h100x8", "h200x8", "h20x8", "local", "mi355xx8"};
+  const std::vector<std::string> expected = {"b200x8", "b300x8", "gb200nvl72", "h100x8",
+                                             "h200x8", "h20x8",  "local",      "mi355xx8"};
   EXPECT_EQ(ListHardwareProfiles(), expected);
   for (const auto& name : expected) {
     auto profile = LoadHardware(name);
@@ -73,10 +73,14 @@ TEST(PlanHardwareTest, MissingFieldsAreNamed) {
     j.erase(top);
     ExpectRefused(j, {"missing field", top});
   }
-  for (const auto& [object, field] : std::vector<std::pair<const char*, const char*>>{
-           {"memory", "bandwidth_gbs"}, {"memory", "capacity_gb"}, {"memory", "read_efficiency"},
-           {"peak_tflops", "fp4"}, {"peak_tflops", "bf16"}, {"intra_node", "latency_us"},
-           {"inter_node", "bandwidth_gbs"}, {"inter_node", "efficiency"}}) {
+  for (const auto& [object, field] : std::vector<std::pair<const char*, const char*>>{{"memory", "bandwidth_gbs"},
+                                                                                      {"memory", "capacity_gb"},
+                                                                                      {"memory", "read_efficiency"},
+                                                                                      {"peak_tflops", "fp4"},
+                                                                                      {"peak_tflops", "bf16"},
+                                                                                      {"intra_node", "latency_us"},
+                                                                                      {"inter_node", "bandwidth_gbs"},
+                                                                                      {"inter_node", "efficiency"}}) {
     json j = B300();
     j[object].erase(field);
     ExpectRefused(j, {"missing field", (std::string(object) + "." + field).c_str()});
@@ -170,6 +174,30 @@ TEST(PlanHardwareTest, OneSidedEfficiencyIsOptional) {
   ASSERT_TRUE(measured.ok()) << measured.status().message();
   EXPECT_DOUBLE_EQ(measured->intra_node.one_sided_bytes_per_second(), measured->intra_node.bandwidth_gbs * 1e9 * 0.25);
   EXPECT_EQ(json::parse(HardwareToJson(*measured))["intra_node"]["one_sided_efficiency"], 0.25);
+}
+
+// A cluster emulated on one machine: with nodes_share_device every rank of the group shares the one
+// device; without it a CPU node's ranks do, and GPUs have a device each.
+TEST(PlanHardwareTest, NodesShareDeviceIsOptional) {
+  json j = B300();
+  ASSERT_FALSE(j.contains("nodes_share_device"));
+  auto gpus = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(gpus.ok()) << gpus.status().message();
+  EXPECT_FALSE(gpus->nodes_share_device);
+  EXPECT_EQ(gpus->RanksPerDevice(16), 1);
+  j["ranks_share_device"] = true;
+  j["gpus_per_node"] = 2;
+  auto cpus = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(cpus.ok()) << cpus.status().message();
+  EXPECT_EQ(cpus->RanksPerDevice(1), 1);
+  EXPECT_EQ(cpus->RanksPerDevice(4), 2);
+  j["nodes_share_device"] = true;
+  auto one_machine = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(one_machine.ok()) << one_machine.status().message();
+  EXPECT_EQ(one_machine->RanksPerDevice(4), 4);
+  EXPECT_EQ(json::parse(HardwareToJson(*one_machine))["nodes_share_device"], true);
+  j["nodes_share_device"] = "yes";
+  ExpectRefused(j, {"nodes_share_device"});
 }
 
 // The copy-rate microbenchmark behind memory.copy_gbs: a positive rate; bad sizes refused.

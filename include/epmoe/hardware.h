@@ -9,6 +9,10 @@
 //   gpus_per_node                         ranks that share the fast link domain (NVLink, one host)
 //   ranks_share_device                    true on a CPU server: ranks on a node share one memory
 //                                         system and its arithmetic (each gets 1/ranks of it)
+//   nodes_share_device (optional)         true for a cluster emulated on one machine (a network
+//                                         namespace per node, shaped links between them): the
+//                                         ranks of every node share that machine, so with
+//                                         ranks_share_device each of G ranks gets 1/G of it
 //   memory: {capacity_gb, bandwidth_gbs, read_efficiency, copy_gbs (optional)}
 //                                         per device; read_efficiency = share of the data-sheet
 //                                         bandwidth an expert kernel reaches when reading weights;
@@ -83,6 +87,7 @@ struct HardwareProfile {
   std::vector<std::string> sources;
   int gpus_per_node = 0;
   bool ranks_share_device = false;
+  bool nodes_share_device = false;  // optional: every node of the EP group runs on one machine
   double memory_capacity_gb = 0;
   double memory_bandwidth_gbs = 0;
   double memory_read_efficiency = 0;
@@ -101,6 +106,9 @@ struct HardwareProfile {
   // Bytes the whole device copies per second: memory.copy_gbs when measured, else half the read
   // rate (bandwidth x read_efficiency / 2: one read and one write per byte).
   double CopyBytesPerSecond() const;
+  // Ranks of an EP group of `gpus` ranks that share one device's memory and arithmetic: 1 on GPUs,
+  // the ranks of a node on a CPU server, all of them when the nodes share one machine.
+  int RanksPerDevice(int gpus) const;
   // Peak of the arithmetic path that weights stored in `format` use: 4-bit formats fp4; 1-byte
   // weights the faster of int8 and fp8 (GPU checkpoints store 8-bit layers in FP8).
   double PeakTflopsFor(WeightFormat format) const;

@@ -13,6 +13,10 @@
 //   each collective costs latency + bytes / link bandwidth (intra- and inter-node shares in
 //   parallel), and the slowest rank sets the layer's time. Step = MoE layers + dense FFN layers
 //   (attention and everything else is not modeled).
+//   Option 4's variants (A2aVariant): flat or two-level (a row crosses to another node once per
+//   node, then is forwarded inside it), normal (counts all-gathered first: one more collective
+//   step) or low-latency (no count step, flat), two-batch overlap and single-batch overlap
+//   (LayerStages).
 // Functions are pure; the planner is thread-compatible (no shared state).
 #pragma once
 
@@ -41,10 +45,10 @@ const char* PlanPhaseName(PlanPhase phase);  // "decode", "prefill"
 Result<PlanPhase> ParsePlanPhase(std::string_view name);
 
 // ---- Derived quantities (from the preset alone) ----
-int64_t WeightsPerExpert(const ModelConfig& model);             // 3 x hidden x expert_intermediate
-int64_t WeightsPerSharedExpert(const ModelConfig& model);        // all shared experts of a layer
-int64_t WeightsPerDenseLayer(const ModelConfig& model);          // 3 x hidden x dense_intermediate
-int64_t FourBitBytes(int64_t weights);                          // weights / 2: 4 bits, no scales
+int64_t WeightsPerExpert(const ModelConfig& model);        // 3 x hidden x expert_intermediate
+int64_t WeightsPerSharedExpert(const ModelConfig& model);  // all shared experts of a layer
+int64_t WeightsPerDenseLayer(const ModelConfig& model);    // 3 x hidden x dense_intermediate
+int64_t FourBitBytes(int64_t weights);                     // weights / 2: 4 bits, no scales
 // Share of a layer's experts an even router touches in a step of `tokens` rows: 1 - (1 - k/E)^T.
 double EvenTouchedShare(const ModelConfig& model, int64_t tokens);
 // Copies of a row sent to other ranks under a2a with the trivial placement, uniform routing:
@@ -66,11 +70,11 @@ struct WeightFormats {
 };
 
 struct ModelBytes {
-  int64_t expert = 0;         // one routed expert, scales included
-  int64_t routed_layer = 0;   // E experts
-  int64_t shared_layer = 0;   // the shared expert(s) of a layer
-  int64_t dense_layer = 0;    // one dense FFN layer
-  int64_t routed_model = 0;   // all MoE layers' routed experts
+  int64_t expert = 0;        // one routed expert, scales included
+  int64_t routed_layer = 0;  // E experts
+  int64_t shared_layer = 0;  // the shared expert(s) of a layer
+  int64_t dense_layer = 0;   // one dense FFN layer
+  int64_t routed_model = 0;  // all MoE layers' routed experts
 };
 ModelBytes ComputeModelBytes(const ModelConfig& model, const WeightFormats& formats);
 // DWDP (option 5): bytes a rank fetches per layer, (G - 1) / G of the layer's routed experts.
@@ -109,14 +113,49 @@ Result<std::vector<double>> TraceCopiesPerRow(TraceReader& reader, const std::ve
 // experts each.
 double Balancedness(const LayerLoad& load, int gpus);
 
+// ---- Option 4's variants ----
+// One way `epmoe run` can run traveling rows (its --a2a-levels, --a2a-mode, --tbo, --sbo).
+struct A2aVariant {
+  A2aLevels levels = A2aLevels::kFlat;
+  A2aMode mode = A2aMode::kNormal;
+  bool tbo = false;  // two micro-batches: one's exchange in flight while the other's experts run
+  bool sbo = false;  // the shared expert runs while the dispatch is in flight
+  bool operator==(const A2aVariant&) const = default;
+};
+// "a2a" for flat, normal, no overlap; else e.g. "a2a two-level +tbo", "a2a low-latency +sbo".
+std::string A2aVariantLabel(const A2aVariant& variant);
+
+// One MoE layer's stages on the slowest rank (us): the dispatch (count step included), the shared
+// expert, the routed experts and the combine.
+struct LayerStages {
+  double dispatch = 0, shared = 0, routed = 0, combine = 0;
+  double compute() const { return shared + routed; }
+};
+// No overlap: dispatch + shared + routed + combine.
+double SequentialUs(const LayerStages& s);
+// SBO: the shared expert runs while the dispatch travels: max(dispatch, shared) + routed + combine.
+double SingleBatchOverlapUs(const LayerStages& s);
+// TBO of micro-batches a then b: a's dispatch, then a's experts beside b's dispatch, then a's
+// combine beside b's experts, then b's combine:
+//   a.dispatch + max(a.compute, b.dispatch) + max(a.combine, b.compute) + b.combine;
+// with `sbo` each micro-batch's shared expert also runs beside its own dispatch where the cores are
+// free (a's beside a.dispatch; b's after a's routed experts, beside a's combine):
+//   max(a.dispatch, a.shared) + max(a.routed, b.dispatch) + max(a.combine, b.compute) + b.combine.
+// Never above SequentialUs(a) + SequentialUs(b).
+double TwoBatchOverlapUs(const LayerStages& a, const LayerStages& b, bool sbo);
+
 // ---- Planner ----
 struct PlanConfig {
   PlanPhase phase = PlanPhase::kDecode;
-  std::vector<int64_t> batches;            // rows (tokens) per step over the whole EP group
-  std::vector<int> gpus;                   // EP sizes
+  std::vector<int64_t> batches;  // rows (tokens) per step over the whole EP group
+  std::vector<int> gpus;         // EP sizes
   std::vector<EpOption> options = AllEpOptions();
   WeightFormats formats;
-  RowFormat rows = RowFormat::kBf16;  // how rows travel out under a2a (1-3 gather bf16)
+  RowFormat rows = RowFormat::kBf16;     // how rows travel out under a2a (1-3 gather bf16)
+  RowFormat combine = RowFormat::kBf16;  // how a2a's outputs come back
+  // a2a's combine: one summed row back per rank a row visited (GPU runtimes), or one output per
+  // pick (`epmoe run` without --partial-sums).
+  bool a2a_partial_sums = true;
   SharedMode shared = SharedMode::kDefault;
   SharedMode dense = SharedMode::kSliced;  // the seed's servers kept dense layers sliced
   int samples = 16;                        // layer loads per batch (even router or trace)
@@ -127,6 +166,15 @@ struct PlanConfig {
   // extra copies per layer, and priced on the second half (held out).
   std::string placement = "trivial";
   int redundant = 0;
+  // Option 4 is priced once per variant: every levels x every mode, each also with TBO and SBO
+  // when asked. auto resolves as the runtime would: levels two-level when there are several nodes
+  // and some node holds more than one rank (flat under low-latency, which is flat only); mode
+  // low-latency in decode and normal in prefill (SGLang's --deepep-mode auto). A two-level
+  // low-latency variant is listed as not applicable.
+  std::vector<A2aLevels> a2a_levels = {A2aLevels::kAuto};
+  std::vector<A2aMode> a2a_modes = {A2aMode::kAuto};
+  bool tbo = false;  // also price each variant with two-batch overlap
+  bool sbo = false;  // also price each variant with single-batch overlap
 };
 
 // What one option costs at one EP size and batch. Times per MoE layer are means over the sampled
@@ -135,25 +183,30 @@ struct OptionCost {
   EpOption option = EpOption::kSliced;
   int gpus = 0;
   int64_t batch = 0;
-  int slices = 1;                 // hybrid (option 3): experts sliced this many ways in a group
+  int slices = 1;  // hybrid (option 3): experts sliced this many ways in a group
+  A2aVariant a2a;  // option 4: the variant priced (auto resolved)
   bool applicable = true;
-  std::string not_applicable;     // why not, when !applicable
-  double kernel_us = 0;           // slowest rank's expert kernel (+ shared expert) per MoE layer
-  double kernel_mean_us = 0;      // the mean rank's
-  double comm_us = 0;             // communication per MoE layer (option 5: the weight fetch)
-  double layer_us = 0;            // kernel + comm (option 5: max of the two)
-  double dense_us = 0;            // one dense FFN layer
+  std::string not_applicable;  // why not, when !applicable
+  double kernel_us = 0;        // slowest rank's expert kernel (+ shared expert) per MoE layer
+                               // (TBO: both micro-batches')
+  double kernel_mean_us = 0;   // the mean rank's
+  double comm_us = 0;          // communication per MoE layer (option 5: the weight fetch)
+  double exposed_comm_us = 0;  // the part of comm_us not hidden under compute: layer - kernel
+  double layer_us = 0;         // kernel + comm (option 5 on GPUs, TBO, SBO: with the overlap)
+  double inter_node_mb = 0;    // MB a rank sends per MoE layer between nodes (mean over ranks)
+  double intra_node_mb = 0;    // ... and inside its node
+  double dense_us = 0;         // one dense FFN layer
   double step_ms = 0;
   double read_us = 0, arith_us = 0, fixed_us = 0;  // slowest rank's kernel split
-  double rows_us = 0;             // ... and its rows' traffic (picks x PickRowBytes)
-  double imbalance_us = 0;        // kernel_us - kernel_mean_us
-  double read_gb = 0;             // slowest rank's expert bytes read per MoE layer
-  double copies_per_row = 0;      // copies of each row sent to other ranks
-  double balancedness = 1;        // picks, mean / max over ranks (1 for slices)
-  int64_t memory_bytes = 0;       // weights per rank
-  bool fits = true;               // memory_bytes <= the device's memory
-  std::string dominant;           // "reading weights", "arithmetic", "moving rows", "communication", "imbalance",
-                                  // "fixed costs"
+  double rows_us = 0;                              // ... and its rows' traffic (picks x PickRowBytes)
+  double imbalance_us = 0;                         // kernel_us - kernel_mean_us
+  double read_gb = 0;                              // slowest rank's expert bytes read per MoE layer
+  double copies_per_row = 0;                       // copies of each row sent to other ranks
+  double balancedness = 1;                         // picks, mean / max over ranks (1 for slices)
+  int64_t memory_bytes = 0;                        // weights per rank
+  bool fits = true;                                // memory_bytes <= the device's memory
+  std::string dominant;  // "reading weights", "arithmetic", "moving rows", "communication", "imbalance",
+                         // "fixed costs"
 };
 
 struct PlanWinner {
@@ -161,6 +214,7 @@ struct PlanWinner {
   int gpus = 0;
   EpOption option = EpOption::kSliced;
   int slices = 1;
+  A2aVariant a2a;
   double step_ms = 0;
   std::string why;
 };
@@ -169,10 +223,13 @@ struct PlanResult {
   std::string model;
   std::string hardware;
   PlanPhase phase = PlanPhase::kDecode;
-  std::string load;              // "even router" or the trace's description
-  std::vector<OptionCost> costs;  // batch-major, then gpus, then options
+  std::string load;               // "even router" or the trace's description
+  std::vector<OptionCost> costs;  // batch-major, then gpus, then options (option 4 once per variant)
   std::vector<PlanWinner> winners;
 };
+
+// "hybrid x2", "a2a two-level +tbo", "whole": how tables name a priced option.
+std::string CostLabel(EpOption option, int slices, const A2aVariant& a2a);
 
 // Prices every option for every batch and EP size. `trace` null: an even router. Refuses EP sizes
 // < 1 or > 4096, batches < 1, and a trace that does not match the model.

@@ -168,6 +168,9 @@ def test_plan_returns_the_table():
     options = {c["option"] for c in result["costs"]}
     assert {"sliced", "whole", "hybrid", "a2a", "dwdp"} <= options
     assert all(c["step_ms"] > 0 for c in result["costs"] if c["applicable"])
+    a2a = next(c for c in result["costs"] if c["option"] == "a2a")
+    assert a2a["label"] == "a2a low-latency"  # decode's auto mode
+    assert a2a["exposed_comm_us"] == a2a["comm_us"] and a2a["inter_node_mb"] == 0  # one node, no overlap
 
 
 def test_errors_are_python_exceptions_with_the_cpp_message(reference):

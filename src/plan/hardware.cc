@@ -1,12 +1,12 @@
 #include "epmoe/hardware.h"
 
-#include "epmoe/config_file.h"
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+
+#include "epmoe/config_file.h"
 
 namespace epmoe::embedded {
 extern const std::vector<std::pair<std::string_view, std::string_view>> kHardwareProfiles;
@@ -24,7 +24,8 @@ Status ReadNumber(const json& root, std::string_view source, const std::string& 
   while (true) {
     const size_t dot = path.find('.', start);
     const std::string key = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    if (!node->is_object()) return InvalidArgument(fmt::format("{}: field '{}' must be an object", source, path.substr(0, start - 1)));
+    if (!node->is_object())
+      return InvalidArgument(fmt::format("{}: field '{}' must be an object", source, path.substr(0, start - 1)));
     auto it = node->find(key);
     if (it == node->end()) return InvalidArgument(fmt::format("{}: missing field '{}'", source, path));
     node = &*it;
@@ -98,6 +99,11 @@ double HardwareProfile::CopyBytesPerSecond() const {
   return memory_bandwidth_gbs * 1e9 * memory_read_efficiency / 2;  // each byte read once and written once
 }
 
+int HardwareProfile::RanksPerDevice(int gpus) const {
+  if (!ranks_share_device) return 1;
+  return nodes_share_device ? gpus : std::min(gpus, gpus_per_node);
+}
+
 double HardwareProfile::PeakTflopsFor(WeightFormat format) const {
   switch (format) {
     case WeightFormat::kFp32: return peak_tflops.fp32;
@@ -136,7 +142,8 @@ Status ValidateHardware(const HardwareProfile& p, std::string_view source) {
     const std::string prefix = fmt::format("kernel_lines[{}]", i);
     EPMOE_RETURN_IF_ERROR(NonNegative(source, (prefix + ".fixed_us").c_str(), p.kernel_lines[i].fixed_us));
     EPMOE_RETURN_IF_ERROR(Positive(source, (prefix + ".us_per_gb").c_str(), p.kernel_lines[i].us_per_gb));
-    EPMOE_RETURN_IF_ERROR(NonNegative(source, (prefix + ".sliced_extra_us").c_str(), p.kernel_lines[i].sliced_extra_us));
+    EPMOE_RETURN_IF_ERROR(
+        NonNegative(source, (prefix + ".sliced_extra_us").c_str(), p.kernel_lines[i].sliced_extra_us));
     for (size_t j = 0; j < i; ++j)
       if (p.kernel_lines[j].format == p.kernel_lines[i].format)
         return InvalidArgument(fmt::format("{}: field '{}.format': a second line for {}", source, prefix,
@@ -153,16 +160,18 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
     return InvalidArgument(fmt::format("{}: not valid JSON: {}", source, e.what()));
   }
   if (!j.is_object()) return InvalidArgument(fmt::format("{}: expected a JSON object", source));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j, source, "",
-                                       {"name", "description", "sources", "gpus_per_node", "ranks_share_device",
-                                        "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us",
-                                        "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
+  EPMOE_RETURN_IF_ERROR(
+      CheckKnownKeys(j, source, "",
+                     {"name", "description", "sources", "gpus_per_node", "ranks_share_device", "nodes_share_device",
+                      "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us",
+                      "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
   HardwareProfile p;
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "name", &p.name));
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "description", &p.description));
   auto sources = j.find("sources");
   if (sources == j.end()) return InvalidArgument(fmt::format("{}: missing field 'sources'", source));
-  if (!sources->is_array()) return InvalidArgument(fmt::format("{}: field 'sources' must be an array of strings", source));
+  if (!sources->is_array())
+    return InvalidArgument(fmt::format("{}: field 'sources' must be an array of strings", source));
   for (const auto& s : *sources) {
     if (!s.is_string()) return InvalidArgument(fmt::format("{}: field 'sources' must be an array of strings", source));
     p.sources.push_back(s.get<std::string>());
@@ -170,17 +179,24 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   double gpus_per_node = 0;
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "gpus_per_node", &gpus_per_node));
   if (gpus_per_node != std::floor(gpus_per_node) || gpus_per_node > 1e6)
-    return InvalidArgument(fmt::format("{}: field 'gpus_per_node' must be a whole number, got {}", source, gpus_per_node));
+    return InvalidArgument(
+        fmt::format("{}: field 'gpus_per_node' must be a whole number, got {}", source, gpus_per_node));
   p.gpus_per_node = static_cast<int>(gpus_per_node);
   auto share = j.find("ranks_share_device");
   if (share == j.end()) return InvalidArgument(fmt::format("{}: missing field 'ranks_share_device'", source));
   if (!share->is_boolean())
     return InvalidArgument(fmt::format("{}: field 'ranks_share_device' must be true or false", source));
   p.ranks_share_device = share->get<bool>();
+  if (auto nodes = j.find("nodes_share_device"); nodes != j.end()) {
+    if (!nodes->is_boolean())
+      return InvalidArgument(fmt::format("{}: field 'nodes_share_device' must be true or false", source));
+    p.nodes_share_device = nodes->get<bool>();
+  }
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.capacity_gb", &p.memory_capacity_gb));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.bandwidth_gbs", &p.memory_bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.read_efficiency", &p.memory_read_efficiency));
-  if (j["memory"].contains("copy_gbs")) EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.copy_gbs", &p.memory_copy_gbs));
+  if (j["memory"].contains("copy_gbs"))
+    EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.copy_gbs", &p.memory_copy_gbs));
   EPMOE_RETURN_IF_ERROR(
       CheckKnownKeys(j["memory"], source, "memory.", {"capacity_gb", "bandwidth_gbs", "read_efficiency", "copy_gbs"}));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp32", &p.peak_tflops.fp32));
@@ -188,14 +204,15 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.int8", &p.peak_tflops.int8));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp8", &p.peak_tflops.fp8));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp4", &p.peak_tflops.fp4));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["peak_tflops"], source, "peak_tflops.", {"fp32", "bf16", "int8", "fp8", "fp4"}));
+  EPMOE_RETURN_IF_ERROR(
+      CheckKnownKeys(j["peak_tflops"], source, "peak_tflops.", {"fp32", "bf16", "int8", "fp8", "fp4"}));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "arithmetic_efficiency", &p.arithmetic_efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "gemm_efficiency", &p.gemm_efficiency));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "kernel_fixed_us", &p.kernel_fixed_us));
   if (auto partial = j.find("partial_sums"); partial != j.end()) {
     if (!partial->is_string() || (*partial != "bf16" && *partial != "fp32"))
-      return InvalidArgument(fmt::format("{}: field 'partial_sums' must be \"bf16\" or \"fp32\", got {}", source,
-                                         partial->dump()));
+      return InvalidArgument(
+          fmt::format("{}: field 'partial_sums' must be \"bf16\" or \"fp32\", got {}", source, partial->dump()));
     p.partial_sum_bytes = *partial == "fp32" ? 4 : 2;
   }
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "intra_node", &p.intra_node));
@@ -210,7 +227,8 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
       const json& entry = (*lines)[i];
       const std::string prefix = fmt::format("kernel_lines[{}]", i);
       if (!entry.is_object()) return InvalidArgument(fmt::format("{}: field '{}' must be an object", source, prefix));
-      EPMOE_RETURN_IF_ERROR(CheckKnownKeys(entry, source, prefix + ".", {"format", "fixed_us", "us_per_gb", "source", "sliced_extra_us"}));
+      EPMOE_RETURN_IF_ERROR(CheckKnownKeys(entry, source, prefix + ".",
+                                           {"format", "fixed_us", "us_per_gb", "source", "sliced_extra_us"}));
       KernelLine line;
       std::string format_name;
       EPMOE_RETURN_IF_ERROR(ReadString(entry, fmt::format("{}: {}", source, prefix), "format", &format_name));
@@ -221,7 +239,8 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
       EPMOE_RETURN_IF_ERROR(ReadNumber(entry, fmt::format("{}: {}", source, prefix), "us_per_gb", &line.us_per_gb));
       EPMOE_RETURN_IF_ERROR(ReadString(entry, fmt::format("{}: {}", source, prefix), "source", &line.source));
       if (entry.contains("sliced_extra_us"))
-        EPMOE_RETURN_IF_ERROR(ReadNumber(entry, fmt::format("{}: {}", source, prefix), "sliced_extra_us", &line.sliced_extra_us));
+        EPMOE_RETURN_IF_ERROR(
+            ReadNumber(entry, fmt::format("{}: {}", source, prefix), "sliced_extra_us", &line.sliced_extra_us));
       p.kernel_lines.push_back(line);
     }
   }
@@ -235,21 +254,29 @@ std::string HardwareToJson(const HardwareProfile& p) {
     if (l.one_sided_efficiency > 0) out["one_sided_efficiency"] = l.one_sided_efficiency;
     return out;
   };
-  json memory = {{"capacity_gb", p.memory_capacity_gb}, {"bandwidth_gbs", p.memory_bandwidth_gbs},
+  json memory = {{"capacity_gb", p.memory_capacity_gb},
+                 {"bandwidth_gbs", p.memory_bandwidth_gbs},
                  {"read_efficiency", p.memory_read_efficiency}};
   if (p.memory_copy_gbs > 0) memory["copy_gbs"] = p.memory_copy_gbs;
   json lines = json::array();
   for (const auto& l : p.kernel_lines)
-    lines.push_back({{"format", WeightFormatName(l.format)}, {"fixed_us", l.fixed_us}, {"us_per_gb", l.us_per_gb},
-                     {"sliced_extra_us", l.sliced_extra_us}, {"source", l.source}});
+    lines.push_back({{"format", WeightFormatName(l.format)},
+                     {"fixed_us", l.fixed_us},
+                     {"us_per_gb", l.us_per_gb},
+                     {"sliced_extra_us", l.sliced_extra_us},
+                     {"source", l.source}});
   json j = {{"name", p.name},
             {"description", p.description},
             {"sources", p.sources},
             {"gpus_per_node", p.gpus_per_node},
             {"ranks_share_device", p.ranks_share_device},
             {"memory", memory},
-            {"peak_tflops", {{"fp32", p.peak_tflops.fp32}, {"bf16", p.peak_tflops.bf16}, {"int8", p.peak_tflops.int8},
-                             {"fp8", p.peak_tflops.fp8}, {"fp4", p.peak_tflops.fp4}}},
+            {"peak_tflops",
+             {{"fp32", p.peak_tflops.fp32},
+              {"bf16", p.peak_tflops.bf16},
+              {"int8", p.peak_tflops.int8},
+              {"fp8", p.peak_tflops.fp8},
+              {"fp4", p.peak_tflops.fp4}}},
             {"arithmetic_efficiency", p.arithmetic_efficiency},
             {"gemm_efficiency", p.gemm_efficiency},
             {"kernel_fixed_us", p.kernel_fixed_us},
@@ -257,10 +284,13 @@ std::string HardwareToJson(const HardwareProfile& p) {
             {"inter_node", link(p.inter_node)}};
   if (!p.kernel_lines.empty()) j["kernel_lines"] = lines;
   if (p.partial_sum_bytes != 2) j["partial_sums"] = "fp32";
+  if (p.nodes_share_device) j["nodes_share_device"] = true;
   return j.dump(2);
 }
 
-std::vector<std::string> ListHardwareProfiles() { return BuiltinConfigNames(embedded::kHardwareProfiles); }
+std::vector<std::string> ListHardwareProfiles() {
+  return BuiltinConfigNames(embedded::kHardwareProfiles);
+}
 
 Result<HardwareProfile> LoadHardware(std::string_view name_or_path) {
   EPMOE_ASSIGN_OR_RETURN(ConfigText config,

@@ -1,10 +1,11 @@
 // SVG charts of a plan (line_chart.h): time against batch, copies per row and balancedness against
 // GPUs, side by side in one file.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "epmoe/line_chart.h"
 #include "epmoe/plan.h"
@@ -43,8 +44,10 @@ std::string PlanPlotSvg(const PlanResult& result, const ModelConfig& model,
   LineChart balance = log_x_chart("balancedness of picks", "GPUs (EP size)", "mean / max picks per rank");
   std::map<EpOption, LineSeries> time_series, copies_series;
   std::map<int64_t, std::map<int, double>> balance_by_batch;  // batch -> gpus -> balancedness (whole experts)
+  std::set<std::pair<int64_t, int>> a2a_drawn;                // (batch, gpus): a2a is drawn in its first variant
   for (const auto& c : result.costs) {
     if (!c.applicable) continue;
+    if (c.option == EpOption::kA2a && !a2a_drawn.emplace(c.batch, c.gpus).second) continue;
     LineSeries& t = time_series[c.option];
     t.name = EpOptionName(c.option);
     t.color = OptionColor(c.option);

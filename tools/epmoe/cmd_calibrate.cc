@@ -3,10 +3,13 @@
 //                                                         arithmetic path and the expert kernel's
 //                                                         fitted line
 //   mpirun -np G epmoe calibrate --links --base local.json --out local.json
-//                                                         MPI latency and bandwidth between ranks
+//                                                         MPI latency and bandwidth between ranks;
+//                                                         across several nodes (or --ranks-per-node)
+//                                                         the intra- and inter-node links apart
 // The two parts run separately so that idle MPI ranks never compete with the kernel measurements
 // for the cores. Machine measurements come from the kernels module (machine_limits, kernel_bench).
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,6 +19,7 @@
 #include <fstream>
 #include <future>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -42,6 +46,8 @@ struct CalibrateFlags {
   bool links = false;
   int64_t prefill_tokens = 4096;
   int64_t max_link_bytes = int64_t{32} << 20;
+  int ranks_per_node = 0;  // CommOptions::ranks_per_node: model nodes of this many ranks (0: real nodes)
+  double link_gbit = 0;    // the shaped rate of a node's link (0: record the measured rate)
 };
 
 std::string Today() {
@@ -119,9 +125,10 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   int lines = 0, points = 0;
   for (const auto& d : report.decode) {
     if (d.us_per_gb <= 0) continue;
-    p->kernel_lines.push_back({d.format, std::max(0.0, d.fixed_us), d.us_per_gb, 0.0,
-                               fmt::format("epmoe calibrate {}: decode experiment, {} points, r(bytes) {:.3f}, r(picks) {:.3f}",
-                                           Today(), d.samples.size(), d.correlation_bytes, d.correlation_picks)});
+    p->kernel_lines.push_back(
+        {d.format, std::max(0.0, d.fixed_us), d.us_per_gb, 0.0,
+         fmt::format("epmoe calibrate {}: decode experiment, {} points, r(bytes) {:.3f}, r(picks) {:.3f}", Today(),
+                     d.samples.size(), d.correlation_bytes, d.correlation_picks)});
     read_efficiency += (1e6 / d.us_per_gb) / m.read_gbps;  // GB/s the line reads at / measured bandwidth
     ++lines;
   }
@@ -156,7 +163,8 @@ Result<double> TimeSlowestRank(Communicator& comm, int repetitions, Operation op
     EPMOE_RETURN_IF_ERROR(comm.Barrier());
     const auto start = std::chrono::steady_clock::now();
     EPMOE_RETURN_IF_ERROR(operation());
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    const auto ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     EPMOE_ASSIGN_OR_RETURN(int64_t slowest, comm.AllreduceMax(ns));
     if (rep >= 2) times.push_back(slowest / 1e3);
   }
@@ -250,50 +258,182 @@ Result<double> MeasureCopyUnderKernel(Communicator& comm, double* alone_us, doub
   *together_us = *together;
   *bytes_out = bytes;
   if (*together_us <= *alone_us)
-    return Internal(fmt::format("calibrate: the kernel took {:.0f} us alone and {:.0f} us with {} MB of window reads "
-                                "beside it; the reads added nothing measurable", *alone_us, *together_us, bytes >> 20));
+    return Internal(
+        fmt::format("calibrate: the kernel took {:.0f} us alone and {:.0f} us with {} MB of window reads "
+                    "beside it; the reads added nothing measurable",
+                    *alone_us, *together_us, bytes >> 20));
   return static_cast<double>(comm.size()) * bytes / ((*together_us - *alone_us) * 1e3);  // GB/s
 }
 
-// Latency and per-rank bandwidth of collectives between the ranks of this job: a small all-gather
-// gives the fixed cost, large ones the bandwidth of the bytes each rank sends to its G-1 peers.
-Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator& comm) {
+// Latency and per-rank bandwidth of collectives between the ranks of one communicator.
+struct LinkMeasure {
+  double latency_us = 0;     // a 64 B all-gather
+  double bandwidth_gbs = 0;  // bytes each rank sends to its peers per second, median over sizes
+  double one_sided_gbs = 0;  // reads of the next rank's window
+};
+
+// A small all-gather gives the fixed cost, large ones the bandwidth of the bytes each rank sends to
+// its peers; one-sided reads (DWDP's fetches) of the next rank's window at the same sizes can run
+// at another rate.
+Result<LinkMeasure> MeasureLink(Communicator& comm, const CalibrateFlags& f) {
   const int g = comm.size();
-  EPMOE_ASSIGN_OR_RETURN(double small_us, TimeAllgather(comm, 64, 50));
+  LinkMeasure link;
+  EPMOE_ASSIGN_OR_RETURN(link.latency_us, TimeAllgather(comm, 64, 50));
   std::vector<double> rates;
   for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
     EPMOE_ASSIGN_OR_RETURN(double us, TimeAllgather(comm, bytes, 5));
     const double moved = static_cast<double>(bytes) * (g - 1);
-    if (us > small_us) rates.push_back(moved / ((us - small_us) * 1e3));  // GB/s
+    if (us > link.latency_us) rates.push_back(moved / ((us - link.latency_us) * 1e3));  // GB/s
   }
   if (rates.empty()) return Internal("calibrate: the large all-gathers were not slower than the small one");
-  const double bandwidth = Median(rates);
-  // One-sided reads (DWDP's fetches) can run at another rate than collectives: read the next
-  // rank's window at the same sizes.
+  link.bandwidth_gbs = Median(rates);
   std::vector<double> read_rates;
   for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
     EPMOE_ASSIGN_OR_RETURN(double us, TimeWindowRead(comm, bytes, 5));
     read_rates.push_back(static_cast<double>(bytes) / (us * 1e3));  // GB/s
   }
-  const double one_sided = Median(read_rates);
-  p->intra_node = {bandwidth, 1.0, small_us, one_sided / bandwidth};
-  p->inter_node = p->intra_node;
-  // On one node the reads are the ranks' own copies: what they cost beside the kernel.
-  double alone_us = 0, together_us = 0;
-  int64_t fetched = 0;
-  EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyUnderKernel(comm, &alone_us, &together_us, &fetched));
-  std::erase_if(p->sources, [](const std::string& s) { return s.find("copy_gbs") == 0; });
+  link.one_sided_gbs = Median(read_rates);
+  return link;
+}
+
+// `link` measured by the ranks of several communicators at once (every node, or every set of ranks
+// with one local index), gathered to every rank: the slowest (highest latency, lowest rates) of
+// the ranks that measured (`measured`), since the slowest rank sets a step's time. Nullopt when no
+// rank measured.
+Result<std::optional<LinkMeasure>> SlowestLink(Communicator& world, bool measured, const LinkMeasure& link) {
+  const int g = world.size();
+  const std::vector<double> mine = {measured ? 1.0 : 0.0, link.latency_us, link.bandwidth_gbs, link.one_sided_gbs};
+  std::vector<double> all(4 * g);
+  EPMOE_RETURN_IF_ERROR(world.AllgatherDouble(mine, all));
+  std::optional<LinkMeasure> slowest;
+  for (int r = 0; r < g; ++r) {
+    if (all[4 * r] == 0) continue;
+    const LinkMeasure m{all[4 * r + 1], all[4 * r + 2], all[4 * r + 3]};
+    if (!slowest) {
+      slowest = m;
+      continue;
+    }
+    slowest->latency_us = std::max(slowest->latency_us, m.latency_us);
+    slowest->bandwidth_gbs = std::min(slowest->bandwidth_gbs, m.bandwidth_gbs);
+    slowest->one_sided_gbs = std::min(slowest->one_sided_gbs, m.one_sided_gbs);
+  }
+  return slowest;
+}
+
+// This machine's identity (the kernel's boot id, else the host name) as a number: ranks with the
+// same one run on one machine, as the nodes of a cluster emulated with network namespaces do.
+int64_t MachineId() {
+  std::string id;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  if (!(boot >> id)) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    id = host;
+  }
+  return static_cast<int64_t>(std::hash<std::string>{}(id));
+}
+
+// The profile's link from a measurement: per rank and direction, its data-sheet bandwidth
+// `nominal_gbs` (0: the measured rate itself) reached at the measured share.
+Result<LinkSpec> LinkFrom(const LinkMeasure& m, double nominal_gbs, const char* which) {
+  const double bandwidth = nominal_gbs > 0 ? nominal_gbs : m.bandwidth_gbs;
+  if (m.bandwidth_gbs > bandwidth * 1.05)
+    return InvalidArgument(fmt::format(
+        "calibrate: the {} link measured {:.3f} GB/s per rank, above the {:.3f} GB/s --link-gbit gives each rank: "
+        "these ranks do not talk over that link (--ranks-per-node models nodes on shared memory; give --link-gbit "
+        "only on a cluster whose links are shaped to it)",
+        which, m.bandwidth_gbs, bandwidth));
+  return LinkSpec{bandwidth, std::min(1.0, m.bandwidth_gbs / bandwidth), m.latency_us, m.one_sided_gbs / bandwidth};
+}
+
+// The links between the ranks of this job. On one node: collectives among all ranks, and what
+// DWDP's reads cost beside the kernel (the ranks' own copies). On several nodes: the intra-node
+// link among the ranks of each node, then the inter-node link among the ranks of one local index
+// on every node (all nodes at once, as a step uses them); the profile's gpus_per_node becomes the
+// largest node, and nodes_share_device says whether every rank runs on this one machine.
+Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator& comm) {
+  const int g = comm.size();
+  const int me = comm.rank();
+  if (comm.num_nodes() == 1) {
+    if (f.link_gbit > 0)
+      return InvalidArgument(
+          "--link-gbit gives the link between nodes, and these ranks are on one node (give "
+          "--ranks-per-node, or run across nodes)");
+    EPMOE_ASSIGN_OR_RETURN(const LinkMeasure link, MeasureLink(comm, f));
+    p->intra_node = {link.bandwidth_gbs, 1.0, link.latency_us, link.one_sided_gbs / link.bandwidth_gbs};
+    p->inter_node = p->intra_node;
+    // On one node the reads are the ranks' own copies: what they cost beside the kernel.
+    double alone_us = 0, together_us = 0;
+    int64_t fetched = 0;
+    EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyUnderKernel(comm, &alone_us, &together_us, &fetched));
+    std::erase_if(p->sources, [](const std::string& s) { return s.find("copy_gbs") == 0; });
+    p->sources.push_back(fmt::format(
+        "copy_gbs {:.1f} (epmoe calibrate --links {}, {} ranks): a decode kernel over 64 bf16 experts of 1024 x 512 "
+        "per rank (1 thread, 2 rows each) took {:.1f} ms alone and {:.1f} ms with {} MB (as many experts) read from "
+        "the next rank's window beside it; copy_gbs = ranks x bytes / the added time (replaces the machine part's "
+        "memcpy figure)",
+        p->memory_copy_gbs, Today(), g, alone_us / 1e3, together_us / 1e3, fetched >> 20));
+    p->sources.push_back(fmt::format(
+        "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), {:.2f} GB/s per rank "
+        "(median over 1 MB..{} MB per rank); one-sided window reads {:.2f} GB/s (one_sided_efficiency); "
+        "inter_node = intra_node (one host)",
+        Today(), comm.description(), link.latency_us, link.bandwidth_gbs, f.max_link_bytes >> 20, link.one_sided_gbs));
+    return Status::Ok();
+  }
+  // Nodes, their sizes and this rank's index on its node.
+  std::vector<int> ranks_on(comm.num_nodes(), 0);
+  int local_index = 0;
+  for (int r = 0; r < g; ++r) {
+    if (r < me && comm.node_of(r) == comm.node_of(me)) ++local_index;
+    ++ranks_on[comm.node_of(r)];
+  }
+  const int per_node = *std::max_element(ranks_on.begin(), ranks_on.end());
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> node, comm.Split(comm.node_of(me), me));
+  EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> across, comm.Split(local_index, me));
+  LinkMeasure intra, inter;
+  if (node->size() > 1) {
+    EPMOE_ASSIGN_OR_RETURN(intra, MeasureLink(*node, f));
+  }
+  EPMOE_ASSIGN_OR_RETURN(const std::optional<LinkMeasure> slowest_intra, SlowestLink(comm, node->size() > 1, intra));
+  if (across->size() > 1) {
+    EPMOE_ASSIGN_OR_RETURN(inter, MeasureLink(*across, f));
+  }
+  EPMOE_ASSIGN_OR_RETURN(const std::optional<LinkMeasure> slowest_inter, SlowestLink(comm, across->size() > 1, inter));
+  EPMOE_CHECK(slowest_inter.has_value());  // several nodes: local index 0 is on every one
+  // --link-gbit is the rate of a node's link, shared by the node's ranks sending at once.
+  const double nominal_inter = f.link_gbit / 8 / per_node;
+  EPMOE_ASSIGN_OR_RETURN(p->inter_node, LinkFrom(*slowest_inter, nominal_inter, "inter-node"));
+  if (slowest_intra) {
+    EPMOE_ASSIGN_OR_RETURN(p->intra_node, LinkFrom(*slowest_intra, 0, "intra-node"));
+  }
+  std::vector<int64_t> machines(g);
+  EPMOE_RETURN_IF_ERROR(comm.AllgatherInt64(std::vector<int64_t>{MachineId()}, machines));
+  p->nodes_share_device = std::all_of(machines.begin(), machines.end(), [&](int64_t m) { return m == machines[0]; });
+  p->gpus_per_node = per_node;
+  p->name = "local-cluster";
+  p->description =
+      fmt::format("{} nodes of up to {} ranks{}, measured by epmoe calibrate --links", comm.num_nodes(), per_node,
+                  p->nodes_share_device ? " on this one machine (their ranks share its CPU and memory)" : "");
+  auto described = [&](const LinkMeasure& m) {
+    return fmt::format(
+        "fixed cost {:.1f} us (64 B all-gather), {:.3f} GB/s per rank (median over 1 MB..{} MB per "
+        "rank), one-sided window reads {:.3f} GB/s",
+        m.latency_us, m.bandwidth_gbs, f.max_link_bytes >> 20, m.one_sided_gbs);
+  };
   p->sources.push_back(fmt::format(
-      "copy_gbs {:.1f} (epmoe calibrate --links {}, {} ranks): a decode kernel over 64 bf16 experts of 1024 x 512 per "
-      "rank (1 thread, 2 rows each) took {:.1f} ms alone and {:.1f} ms with {} MB (as many experts) read from the "
-      "next rank's window beside it; copy_gbs = ranks x bytes / the added time (replaces the machine part's memcpy "
-      "figure)",
-      p->memory_copy_gbs, Today(), g, alone_us / 1e3, together_us / 1e3, fetched >> 20));
-  p->sources.push_back(fmt::format(
-      "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), {:.2f} GB/s per rank "
-      "(median over 1 MB..{} MB per rank); one-sided window reads {:.2f} GB/s (one_sided_efficiency); "
-      "inter_node = intra_node (one host)",
-      Today(), comm.description(), small_us, bandwidth, f.max_link_bytes >> 20, one_sided));
+      "epmoe calibrate --links {} over {}, the slowest rank of each: intra_node among the ranks of each node: {}; "
+      "inter_node among the ranks of one local index on every node, all at once: {}{}",
+      Today(), comm.description(), slowest_intra ? described(*slowest_intra) : "not measured (one rank per node: kept)",
+      described(*slowest_inter),
+      f.link_gbit > 0 ? fmt::format("; bandwidth_gbs {:.4f} = --link-gbit {} / 8 / {} ranks per node, efficiency the "
+                                    "measured share of it",
+                                    nominal_inter, f.link_gbit, per_node)
+                      : ""));
+  p->sources.push_back(
+      fmt::format("gpus_per_node {}: the largest node of the calibration run; nodes_share_device {}: "
+                  "{} (the kernel's boot id of every rank); copy_gbs kept (not measured across nodes)",
+                  per_node, p->nodes_share_device ? "true" : "false",
+                  p->nodes_share_device ? "every rank ran on this machine" : "the ranks ran on several machines"));
   return Status::Ok();
 }
 
@@ -303,7 +443,8 @@ int RunCalibrate(const CalibrateFlags& f) {
   HardwareProfile profile = *base;
   profile.name = "local";
   if (!f.links) {
-    profile.description = "This machine, measured by epmoe calibrate; ranks are MPI processes sharing the CPU and its memory";
+    profile.description =
+        "This machine, measured by epmoe calibrate; ranks are MPI processes sharing the CPU and its memory";
     profile.ranks_share_device = true;
     // Keep only the base's notes on links; the machine figures (the copy rate too) are replaced.
     std::vector<std::string> kept;
@@ -318,10 +459,13 @@ int RunCalibrate(const CalibrateFlags& f) {
     if (Status s = WriteProfile(profile, out->get()); !s.ok()) return ReportError(s);
     return 0;
   }
-  auto comm = WorldCommunicator(CommOptions{});
+  CommOptions comm_options;
+  comm_options.ranks_per_node = f.ranks_per_node;
+  auto comm = WorldCommunicator(comm_options);
   if (!comm.ok()) return ReportError(comm.status());
   if ((*comm)->size() < 2)
-    return ReportError(InvalidArgument("calibrate --links needs at least 2 ranks: run it under mpirun -np 2 (or more)"));
+    return ReportError(
+        InvalidArgument("calibrate --links needs at least 2 ranks: run it under mpirun -np 2 (or more)"));
   std::unique_ptr<AtomicFile> out;
   if ((*comm)->rank() == 0) {
     auto opened = OpenProfileOutput(f.out);
@@ -360,6 +504,15 @@ void AddCalibrateCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(int64_t{64}, int64_t{1} << 16))
       ->capture_default_str();
   cmd->add_flag("--links", f->links, "Measure MPI latency and bandwidth between the ranks (run under mpirun)");
+  cmd->add_option("--ranks-per-node", f->ranks_per_node,
+                  "For --links: model nodes of this many consecutive ranks (0: the transport's nodes, e.g. hosts or "
+                  "the namespaces of a cluster on one machine)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--link-gbit", f->link_gbit,
+                  "For --links across nodes: the rate (Gbit/s) each node's link is shaped to, recorded as the "
+                  "inter-node bandwidth (shared by the node's ranks) with the measured share as its efficiency")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--max-link-bytes", f->max_link_bytes, "Largest all-gather per rank for --links")
       ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 30))
       ->capture_default_str();

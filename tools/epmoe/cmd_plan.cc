@@ -32,7 +32,7 @@ using nlohmann::json;
 
 struct PlanFlags {
   std::string model;
-  int hidden = 0;        // overrides of the model's shape (0: keep), as `epmoe run` has them
+  int hidden = 0;  // overrides of the model's shape (0: keep), as `epmoe run` has them
   int intermediate = 0;
   std::string hardware;
   std::string trace;
@@ -46,12 +46,18 @@ struct PlanFlags {
   std::string shared_weights = "bf16";
   std::string dense_weights = "int8";
   std::string rows = "bf16";
+  std::string combine = "bf16";
+  std::string a2a_combine = "partial-sums";
   std::string shared = "default";
   std::string dense = "sliced";
   int samples = 16;
   uint64_t seed = 1;
   std::string placement = "trivial";
   int redundant = 0;
+  std::vector<std::string> a2a_levels = {"auto"};
+  std::vector<std::string> a2a_modes = {"auto"};
+  bool tbo = false;
+  bool sbo = false;
   std::string format = "text";
   std::string plot;
   std::vector<std::string> measured;
@@ -64,7 +70,8 @@ constexpr double kPredictedTie = 0.005;
 // One-sided sign test: the chance that a fair coin gives at least `wins` heads in `n` tosses.
 double SignTestP(int wins, int n) {
   double p = 0;
-  for (int k = wins; k <= n; ++k) p += std::exp(std::lgamma(n + 1.0) - std::lgamma(k + 1.0) - std::lgamma(n - k + 1.0) - n * std::log(2.0));
+  for (int k = wins; k <= n; ++k)
+    p += std::exp(std::lgamma(n + 1.0) - std::lgamma(k + 1.0) - std::lgamma(n - k + 1.0) - n * std::log(2.0));
   return p;
 }
 
@@ -92,16 +99,19 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
   auto read_run = [&](size_t r, const json& run) -> Status {
     const std::string& path = paths[r];
     for (const char* field : {"ranks", "tokens", "layers"})
-      if (!run.contains(field)) return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
+      if (!run.contains(field))
+        return InvalidArgument(fmt::format("{}: missing field '{}' (expected `epmoe run --format json`)", path, field));
     if (r == 0) {
       ranks = run["ranks"].get<int>();
       tokens = run["tokens"].get<int64_t>();
       layers = run["layers"].get<int>();
       if (layers < 1) return InvalidArgument(fmt::format("{}: field 'layers' must be positive", path));
-    } else if (run["ranks"].get<int>() != ranks || run["tokens"].get<int64_t>() != tokens || run["layers"].get<int>() != layers) {
-      return InvalidArgument(fmt::format("{}: {} ranks, {} tokens, {} layers; {} has {}, {}, {}: compare runs of one shape",
-                                         path, run["ranks"].get<int>(), run["tokens"].get<int64_t>(), run["layers"].get<int>(),
-                                         paths[0], ranks, tokens, layers));
+    } else if (run["ranks"].get<int>() != ranks || run["tokens"].get<int64_t>() != tokens ||
+               run["layers"].get<int>() != layers) {
+      return InvalidArgument(
+          fmt::format("{}: {} ranks, {} tokens, {} layers; {} has {}, {}, {}: compare runs of one shape", path,
+                      run["ranks"].get<int>(), run["tokens"].get<int64_t>(), run["layers"].get<int>(), paths[0], ranks,
+                      tokens, layers));
     }
     // The run must have run the model and weights the plan prices.
     const std::pair<const char*, int64_t> shape[] = {{"hidden", model.hidden},
@@ -110,8 +120,10 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
                                                      {"top_k", model.top_k}};
     for (const auto& [field, planned] : shape)
       if (run.contains(field) && run[field].get<int64_t>() != planned)
-        return InvalidArgument(fmt::format("{}: the run has {} {}, the plan's model {} (give --hidden/--intermediate as "
-                                           "the run had them)", path, field, run[field].get<int64_t>(), planned));
+        return InvalidArgument(
+            fmt::format("{}: the run has {} {}, the plan's model {} (give --hidden/--intermediate as "
+                        "the run had them)",
+                        path, field, run[field].get<int64_t>(), planned));
     if (run.contains("weight_format") && run["weight_format"].get<std::string>() != WeightFormatName(experts))
       return InvalidArgument(fmt::format("{}: the run's experts are {}, the plan's --weights {}", path,
                                          run["weight_format"].get<std::string>(), WeightFormatName(experts)));
@@ -144,6 +156,7 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
     for (const auto& times : steps[i]) pooled.insert(pooled.end(), times.begin(), times.end());
     if (pooled.empty()) continue;
     const double measured_us = Median(pooled) * 1000.0 / layers;
+    // An option priced in several variants (a2a) is compared in its first: the run's flags.
     for (const auto& c : plan.costs) {
       if (c.option != options[i] || c.gpus != ranks || c.batch != tokens || !c.applicable) continue;
       rows.push_back({{"option", EpOptionName(c.option)},
@@ -152,11 +165,13 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
                       {"predicted_over_measured", c.layer_us / measured_us},
                       {"steps", pooled.size()}});
       row_option.push_back(i);
+      break;
     }
   }
   if (rows.empty())
-    return InvalidArgument(fmt::format("{}: no option of the run ({} ranks, {} tokens) is in the plan: give --gpus {} --batch {}",
-                                       paths[0], ranks, tokens, ranks, tokens));
+    return InvalidArgument(
+        fmt::format("{}: no option of the run ({} ranks, {} tokens) is in the plan: give --gpus {} --batch {}",
+                    paths[0], ranks, tokens, ranks, tokens));
   auto order = [&](const char* key) {
     std::vector<std::pair<double, std::string>> v;
     for (const auto& r : rows) v.emplace_back(r[key].get<double>(), r["option"].get<std::string>());
@@ -202,19 +217,30 @@ Status CompareWithRuns(const PlanResult& plan, const ModelConfig& model, WeightF
         ++separated;
         agreeing += fast_predicted < slow_predicted;
       }
-      pairs.push_back({{"faster", fast["option"]}, {"slower", slow["option"]},
-                       {"steps_faster", std::max(a_faster, b_faster)}, {"steps", n}, {"sign_test_p", p},
+      pairs.push_back({{"faster", fast["option"]},
+                       {"slower", slow["option"]},
+                       {"steps_faster", std::max(a_faster, b_faster)},
+                       {"steps", n},
+                       {"sign_test_p", p},
                        {"separated", is_separated},
-                       {"predicted_faster", predicted_equal                  ? json("neither")
+                       {"predicted_faster", predicted_equal                   ? json("neither")
                                             : fast_predicted < slow_predicted ? fast["option"]
                                                                               : slow["option"]}});
     }
   }
-  *out = {{"runs", paths}, {"ranks", ranks}, {"tokens", tokens}, {"layers", layers}, {"options", rows},
+  *out = {{"runs", paths},
+          {"ranks", ranks},
+          {"tokens", tokens},
+          {"layers", layers},
+          {"options", rows},
           {"interleaved", interleaved},
-          {"measured_order", order("measured_us_per_layer")}, {"predicted_order", order("predicted_us_per_layer")},
-          {"within_25_percent", within}, {"pairs", pairs}, {"pairs_separated", separated},
-          {"pairs_separated_as_predicted", agreeing}, {"pairs_separated_predicted_equal", separated_predicted_equal}};
+          {"measured_order", order("measured_us_per_layer")},
+          {"predicted_order", order("predicted_us_per_layer")},
+          {"within_25_percent", within},
+          {"pairs", pairs},
+          {"pairs_separated", separated},
+          {"pairs_separated_as_predicted", agreeing},
+          {"pairs_separated_predicted_equal", separated_predicted_equal}};
   (*out)["same_order_of_medians"] = (*out)["measured_order"] == (*out)["predicted_order"];
   (*out)["same_order"] = !pairs.empty() ? separated == agreeing : (*out)["same_order_of_medians"].get<bool>();
   return Status::Ok();
@@ -240,14 +266,15 @@ void PrintComparison(const json& cmp) {
   for (const auto& p : cmp["pairs"])
     std::printf("  %-7s faster than %-7s in %2d of %2d %s steps (sign test p = %.3f): %s\n",
                 p["faster"].get<std::string>().c_str(), p["slower"].get<std::string>().c_str(),
-                p["steps_faster"].get<int>(), p["steps"].get<int>(), cmp["interleaved"].get<bool>() ? "interleaved" : "paired",
-                p["sign_test_p"].get<double>(),
+                p["steps_faster"].get<int>(), p["steps"].get<int>(),
+                cmp["interleaved"].get<bool>() ? "interleaved" : "paired", p["sign_test_p"].get<double>(),
                 !p["separated"].get<bool>()            ? "not separated"
-                : p["predicted_faster"] == p["faster"]  ? "predicted so"
-                : p["predicted_faster"] == "neither"    ? tie.c_str()
-                                                        : "predicted the other way");
+                : p["predicted_faster"] == p["faster"] ? "predicted so"
+                : p["predicted_faster"] == "neither"   ? tie.c_str()
+                                                       : "predicted the other way");
   if (cmp["pairs"].empty())
-    std::printf("  same order: %s (the run has no per-step times; medians compared)", cmp["same_order"].get<bool>() ? "yes" : "no");
+    std::printf("  same order: %s (the run has no per-step times; medians compared)",
+                cmp["same_order"].get<bool>() ? "yes" : "no");
   else
     std::printf(
         "  same order: %s (of %d pairs, %d separated by the steps and ordered by the model, %d of them as "
@@ -259,12 +286,15 @@ void PrintComparison(const json& cmp) {
 }
 
 std::string Label(const OptionCost& c) {
-  if (c.option == EpOption::kHybrid && c.applicable) return fmt::format("hybrid x{}", c.slices);
-  return EpOptionName(c.option);
+  if (c.option == EpOption::kHybrid && !c.applicable) return EpOptionName(c.option);
+  return CostLabel(c.option, c.slices, c.a2a);
 }
 std::string Label(const PlanWinner& w) {
-  if (w.option == EpOption::kHybrid) return fmt::format("hybrid x{}", w.slices);
-  return EpOptionName(w.option);
+  return CostLabel(w.option, w.slices, w.a2a);
+}
+// Whether `c` is the line that won its batch and EP size.
+bool Wins(const PlanWinner* w, const OptionCost& c) {
+  return w != nullptr && c.applicable && w->option == c.option && w->slices == c.slices && w->a2a == c.a2a;
 }
 
 json DerivedJson(const ModelConfig& m, const PlanConfig& config) {
@@ -283,7 +313,8 @@ json DerivedJson(const ModelConfig& m, const PlanConfig& config) {
                         {"memory_per_rank_bytes", memory}});
   }
   json touched = json::array();
-  for (int64_t t : config.batches) touched.push_back({{"batch", t}, {"even_router_touched_share", EvenTouchedShare(m, t)}});
+  for (int64_t t : config.batches)
+    touched.push_back({{"batch", t}, {"even_router_touched_share", EvenTouchedShare(m, t)}});
   return {{"weights_per_expert", wpe},
           {"four_bit_bytes_per_expert", FourBitBytes(wpe)},
           {"four_bit_bytes_per_layer", FourBitBytes(wpe) * m.num_experts},
@@ -310,12 +341,13 @@ void PrintDerived(const ModelConfig& m, const json& d, bool markdown) {
               bullet, HumanCount(d["weights_per_expert"]).c_str(), HumanBytes(d["four_bit_bytes_per_expert"]).c_str(),
               HumanBytes(d["four_bit_bytes_per_layer"]).c_str(), HumanBytes(d["four_bit_bytes_all_moe_layers"]).c_str(),
               m.num_moe_layers());
-  std::printf("%sin %s with scales: %s per expert, %s per layer, %s all MoE layers; shared expert (%s) %s per layer; "
-              "dense layer (%s) %s\n",
-              bullet, d["expert_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_expert"]).c_str(),
-              HumanBytes(d["bytes_per_layer_routed"]).c_str(), HumanBytes(d["bytes_all_moe_layers_routed"]).c_str(),
-              d["shared_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_layer_shared"]).c_str(),
-              d["dense_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_dense_layer"]).c_str());
+  std::printf(
+      "%sin %s with scales: %s per expert, %s per layer, %s all MoE layers; shared expert (%s) %s per layer; "
+      "dense layer (%s) %s\n",
+      bullet, d["expert_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_expert"]).c_str(),
+      HumanBytes(d["bytes_per_layer_routed"]).c_str(), HumanBytes(d["bytes_all_moe_layers_routed"]).c_str(),
+      d["shared_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_layer_shared"]).c_str(),
+      d["dense_format"].get<std::string>().c_str(), HumanBytes(d["bytes_per_dense_layer"]).c_str());
   std::printf("%sbytes per row: bf16 %lld, q4 %lld; all-to-all per token per layer (2 x k x hidden x 2 B): %lld B\n",
               bullet, static_cast<long long>(d["row_bytes_bf16"].get<int64_t>()),
               static_cast<long long>(d["row_bytes_q4"].get<int64_t>()),
@@ -329,10 +361,10 @@ void PrintDerived(const ModelConfig& m, const json& d, bool markdown) {
     std::string memory;
     for (auto it = g["memory_per_rank_bytes"].begin(); it != g["memory_per_rank_bytes"].end(); ++it)
       memory += fmt::format("{}{} {}", memory.empty() ? "" : ", ", it.key(), HumanBytes(it.value().get<int64_t>()));
-    const std::string traced = g.contains("copies_sent_per_row_trace_picks")
-                                   ? fmt::format(", {:.2f} in the trace's per-row picks",
-                                                 g["copies_sent_per_row_trace_picks"].get<double>())
-                                   : "";
+    const std::string traced =
+        g.contains("copies_sent_per_row_trace_picks")
+            ? fmt::format(", {:.2f} in the trace's per-row picks", g["copies_sent_per_row_trace_picks"].get<double>())
+            : "";
     std::printf(
         "%s%d GPUs: ranks per row %.2f, copies sent per row %.2f (even router%s; all-gather %d), DWDP fetch %s "
         "per rank per layer; weights per rank: %s\n",
@@ -348,6 +380,12 @@ json CostJson(const OptionCost& c) {
             {"gpus", c.gpus},
             {"batch", c.batch},
             {"applicable", c.applicable}};
+  if (c.option == EpOption::kA2a)
+    j["a2a"] = {{"levels", A2aLevelsName(c.a2a.levels)},
+                {"mode", A2aModeName(c.a2a.mode)},
+                {"tbo", c.a2a.tbo},
+                {"sbo", c.a2a.sbo},
+                {"label", Label(c)}};
   if (!c.applicable) {
     j["not_applicable"] = c.not_applicable;
     return j;
@@ -356,6 +394,9 @@ json CostJson(const OptionCost& c) {
             {"kernel_us", c.kernel_us},
             {"kernel_mean_us", c.kernel_mean_us},
             {"comm_us", c.comm_us},
+            {"exposed_comm_us", c.exposed_comm_us},
+            {"inter_node_mb_per_rank", c.inter_node_mb},
+            {"intra_node_mb_per_rank", c.intra_node_mb},
             {"layer_us", c.layer_us},
             {"dense_layer_us", c.dense_us},
             {"step_ms", c.step_ms},
@@ -382,7 +423,10 @@ const PlanWinner* WinnerFor(const PlanResult& r, int64_t batch, int gpus) {
 void PrintText(const PlanResult& r, const ModelConfig& m, const json& derived) {
   std::printf("%s on %s, %s, load: %s\n", r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase), r.load.c_str());
   PrintDerived(m, derived, false);
-  std::printf("times per MoE layer are the slowest rank's; step = all MoE and dense FFN layers (attention not modeled)\n");
+  std::printf(
+      "times per MoE layer are the slowest rank's; step = all MoE and dense FFN layers (attention not modeled)\n");
+  int width = 10;  // the option column fits the longest label
+  for (const auto& c : r.costs) width = std::max(width, static_cast<int>(Label(c).size()));
   int64_t batch = -1;
   int gpus = -1;
   auto finish_group = [&] {
@@ -397,16 +441,18 @@ void PrintText(const PlanResult& r, const ModelConfig& m, const json& derived) {
       gpus = c.gpus;
       std::printf("\nbatch %lld rows, %d GPUs (%.1f rows per GPU)\n", static_cast<long long>(batch), gpus,
                   static_cast<double>(batch) / gpus);
-      std::printf("  %-10s %9s %9s %9s %9s %8s %7s %8s %10s  %s\n", "option", "kernel us", "comm us", "layer us",
-                  "step ms", "read GB", "copies", "balance", "weights/GPU", "dominant");
+      std::printf("  %-*s %9s %9s %10s %9s %9s %8s %8s %8s %7s %8s %10s  %s\n", width, "option", "kernel us", "comm us",
+                  "exposed us", "layer us", "step ms", "inter MB", "intra MB", "read GB", "copies", "balance",
+                  "weights/GPU", "dominant");
     }
     if (!c.applicable) {
-      std::printf("  %-10s not applicable: %s\n", Label(c).c_str(), c.not_applicable.c_str());
+      std::printf("  %-*s not applicable: %s\n", width, Label(c).c_str(), c.not_applicable.c_str());
       continue;
     }
-    std::printf("  %-10s %9.1f %9.1f %9.1f %9.2f %8.3f %7.2f %8.2f %10s  %s%s\n", Label(c).c_str(), c.kernel_us,
-                c.comm_us, c.layer_us, c.step_ms, c.read_gb, c.copies_per_row, c.balancedness,
-                HumanBytes(c.memory_bytes).c_str(), c.dominant.c_str(), c.fits ? "" : " (does not fit in memory)");
+    std::printf("  %-*s %9.1f %9.1f %10.1f %9.1f %9.2f %8.3f %8.3f %8.3f %7.2f %8.2f %10s  %s%s\n", width,
+                Label(c).c_str(), c.kernel_us, c.comm_us, c.exposed_comm_us, c.layer_us, c.step_ms, c.inter_node_mb,
+                c.intra_node_mb, c.read_gb, c.copies_per_row, c.balancedness, HumanBytes(c.memory_bytes).c_str(),
+                c.dominant.c_str(), c.fits ? "" : " (does not fit in memory)");
   }
   finish_group();
 }
@@ -415,20 +461,23 @@ void PrintMarkdown(const PlanResult& r, const ModelConfig& m, const json& derive
   std::printf("**%s on %s, %s, load: %s**\n\n", r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase),
               r.load.c_str());
   PrintDerived(m, derived, true);
-  std::printf("\n| batch | GPUs | option | kernel us | comm us | layer us | step ms | read GB | copies | balance | "
-              "weights/GPU | dominant |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  std::printf(
+      "\n| batch | GPUs | option | kernel us | comm us | exposed us | layer us | step ms | inter MB | intra MB | "
+      "read GB | copies | balance | weights/GPU | dominant |\n"
+      "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (const auto& c : r.costs) {
     if (!c.applicable) {
-      std::printf("| %lld | %d | %s | | | | | | | | | not applicable: %s |\n", static_cast<long long>(c.batch), c.gpus,
-                  Label(c).c_str(), c.not_applicable.c_str());
+      std::printf("| %lld | %d | %s | | | | | | | | | | | | not applicable: %s |\n", static_cast<long long>(c.batch),
+                  c.gpus, Label(c).c_str(), c.not_applicable.c_str());
       continue;
     }
-    const PlanWinner* w = WinnerFor(r, c.batch, c.gpus);
-    const bool wins = w != nullptr && w->option == c.option;
-    std::printf("| %lld | %d | %s%s%s | %.1f | %.1f | %.1f | %.2f | %.3f | %.2f | %.2f | %s | %s%s |\n",
-                static_cast<long long>(c.batch), c.gpus, wins ? "**" : "", Label(c).c_str(), wins ? "**" : "",
-                c.kernel_us, c.comm_us, c.layer_us, c.step_ms, c.read_gb, c.copies_per_row, c.balancedness,
-                HumanBytes(c.memory_bytes).c_str(), c.dominant.c_str(), c.fits ? "" : " (does not fit)");
+    const bool wins = Wins(WinnerFor(r, c.batch, c.gpus), c);
+    std::printf(
+        "| %lld | %d | %s%s%s | %.1f | %.1f | %.1f | %.1f | %.2f | %.3f | %.3f | %.3f | %.2f | %.2f | %s | %s%s |\n",
+        static_cast<long long>(c.batch), c.gpus, wins ? "**" : "", Label(c).c_str(), wins ? "**" : "", c.kernel_us,
+        c.comm_us, c.exposed_comm_us, c.layer_us, c.step_ms, c.inter_node_mb, c.intra_node_mb, c.read_gb,
+        c.copies_per_row, c.balancedness, HumanBytes(c.memory_bytes).c_str(), c.dominant.c_str(),
+        c.fits ? "" : " (does not fit)");
   }
   std::printf("\n");
   for (const auto& w : r.winners)
@@ -437,17 +486,21 @@ void PrintMarkdown(const PlanResult& r, const ModelConfig& m, const json& derive
 }
 
 void PrintCsv(const PlanResult& r) {
-  std::printf("model,hardware,phase,batch,gpus,option,slices,applicable,kernel_us,kernel_mean_us,comm_us,layer_us,"
-              "dense_layer_us,step_ms,read_gb,copies_per_row,balancedness,memory_bytes,fits,dominant,winner\n");
+  std::printf(
+      "model,hardware,phase,batch,gpus,option,slices,a2a_levels,a2a_mode,tbo,sbo,applicable,kernel_us,"
+      "kernel_mean_us,comm_us,exposed_comm_us,layer_us,dense_layer_us,step_ms,inter_node_mb,intra_node_mb,read_gb,"
+      "copies_per_row,balancedness,memory_bytes,fits,dominant,winner\n");
   for (const auto& c : r.costs) {
-    const PlanWinner* w = WinnerFor(r, c.batch, c.gpus);
-    const bool wins = w != nullptr && c.applicable && w->option == c.option;
-    std::printf("%s,%s,%s,%lld,%d,%s,%d,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.4f,%.5f,%.4f,%.4f,%lld,%d,%s,%d\n",
-                r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase), static_cast<long long>(c.batch), c.gpus,
-                EpOptionName(c.option), c.slices, c.applicable ? 1 : 0, c.kernel_us, c.kernel_mean_us, c.comm_us,
-                c.layer_us, c.dense_us, c.step_ms, c.read_gb, c.copies_per_row, c.balancedness,
-                static_cast<long long>(c.memory_bytes), c.fits ? 1 : 0, c.applicable ? c.dominant.c_str() : "",
-                wins ? 1 : 0);
+    const bool a2a = c.option == EpOption::kA2a;
+    std::printf(
+        "%s,%s,%s,%lld,%d,%s,%d,%s,%s,%d,%d,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.4f,%.5f,%.5f,%.5f,%.4f,%.4f,%lld,%d,%s,%"
+        "d\n",
+        r.model.c_str(), r.hardware.c_str(), PlanPhaseName(r.phase), static_cast<long long>(c.batch), c.gpus,
+        EpOptionName(c.option), c.slices, a2a ? A2aLevelsName(c.a2a.levels) : "", a2a ? A2aModeName(c.a2a.mode) : "",
+        c.a2a.tbo ? 1 : 0, c.a2a.sbo ? 1 : 0, c.applicable ? 1 : 0, c.kernel_us, c.kernel_mean_us, c.comm_us,
+        c.exposed_comm_us, c.layer_us, c.dense_us, c.step_ms, c.inter_node_mb, c.intra_node_mb, c.read_gb,
+        c.copies_per_row, c.balancedness, static_cast<long long>(c.memory_bytes), c.fits ? 1 : 0,
+        c.applicable ? c.dominant.c_str() : "", Wins(WinnerFor(r, c.batch, c.gpus), c) ? 1 : 0);
   }
 }
 
@@ -483,6 +536,10 @@ int RunPlanCommand(const PlanFlags& f) {
   auto rows = ParseRowFormat(f.rows == "nvfp4" || f.rows == "fp4" ? "q4" : f.rows);
   if (!rows.ok()) return ReportError(rows.status().WithContext("--rows"));
   config.rows = *rows;
+  auto combine = ParseRowFormat(f.combine);
+  if (!combine.ok()) return ReportError(combine.status().WithContext("--combine-format"));
+  config.combine = *combine;
+  config.a2a_partial_sums = f.a2a_combine == "partial-sums";
   auto shared = ParseSharedMode(f.shared);
   if (!shared.ok()) return ReportError(shared.status().WithContext("--shared"));
   auto dense = ParseSharedMode(f.dense);
@@ -493,6 +550,20 @@ int RunPlanCommand(const PlanFlags& f) {
   config.seed = f.seed;
   config.placement = f.placement;
   config.redundant = f.redundant;
+  config.a2a_levels.clear();
+  for (const auto& name : f.a2a_levels) {
+    auto levels = ParseA2aLevels(name);
+    if (!levels.ok()) return ReportError(levels.status().WithContext("--a2a-levels"));
+    config.a2a_levels.push_back(*levels);
+  }
+  config.a2a_modes.clear();
+  for (const auto& name : f.a2a_modes) {
+    auto mode = ParseA2aMode(name);
+    if (!mode.ok()) return ReportError(mode.status().WithContext("--a2a-mode"));
+    config.a2a_modes.push_back(*mode);
+  }
+  config.tbo = f.tbo;
+  config.sbo = f.sbo;
 
   ExpertLoad trace_load;
   std::string load_description = fmt::format("even router ({} sampled layer loads per batch)", f.samples);
@@ -507,9 +578,10 @@ int RunPlanCommand(const PlanFlags& f) {
                                    trace_load.num_steps, trace_load.num_layers, f.samples);
   }
   if (f.placement != "trivial")
-    load_description += fmt::format("; whole experts placed by {} with {} redundant copies per layer, fitted on the first "
-                                    "half of the {} and priced on the rest",
-                                    f.placement, f.redundant, f.trace.empty() ? "sampled loads" : "trace");
+    load_description += fmt::format(
+        "; whole experts placed by {} with {} redundant copies per layer, fitted on the first "
+        "half of the {} and priced on the rest",
+        f.placement, f.redundant, f.trace.empty() ? "sampled loads" : "trace");
   // Copies per row from the trace's own per-row picks, when it has them.
   std::vector<std::pair<int, double>> trace_copies;
   if (!f.trace.empty()) {
@@ -560,6 +632,7 @@ int RunPlanCommand(const PlanFlags& f) {
                               {"gpus", w.gpus},
                               {"option", EpOptionName(w.option)},
                               {"slices", w.slices},
+                              {"label", Label(w)},
                               {"step_ms", w.step_ms},
                               {"why", w.why}});
     std::printf("%s\n", j.dump(2).c_str());
@@ -578,20 +651,27 @@ int RunPlanCommand(const PlanFlags& f) {
 
 void AddPlanCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<PlanFlags>();
-  auto* cmd = app.add_subcommand("plan", "Predict each option's kernel, communication and step time on a hardware profile");
+  auto* cmd =
+      app.add_subcommand("plan", "Predict each option's kernel, communication and step time on a hardware profile");
   cmd->add_option("--model", f->model, kModelOptionHelp)->required();
   cmd->add_option("--hidden", f->hidden, "Override the model's hidden size (0: keep)")->check(kNonNegative);
   cmd->add_option("--intermediate", f->intermediate, "Override the experts' intermediate size (0: keep)")
       ->check(kNonNegative);
-  cmd->add_option("--hardware", f->hardware, "Hardware profile name (see `epmoe hardware list`) or .json path")->required();
+  cmd->add_option("--hardware", f->hardware, "Hardware profile name (see `epmoe hardware list`) or .json path")
+      ->required();
   cmd->add_option("--trace", f->trace, "Routing trace (any format `epmoe trace` reads); default: an even router");
   cmd->add_option("--trace-format", f->trace_format, "Trace format (auto detects)")->capture_default_str();
-  cmd->add_option("--trace-filter", f->trace_filter, "Series of a multi-series count file, e.g. model=olmoe,domain=arxiv,selection=topk");
+  cmd->add_option("--trace-filter", f->trace_filter,
+                  "Series of a multi-series count file, e.g. model=olmoe,domain=arxiv,selection=topk");
   cmd->add_option("--phase", f->phase, "decode or prefill")->capture_default_str();
-  cmd->add_option("--batch", f->batches, "Rows per step over the whole EP group, comma separated (default: decode 8,64,256; prefill 8192)")
+  cmd->add_option("--batch", f->batches,
+                  "Rows per step over the whole EP group, comma separated (default: decode 8,64,256; prefill 8192)")
       ->delimiter(',')
       ->check(kPositive);
-  cmd->add_option("--gpus", f->gpus, "EP sizes, comma separated")->delimiter(',')->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--gpus", f->gpus, "EP sizes, comma separated")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
   cmd->add_option("--options", f->options,
                   "Options to price, as `epmoe run --option` names them: sliced, whole, hybrid, a2a, dwdp (or 1-5; "
                   "the former names rows and weights are accepted for a2a and dwdp)")
@@ -606,27 +686,51 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--dense-weights", f->dense_weights, "Dense FFN layers' weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
-  cmd->add_option("--rows", f->rows,
-                  "How rows travel under a2a, as `epmoe run --dispatch-format` names them: fp32, bf16, q8, q4 (nvfp4 "
-                  "and fp4, the former names, mean q4); results return in bf16, the all-gather of 1-3 moves bf16")
+  cmd->add_option(
+         "--rows", f->rows,
+         "How rows travel under a2a, as `epmoe run --dispatch-format` names them: fp32, bf16, q8, q4 (nvfp4 "
+         "and fp4, the former names, mean q4); results return in --combine-format, the all-gather of 1-3 moves bf16")
+      ->capture_default_str();
+  cmd->add_option("--combine-format", f->combine, "How a2a's outputs come back, as `epmoe run --combine-format`")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--a2a-combine", f->a2a_combine,
+                  "a2a's combine: partial-sums (one summed row back per rank a row visited, as GPU runtimes and "
+                  "`epmoe run --partial-sums`) or per-pick (one output per pick, `epmoe run`'s default)")
+      ->check(CLI::IsMember({"partial-sums", "per-pick"}))
       ->capture_default_str();
   cmd->add_option("--shared", f->shared,
                   "Shared expert, as `epmoe run --shared`: default (sliced under 1-3, copied under a2a and dwdp), "
                   "sliced, copied (auto, the former name, means default)")
       ->capture_default_str();
   cmd->add_option("--dense", f->dense, "Dense layers: sliced, copied or default (as --shared)")->capture_default_str();
-  cmd->add_option("--samples", f->samples, "Layer loads priced per batch")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--samples", f->samples, "Layer loads priced per batch")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
   cmd->add_option("--seed", f->seed, "Seed of the even router and of batch thinning")
       ->check(kNonNegative)
       ->capture_default_str();
-  cmd->add_option("--placement", f->placement,
-                  "Whole experts' placement: trivial, or a balancer policy (deepseek, deepseek-guarded, per-step, cost) "
-                  "fitted on half of the trace")
+  cmd->add_option(
+         "--placement", f->placement,
+         "Whole experts' placement: trivial, or a balancer policy (deepseek, deepseek-guarded, per-step, cost) "
+         "fitted on half of the trace")
       ->check(CLI::IsMember({"trivial", "deepseek", "deepseek-guarded", "per-step", "cost"}))
       ->capture_default_str();
   cmd->add_option("--redundant", f->redundant, "Redundant expert copies per layer for --placement")
       ->check(CLI::Range(0, 1 << 16))
       ->capture_default_str();
+  cmd->add_option("--a2a-levels", f->a2a_levels,
+                  "a2a across nodes, as `epmoe run --a2a-levels`: flat, two-level (once per node, forwarded inside "
+                  "it) or auto (two-level with several nodes of several ranks); comma separated: a line each")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--a2a-mode", f->a2a_modes,
+                  "a2a exchange, as `epmoe run --a2a-mode`: normal (counts exchanged first), low-latency (no count "
+                  "step, flat) or auto (low-latency in decode, normal in prefill); comma separated: a line each")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_flag("--tbo", f->tbo, "Also price each a2a line with two-batch overlap (as `epmoe run --tbo`)");
+  cmd->add_flag("--sbo", f->sbo, "Also price each a2a line with single-batch overlap (as `epmoe run --sbo`)");
   AddFormatOption(cmd, &f->format, {"text", "md", "csv", "json"});
   cmd->add_option("--measured", f->measured,
                   "Compare with `epmoe run --option all --format json` output (same model shape, ranks, tokens); "
