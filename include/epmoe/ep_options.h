@@ -49,11 +49,5 @@ bool SharedIsSliced(EpOption option, SharedMode mode);
 enum class A2aLevels { kFlat, kTwoLevel, kAuto };
 const char* A2aLevelsName(A2aLevels levels);  // "flat", "two-level", "auto"
 Result<A2aLevels> ParseA2aLevels(std::string_view name);
-// Whether the a2a exchange sizes its buffers from counts exchanged first (normal) or from a bound
-// fixed once, with no count exchange before the data (low-latency, flat only); auto chooses by the
-// rows of a step.
-enum class A2aMode { kNormal, kLowLatency, kAuto };
-const char* A2aModeName(A2aMode mode);  // "normal", "low-latency", "auto"
-Result<A2aMode> ParseA2aMode(std::string_view name);
 
 }  // namespace epmoe

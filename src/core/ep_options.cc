@@ -18,8 +18,6 @@ constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedM
                                                                         {SharedMode::kCopied, "copied"}}});
 constexpr EnumNames<A2aLevels, 3> kA2aLevels(
     "a2a levels", {{{A2aLevels::kFlat, "flat"}, {A2aLevels::kTwoLevel, "two-level"}, {A2aLevels::kAuto, "auto"}}});
-constexpr EnumNames<A2aMode, 3> kA2aModes(
-    "a2a mode", {{{A2aMode::kNormal, "normal"}, {A2aMode::kLowLatency, "low-latency"}, {A2aMode::kAuto, "auto"}}});
 }  // namespace
 
 const char* EpOptionName(EpOption option) {
@@ -73,13 +71,6 @@ const char* A2aLevelsName(A2aLevels levels) {
 }
 Result<A2aLevels> ParseA2aLevels(std::string_view name) {
   return kA2aLevels.Parse(name);
-}
-
-const char* A2aModeName(A2aMode mode) {
-  return kA2aModes.Name(mode);
-}
-Result<A2aMode> ParseA2aMode(std::string_view name) {
-  return kA2aModes.Parse(name);
 }
 
 }  // namespace epmoe
