@@ -359,9 +359,10 @@ TEST(PlanCliTest, A2aVariantsAreLinesOfTheirOwn) {
   for (const char* line :
        {"a2a low-latency ", "a2a low-latency +tbo", "not applicable: low-latency", "exposed us", "inter MB"})
     EXPECT_NE(run.out.find(line), std::string::npos) << line << "\n" << run.out;
-  run = Epmoe(plan + " --phase prefill --batch 4096 --format csv");
+  run = Epmoe(plan + " --phase prefill --batch 16384 --format csv");
   ASSERT_EQ(run.exit_code, 0) << run.out;
-  EXPECT_NE(run.out.find(",a2a,1,two-level,normal,0,0,1,"), std::string::npos) << run.out;  // auto in prefill
+  // auto above 512 rows per rank, as epmoe run resolves it
+  EXPECT_NE(run.out.find(",a2a,1,two-level,normal,0,0,1,"), std::string::npos) << run.out;
   // The combine as `epmoe run` makes it by default (one output per pick) moves more than summed rows.
   const std::string a2a_only =
       "plan --model deepseek-v3 --hardware h200x8 --gpus 16 --batch 256 --samples 2 "

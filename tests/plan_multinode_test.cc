@@ -170,21 +170,23 @@ TEST(PlanMultinodeTest, LowLatencySavesTheCountStep) {
 TEST(PlanMultinodeTest, AutoResolvesAsTheRuntime) {
   const ExpertLoad trace = EvenTrace();
   PlanConfig config = A2aConfig({A2aLevels::kAuto}, {A2aMode::kAuto});
-  // Decode: low-latency, hence flat.
-  PlanResult r = Plan(TinyPlanModel(2), TwoNodeProfile(), config, &trace);
+  // Up to kAutoLowLatencyMaxRows rows per rank: low-latency, hence flat.
+  config.batches = {4 * kAutoLowLatencyMaxRows};  // an even router: the trace holds only 4 rows
+  PlanResult r = Plan(TinyPlanModel(2), TwoNodeProfile(), config, nullptr);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kFlat, A2aMode::kLowLatency));
-  // Prefill: normal, and two-level on 2 nodes of 2 ranks.
-  config.phase = PlanPhase::kPrefill;
-  r = Plan(TinyPlanModel(2), TwoNodeProfile(), config, &trace);
+  // More: normal, and two-level on 2 nodes of 2 ranks.
+  config.batches = {4 * kAutoLowLatencyMaxRows + 1};
+  r = Plan(TinyPlanModel(2), TwoNodeProfile(), config, nullptr);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kTwoLevel, A2aMode::kNormal));
   // ... but flat with one rank per node.
   HardwareProfile hw = TwoNodeProfile();
   hw.gpus_per_node = 1;
-  r = Plan(TinyPlanModel(2), hw, config, &trace);
+  r = Plan(TinyPlanModel(2), hw, config, nullptr);
   ASSERT_EQ(r.costs.size(), 1u);
   EXPECT_EQ(r.costs[0].a2a, Variant(A2aLevels::kFlat, A2aMode::kNormal));
+  config.batches = {4};
   // An empty list of levels or modes is refused.
   config.a2a_modes.clear();
   EXPECT_FALSE(RunPlan(TinyPlanModel(2), hw, config, &trace, "trace").ok());

@@ -30,6 +30,10 @@ bool GathersRows(EpOption option);
 enum class A2aMode { kNormal, kLowLatency, kAuto };
 const char* A2aModeName(A2aMode mode);                // "normal", "low-latency", "auto"
 Result<A2aMode> ParseA2aMode(std::string_view name);  // also SGLang's "low_latency"
+// Auto picks low-latency when a rank holds at most this many rows per step (the executor also
+// needs its fixed buffers to fit max_buffer_bytes): measured, low-latency's dispatch + combine was
+// faster up to 512 rows per rank and slower at 2,048 (docs/architecture.md, "The a2a exchange").
+inline constexpr int64_t kAutoLowLatencyMaxRows = 512;
 
 enum class RowOrigin { kDataParallel, kTensorParallel };
 const char* RowOriginName(RowOrigin origin);

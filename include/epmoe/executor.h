@@ -169,11 +169,6 @@ class MoeExecutor {
   virtual Status Close() { return Status::Ok(); }
 };
 
-// Auto picks low-latency when a rank holds at most this many rows per step (and its fixed buffers
-// fit max_buffer_bytes): measured, low-latency's dispatch + combine was faster up to 512 rows per
-// rank and slower at 2,048 (docs/architecture.md, "The a2a exchange").
-inline constexpr int64_t kAutoLowLatencyMaxRows = 512;
-
 // The a2a mode that options.a2a_mode runs on `num_ranks` ranks: normal or low-latency (auto:
 // low-latency when 0 < max_rows_per_rank <= kAutoLowLatencyMaxRows and the fixed buffers fit
 // max_buffer_bytes, else normal).

@@ -534,17 +534,19 @@ SampleCost PriceSample(const Context& c, EpOption option, const A2aVariant& vari
   return cost;
 }
 
-// Option 4's variants at one EP size, auto resolved, each once, in the order asked (levels, then
-// mode, then without and with TBO, then SBO).
-std::vector<A2aVariant> A2aVariants(const PlanConfig& config, const HardwareProfile& hw, int gpus) {
+// Option 4's variants at one EP size and batch, auto resolved as epmoe run resolves it (low-latency
+// up to kAutoLowLatencyMaxRows rows per rank), each once, in the order asked (levels, then mode,
+// then without and with TBO, then SBO).
+std::vector<A2aVariant> A2aVariants(const PlanConfig& config, const HardwareProfile& hw, int gpus, int64_t batch) {
   const NodeLayout nodes(hw, gpus);
   std::vector<A2aVariant> variants;
   for (A2aLevels levels : config.a2a_levels) {
     for (A2aMode mode : config.a2a_modes) {
       A2aVariant v;
-      v.mode = mode != A2aMode::kAuto               ? mode
-               : config.phase == PlanPhase::kDecode ? A2aMode::kLowLatency
-                                                    : A2aMode::kNormal;
+      const int64_t rows_per_rank = (batch + gpus - 1) / gpus;
+      v.mode = mode != A2aMode::kAuto                    ? mode
+               : rows_per_rank <= kAutoLowLatencyMaxRows ? A2aMode::kLowLatency
+                                                         : A2aMode::kNormal;
       v.levels = levels != A2aLevels::kAuto                                            ? levels
                  : v.mode == A2aMode::kNormal && nodes.count > 1 && nodes.per_node > 1 ? A2aLevels::kTwoLevel
                                                                                        : A2aLevels::kFlat;
@@ -814,7 +816,7 @@ Result<PlanResult> RunPlan(const ModelConfig& model, const HardwareProfile& hw, 
       const size_t first = result.costs.size();
       for (EpOption option : config.options) {
         for (const A2aVariant& variant :
-             option == EpOption::kA2a ? A2aVariants(config, hw, gpus) : std::vector<A2aVariant>{{}}) {
+             option == EpOption::kA2a ? A2aVariants(config, hw, gpus, batch) : std::vector<A2aVariant>{{}}) {
           OptionCost cost;
           std::string why_not = NotApplicable(model, option, gpus);
           if (why_not.empty() && option == EpOption::kA2a) why_not = VariantNotApplicable(variant, batch);
