@@ -159,13 +159,15 @@ TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
   }
 }
 
-// Two-batch overlap runs each rank's rows as two micro-batches on two lanes at once: the residual
-// stream after every step equals the run without it bit for bit (the model's router, redundant
-// slots, rows traveling in fp32 and in bf16, a live rebalance after step 0), and the recorder still
-// counts what the lanes' dispatch tables sent. With partial sums it is equal to the tolerance of a
-// checked run: each lane deals its picks over an expert's copies from the first copy on, so a
-// row's picks may meet on other ranks than without overlap and be summed in another grouping.
-TEST(EngineStep, TwoBatchOverlapGivesTheSameRowsBitForBit) {
+// Two-batch overlap runs each rank's rows as two micro-batches on two lanes at once, single-batch
+// overlap runs the shared expert while the dispatch is in flight: with either or both, the
+// residual stream after every step equals the run without them bit for bit (the model's router, a
+// shared expert, redundant slots, rows traveling in fp32 and in bf16, a live rebalance after step
+// 0), and the recorder still counts what the lanes' dispatch tables sent. With partial sums and
+// two-batch overlap it is equal to the tolerance of a checked run: each lane deals its picks over
+// an expert's copies from the first copy on, so a row's picks may meet on other ranks than without
+// overlap and be summed in another grouping.
+TEST(EngineStep, OverlapGivesTheSameRowsBitForBit) {
   const ModelConfig model = TinyModel();
   const int g = World().size();
   auto weights = SyntheticWeights(model, kSeed);
@@ -183,45 +185,63 @@ TEST(EngineStep, TwoBatchOverlapGivesTheSameRowsBitForBit) {
     }
     plain.rebalance = true;
     plain.rebalancer.trigger.interval_steps = 1000;  // only the proposal
-    EngineOptions overlapped = plain;
-    overlapped.two_batch_overlap = true;
+    std::vector<EngineOptions> variants(3, plain);   // two-batch, single-batch, both
+    variants[0].two_batch_overlap = true;
+    variants[1].executor.single_batch_overlap = true;
+    variants[2].two_batch_overlap = true;
+    variants[2].executor.single_batch_overlap = true;
     auto a = Engine::Create(World(), model, plain, Pool());
-    auto b = Engine::Create(World(), model, overlapped, Pool());
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
     const PlacementPtr next = RotatedPlacement(model.num_experts, 2 * g, g);
     ASSERT_TRUE((*a)->ProposePlacement(next).ok());
-    ASSERT_TRUE((*b)->ProposePlacement(next).ok());
+    std::vector<std::unique_ptr<Engine>> overlapped;
+    for (const EngineOptions& o : variants) {
+      auto b = Engine::Create(World(), model, o, Pool());
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      ASSERT_TRUE((*b)->ProposePlacement(next).ok());
+      overlapped.push_back(std::move(*b));
+    }
     for (int step = 0; step < 3; ++step) {
       Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
-      Matrix y = x;
+      const Matrix input = x;
       auto ra = (*a)->Step(&x, First(total), **routing);
-      auto rb = (*b)->Step(&y, First(total), **routing);
-      ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status().ToString() << rb.status().ToString();
-      const std::string where = fmt::format("step {} rank {} rows {}", step, World().rank(), static_cast<int>(rows));
-      if (rows == Rows::kBf16PartialSums) {
-        EXPECT_LE(NormalizedMaxError(y, x), CheckTolerance(RowFormat::kBf16, RowFormat::kBf16, WeightFormat::kFp32))
-            << where;
-      } else {
-        EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0) << where;
-      }
-      EXPECT_EQ(ra->rows, rb->rows);
-      // Each rank's recorder counts the picks it sent to every rank over the step's two batches.
-      for (int r = 0; r < g; ++r) {
-        double sent_to_r = 0;
-        for (int l = 0; l < kLayers; ++l) sent_to_r += (*b)->recorder()->RankPicks(l)[r];
-        auto received = World().AllreduceSum(sent_to_r);
-        ASSERT_TRUE(received.ok());
-        EXPECT_EQ(*received, static_cast<double>(rb->rank_picks[r])) << "rank " << r;
+      ASSERT_TRUE(ra.ok()) << ra.status().ToString();
+      for (size_t v = 0; v < overlapped.size(); ++v) {
+        Matrix y = input;
+        auto rb = overlapped[v]->Step(&y, First(total), **routing);
+        ASSERT_TRUE(rb.ok()) << rb.status().ToString();
+        const std::string where =
+            fmt::format("step {} rank {} rows {} variant {}", step, World().rank(), static_cast<int>(rows), v);
+        if (rows == Rows::kBf16PartialSums && variants[v].two_batch_overlap) {
+          EXPECT_LE(NormalizedMaxError(y, x), CheckTolerance(RowFormat::kBf16, RowFormat::kBf16, WeightFormat::kFp32))
+              << where;
+        } else {
+          EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0) << where;
+        }
+        EXPECT_EQ(ra->rows, rb->rows);
+        // Each rank's recorder counts the picks it sent to every rank over the step's batches.
+        for (int r = 0; r < g; ++r) {
+          double sent_to_r = 0;
+          for (int l = 0; l < kLayers; ++l) sent_to_r += overlapped[v]->recorder()->RankPicks(l)[r];
+          auto received = World().AllreduceSum(sent_to_r);
+          ASSERT_TRUE(received.ok());
+          EXPECT_EQ(*received, static_cast<double>(rb->rank_picks[r])) << where << " rank " << r;
+        }
       }
     }
-    EXPECT_EQ((*b)->live_placement()->current()->generation, 1);  // both lanes followed the install
+    for (auto& b : overlapped) {
+      EXPECT_EQ(b->live_placement()->current()->generation, 1);  // the lanes followed the install
+      ASSERT_TRUE(b->Close().ok());
+    }
     ASSERT_TRUE((*a)->Close().ok());
-    ASSERT_TRUE((*b)->Close().ok());
   }
 }
 
-TEST(EngineStep, TwoBatchOverlapRefusesWhatCannotOverlap) {
+TEST(EngineStep, OverlapRefusesWhatCannotOverlap) {
   const ModelConfig model = TinyModel();
+  EngineOptions sliced = FloatOptions(EpOption::kSliced, World().size());
+  sliced.executor.single_batch_overlap = true;
+  EXPECT_FALSE(Engine::Create(World(), model, sliced, Pool()).ok());
   EngineOptions whole = FloatOptions(EpOption::kWhole, World().size());
   whole.two_batch_overlap = true;
   auto engine = Engine::Create(World(), model, whole, Pool());

@@ -62,6 +62,9 @@ struct ExecutorOptions {
   // (row, rank) instead of one per pick: fewer bytes back (copies instead of k per row), but the
   // sum order differs from the single process (equal to fp32 rounding, not bit-exact).
   bool combine_partial_sums = false;
+  // a2a: single-batch overlap: the shared expert runs on this rank's rows while the dispatch is in
+  // flight instead of after the combine (the same outputs bit for bit).
+  bool single_batch_overlap = false;
   // a2a: how the dispatch learns what it receives (ep_options.h); resolved once, at creation
   // (ResolveA2aMode). The other options ignore it.
   A2aMode a2a_mode = A2aMode::kNormal;

@@ -47,6 +47,20 @@ void SharedOutputScales(std::span<const float> gate, const Matrix& rows, std::ve
 // read (0 when there are no rows or no store). Keeps its buffers per calling thread.
 int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
                          ThreadPool& pool);
+
+// The shared experts' outputs of some rows, computed apart from adding them (AddSharedExperts is
+// ComputeSharedExperts then AddSharedOutputs, the same sums bit for bit), so that an executor can
+// run them while an exchange is in flight (single-batch overlap).
+struct SharedOutputs {
+  int count = 0;              // shared experts (0: none to add)
+  Matrix result;              // count x rows rows: expert s's output of row r at s * rows + r
+  std::vector<float> scales;  // per row (SharedOutputScales)
+  int64_t bytes_read = 0;     // shared weights read
+};
+void ComputeSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows,
+                          SharedOutputs* outputs, ThreadPool& pool);
+// out[r] += scale_r * output_s(r), s = 0, 1, ..., as AddSharedExperts adds them.
+void AddSharedOutputs(const SharedOutputs& outputs, Matrix* out, ThreadPool& pool);
 // Refuses a layer's shared output gate of another length than the model's (hidden values when the
 // model has one, none otherwise).
 Status CheckSharedOutputGate(const ModelConfig& model, const MoeLayerWeights& routing);

@@ -444,6 +444,7 @@ class A2aExecutor : public MoeExecutor {
       // (its peers take them whenever they poll) and are finished before send_ is written again.
       EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartAlltoallv(send_.data(), send_bytes_, send_offsets_,
                                                                    recv_.data(), recv_bytes, recv_offsets));
+      if (round == 0) ComputeSharedWhileInFlight(layer, rows, watch, st);
       EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
       st.dispatch_us += watch.Lap();
       for (int r = 0; r < g; ++r) {
@@ -490,6 +491,7 @@ class A2aExecutor : public MoeExecutor {
     received_bytes_.assign(g, 0);
     EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartCappedAlltoallv(send_.data(), message_bytes, message_offsets,
                                                                        recv_.data(), message_bytes_, received_bytes_));
+    ComputeSharedWhileInFlight(layer, rows, watch, st);
     EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
     st.dispatch_us += watch.Lap();
 
@@ -688,10 +690,22 @@ class A2aExecutor : public MoeExecutor {
       }
     }
     st.unpack_us += watch.Lap();
-    st.expert_bytes_read += AddSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, out, pool_);
+    if (!options_.single_batch_overlap)
+      ComputeSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, &shared_outputs_, pool_);
+    AddSharedOutputs(shared_outputs_, out, pool_);
+    st.expert_bytes_read += shared_outputs_.bytes_read;
     st.shared_us += watch.Lap();
     if (stats != nullptr) *stats = st;
     return Status::Ok();
+  }
+
+  // Single-batch overlap: the shared expert runs on this rank's rows while the dispatch is in flight
+  // (its outputs are added after the routed ones, as without overlap).
+  void ComputeSharedWhileInFlight(int layer, const Matrix& rows, Stopwatch& watch, StepStats& st) {
+    if (!options_.single_batch_overlap) return;
+    st.dispatch_us += watch.Lap();
+    ComputeSharedExperts(shared_[layer].get(), shared_gates_[layer], rows, &shared_outputs_, pool_);
+    st.shared_us += watch.Lap();
   }
 
   // The previous step's records and outputs may still be on their way to their peers; their
@@ -746,6 +760,7 @@ class A2aExecutor : public MoeExecutor {
   std::vector<int32_t> slot_ids_;
   std::vector<float> partial_row_;
   ScratchBuffer returns_, send_, recv_, decoded_, quantized_, work_in_, work_out_, back_send_;
+  SharedOutputs shared_outputs_;  // this step's shared expert outputs
   // The last row and output exchanges, received but maybe still sending from send_ and back_send_
   // (declared after the buffers: destroyed, and so completed, before them).
   std::unique_ptr<Request> dispatch_sends_, combine_sends_;

@@ -86,6 +86,8 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   EPMOE_RETURN_IF_ERROR(CheckShape(o.pack.format, model.expert_intermediate, model.hidden));
   if (o.option != EpOption::kHybrid && o.tp_in_ep != 1)
     return InvalidArgument(fmt::format("{}: --tp-in-ep {} applies to hybrid only", name, o.tp_in_ep));
+  if (o.option != EpOption::kA2a && o.single_batch_overlap)
+    return InvalidArgument(fmt::format("{}: single-batch overlap runs a2a's shared expert during its dispatch", name));
   const bool gathers = GathersRows(o.option);
   if (!gathers && o.shared == SharedMode::kSliced && model.num_shared_experts > 0)
     return FailedPrecondition(fmt::format("{}: the shared expert cannot be sliced (rows do not visit every rank); it is "

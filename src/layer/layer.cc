@@ -227,14 +227,15 @@ void GatherPermutedRows(const Matrix& rows, const PermutedPicks& permuted, int k
   });
 }
 
-int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
-                         ThreadPool& pool) {
-  if (shared == nullptr || rows.rows == 0) return 0;
-  // Kept by the calling thread across calls, as Forward's step buffers, and named through
-  // references for the same reason: the pool's threads run the lambda below.
-  thread_local Matrix in_scratch, result_scratch;
+void ComputeSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows,
+                          SharedOutputs* outputs, ThreadPool& pool) {
+  outputs->count = 0;
+  outputs->bytes_read = 0;
+  if (shared == nullptr || rows.rows == 0) return;
+  // Kept by the calling thread across calls, as Forward's step buffers, and named through a
+  // reference for the same reason.
+  thread_local Matrix in_scratch;
   Matrix& in = in_scratch;
-  Matrix& result = result_scratch;
   const int count = shared->num_experts();
   const int64_t n = rows.rows, h = rows.cols;
   // Each shared expert sees every row: the rows once per shared expert, one group each.
@@ -246,22 +247,35 @@ int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> outpu
     for (int s = 0; s < count; ++s) std::copy(rows.data.begin(), rows.data.end(), in.row(s * n));
     shared_rows = in.data.data();
   }
-  result.Reshape(n * count, h);
-  shared->Run(shared_rows, offsets, result.data.data(), pool);
-  std::vector<float> scales;
-  SharedOutputScales(output_gate, rows, &scales);
+  outputs->result.Reshape(n * count, h);
+  shared->Run(shared_rows, offsets, outputs->result.data.data(), pool);
+  SharedOutputScales(output_gate, rows, &outputs->scales);
+  outputs->count = count;
+  for (int s = 0; s < count; ++s) outputs->bytes_read += shared->expert_bytes(s);
+}
+
+void AddSharedOutputs(const SharedOutputs& outputs, Matrix* out, ThreadPool& pool) {
+  if (outputs.count == 0) return;
+  const int count = outputs.count;
+  const int64_t n = out->rows, h = out->cols;
   ForRows(n, &pool, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* y = out->row(r);
       for (int s = 0; s < count; ++s) {
-        const float* add = result.row(s * n + r);
-        for (int64_t i = 0; i < h; ++i) y[i] += scales[r] * add[i];
+        const float* add = outputs.result.row(s * n + r);
+        for (int64_t i = 0; i < h; ++i) y[i] += outputs.scales[r] * add[i];
       }
     }
   });
-  int64_t bytes = 0;
-  for (int s = 0; s < count; ++s) bytes += shared->expert_bytes(s);
-  return bytes;
+}
+
+int64_t AddSharedExperts(const ExpertStore* shared, std::span<const float> output_gate, const Matrix& rows, Matrix* out,
+                         ThreadPool& pool) {
+  // Kept by the calling thread across calls, as Forward's step buffers.
+  thread_local SharedOutputs outputs;
+  ComputeSharedExperts(shared, output_gate, rows, &outputs, pool);
+  AddSharedOutputs(outputs, out, pool);
+  return outputs.bytes_read;
 }
 
 void CombinePermutedRows(const Matrix& expert_out, const PermutedPicks& permuted, const Picks& picks, Matrix* out,

@@ -43,6 +43,7 @@ struct RunOptions {
   std::string combine_format = "bf16";
   bool partial_sums = false;
   bool tbo = false;
+  bool sbo = false;
   std::string a2a_mode = "normal";
   std::string weight_format = "fp32";
   std::string isa = "auto";
@@ -105,6 +106,7 @@ struct OptionResult {
 ExecutorOptions OptionExecutorOptions(const ExecutorOptions& base, const RunOptions& o, EpOption option, int ranks) {
   ExecutorOptions eo = base;
   eo.option = option;
+  eo.single_batch_overlap = o.sbo && option == EpOption::kA2a;  // the other options have no dispatch to hide it in
   if (option == EpOption::kHybrid) {
     eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (ranks % 2 == 0 && ranks > 1 ? 2 : 1);
   } else if (o.tp_in_ep > 0) {
@@ -125,6 +127,7 @@ class OptionRun {
     EPMOE_ASSIGN_OR_RETURN(run->engine_, Engine::Create(comm, model, options, pool));
     result->description = run->engine_->executor().description();
     if (options.two_batch_overlap) result->description += ", two micro-batches at once (--tbo)";
+    if (options.executor.single_batch_overlap) result->description += ", shared expert during the dispatch (--sbo)";
     EPMOE_ASSIGN_OR_RETURN(result->resident_bytes, comm.AllreduceMax(run->engine_->executor().resident_weight_bytes()));
     if (options.rebalance) run->eplb_.emplace(o.eplb);
     run->tensor_parallel_ = options.executor.origin == RowOrigin::kTensorParallel;
@@ -456,6 +459,9 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                               kAutoLowLatencyMaxRows))
       ->check(CLI::IsMember({"normal", "low-latency", "low_latency", "auto"}))
       ->capture_default_str();
+  cmd->add_flag("--sbo", o->sbo,
+                "a2a: single-batch overlap: the shared expert runs while the dispatch is in flight (same outputs; "
+                "the other options of --option run as without)");
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
