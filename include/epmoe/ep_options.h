@@ -35,4 +35,14 @@ Result<SharedMode> ParseSharedMode(std::string_view name);  // also "auto" for d
 // Whether `mode` slices under `option` (default: options 1-3 slice).
 bool SharedIsSliced(EpOption option, SharedMode mode);
 
+// How a2a rows cross between nodes: flat sends one record per (row, destination rank); two-level
+// (DeepEP's normal mode) sends one per (row, destination node) to a gateway rank of that node,
+// which forwards it inside the node; auto picks two-level when there are several nodes and some
+// node holds more than one rank, flat otherwise.
+enum class A2aLevels { kAuto, kFlat, kTwoLevel };
+const char* A2aLevelsName(A2aLevels levels);  // "auto", "flat", "two-level"
+Result<A2aLevels> ParseA2aLevels(std::string_view name);
+// Whether `levels` runs the two-level exchange on `num_ranks` ranks in `num_nodes` nodes.
+bool UsesTwoLevels(A2aLevels levels, int num_ranks, int num_nodes);
+
 }  // namespace epmoe

@@ -21,6 +21,8 @@ void StepStats::Add(const StepStats& o) {
   expert_bytes_read += o.expert_bytes_read;
   bytes_sent += o.bytes_sent;
   bytes_received += o.bytes_received;
+  inter_node_bytes_sent += o.inter_node_bytes_sent;
+  inter_node_bytes_received += o.inter_node_bytes_received;
   peak_buffer_bytes = std::max(peak_buffer_bytes, o.peak_buffer_bytes);
   rounds = std::max(rounds, o.rounds);
 }
@@ -150,7 +152,12 @@ MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOp
   // pick its row in, its output, and (a2a) the weighted output going back and landing home.
   const double row = 4.0 * model.hidden;
   const double record = 8.0 * k + static_cast<double>(RowBytes(o.dispatch_format, model.hidden));
-  const double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
+  double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
+  // Two levels (any levels but flat, as the nodes are not known here): a gateway also holds a row's
+  // node record, its forwarded records (one per rank of the node it visits) and up to k outputs
+  // landing from the node's ranks and going home.
+  if (o.option == EpOption::kA2a && o.a2a_levels != A2aLevels::kFlat)
+    per_row += (1 + std::min(k, g)) * record + 2.0 * k * row;
   m.exchange = std::min(static_cast<double>(o.max_buffer_bytes), static_cast<double>(tokens) * per_row);
   return m;
 }
@@ -253,6 +260,25 @@ Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, co
   if (bad >= 0)
     return InvalidArgument(fmt::format("row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   return Status::Ok();
+}
+
+void AddExchangeBytes(const Communicator& comm, std::span<const int64_t> send_bytes,
+                      std::span<const int64_t> recv_bytes, StepStats* st) {
+  const int me = comm.rank(), my_node = comm.node_of(me);
+  for (int r = 0; r < comm.size(); ++r) {
+    if (r == me) continue;
+    st->bytes_sent += send_bytes[r];
+    st->bytes_received += recv_bytes[r];
+    if (comm.node_of(r) != my_node) {
+      st->inter_node_bytes_sent += send_bytes[r];
+      st->inter_node_bytes_received += recv_bytes[r];
+    }
+  }
+}
+
+void AddAllgatherBytes(const Communicator& comm, std::span<const int64_t> bytes, StepStats* st) {
+  const std::vector<int64_t> sent(comm.size(), bytes[comm.rank()]);
+  AddExchangeBytes(comm, sent, bytes, st);
 }
 
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out) {

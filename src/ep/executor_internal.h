@@ -76,6 +76,13 @@ class SlotStoresTarget final : public RebalanceTarget {
   std::map<std::pair<int, int>, std::vector<std::byte>> staged_;
 };
 
+// Adds what one exchange moved to st: send_bytes[r] to and recv_bytes[r] from rank r (this rank's
+// own entries do not count), and the part of it to or from ranks of other nodes.
+void AddExchangeBytes(const Communicator& comm, std::span<const int64_t> send_bytes,
+                      std::span<const int64_t> recv_bytes, StepStats* st);
+// An all-gather: this rank's bytes[me] went to every other rank and bytes[r] came from rank r.
+void AddAllgatherBytes(const Communicator& comm, std::span<const int64_t> bytes, StepStats* st);
+
 // Makes rows travel: encode then decode (what a receiver sees).
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out);
 

@@ -42,6 +42,7 @@ struct RunOptions {
   std::string dispatch_format = "bf16";
   std::string combine_format = "bf16";
   bool partial_sums = false;
+  std::string a2a_levels = "auto";
   std::string weight_format = "fp32";
   std::string isa = "auto";
   std::string weights;
@@ -93,6 +94,7 @@ struct OptionResult {
   std::vector<std::vector<double>> stage_ms = std::vector<std::vector<double>>(kNumStages);  // [stage][step]
   double copies_per_row = 0, picks_balance = 0, bytes_balance = 0, peak_buffer = 0, rounds = 0, max_error = 0;
   double sent_per_rank_step = 0, received_per_rank_step = 0;
+  double inter_node_sent_per_rank_step = 0, inter_node_received_per_rank_step = 0;
   int64_t resident_bytes = 0;
   nlohmann::json eplb;  // with --eplb
 };
@@ -139,6 +141,8 @@ class OptionRun {
     copies_ += report.copies_per_row * static_cast<double>(report.rows);
     sent_ += static_cast<double>(report.bytes_sent);
     received_ += static_cast<double>(report.bytes_received);
+    inter_node_sent_ += static_cast<double>(report.inter_node_bytes_sent);
+    inter_node_received_ += static_cast<double>(report.inter_node_bytes_received);
     picks_balance_ += report.picks_balancedness;
     bytes_balance_ += report.bytes_balancedness;
     result_->peak_buffer = std::max(result_->peak_buffer, static_cast<double>(report.peak_buffer_bytes));
@@ -155,6 +159,8 @@ class OptionRun {
     result_->copies_per_row = rows_ > 0 ? copies_ / rows_ : 0;
     result_->sent_per_rank_step = steps_ ? sent_ / g / steps_ : 0;
     result_->received_per_rank_step = steps_ ? received_ / g / steps_ : 0;
+    result_->inter_node_sent_per_rank_step = steps_ ? inter_node_sent_ / g / steps_ : 0;
+    result_->inter_node_received_per_rank_step = steps_ ? inter_node_received_ / g / steps_ : 0;
     result_->picks_balance = steps_ ? picks_balance_ / steps_ : 1;
     result_->bytes_balance = steps_ ? bytes_balance_ / steps_ : 1;
     return engine_->Close();
@@ -172,6 +178,7 @@ class OptionRun {
   std::optional<EplbReport> eplb_;
   bool tensor_parallel_ = false;  // every rank holds every row
   double copies_ = 0, rows_ = 0, sent_ = 0, received_ = 0, picks_balance_ = 0, bytes_balance_ = 0;
+  double inter_node_sent_ = 0, inter_node_received_ = 0;
   int steps_ = 0;
 };
 
@@ -191,6 +198,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   EPMOE_ASSIGN_OR_RETURN(base.dispatch_format, ParseRowFormat(o.dispatch_format));
   EPMOE_ASSIGN_OR_RETURN(base.combine_format, ParseRowFormat(o.combine_format));
   base.combine_partial_sums = o.partial_sums;
+  EPMOE_ASSIGN_OR_RETURN(base.a2a_levels, ParseA2aLevels(o.a2a_levels));
   EPMOE_ASSIGN_OR_RETURN(base.pack.format, ParseWeightFormat(o.weight_format));
   base.pack.isa = o.isa;
   EPMOE_ASSIGN_OR_RETURN(base.shared, ParseSharedMode(o.shared));
@@ -308,6 +316,11 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
               {"stage_ms_median", stages},
               {"bytes_sent_per_rank_step", r.sent_per_rank_step},
               {"bytes_received_per_rank_step", r.received_per_rank_step},
+              {"inter_node_bytes_sent_per_rank_step", r.inter_node_sent_per_rank_step},
+              {"inter_node_bytes_received_per_rank_step", r.inter_node_received_per_rank_step},
+              {"intra_node_bytes_sent_per_rank_step", r.sent_per_rank_step - r.inter_node_sent_per_rank_step},
+              {"intra_node_bytes_received_per_rank_step",
+               r.received_per_rank_step - r.inter_node_received_per_rank_step},
               {"copies_per_row", r.copies_per_row},
               {"balancedness_picks", r.picks_balance},
               {"balancedness_bytes", r.bytes_balance},
@@ -334,6 +347,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"row_origin", o.origin},
              {"dispatch_format", o.dispatch_format},
              {"combine_format", o.combine_format},
+             {"a2a_levels", o.a2a_levels},
              {"weight_format", o.weight_format},
              {"weights", opened.report},
              {"threads_per_rank", pool.size()},
@@ -359,7 +373,8 @@ void PrintText(const nlohmann::json& r) {
   if (!weights.empty()) std::printf("%s\n", weights.c_str());
   std::printf("%-7s %9s %9s |", "option", "step ms", "p90 ms");
   for (const StageField& stage : kStages) std::printf(" %8s", stage.name);
-  std::printf(" | %10s %7s %6s %6s %10s %6s", "sent/rank", "copies", "bal.p", "bal.b", "peak buf", "rounds");
+  std::printf(" | %10s %10s %7s %6s %6s %10s %6s", "sent/rank", "inter-node", "copies", "bal.p", "bal.b", "peak buf",
+              "rounds");
   const bool checked = r["checked"].get<bool>();
   std::printf(checked ? " %9s\n" : "\n", "max err");
   for (const auto& o : r["options"]) {
@@ -371,8 +386,9 @@ void PrintText(const nlohmann::json& r) {
     std::printf("%-7s %9.3f %9.3f |", o["option"].get<std::string>().c_str(), o["step_ms_median"].get<double>(),
                 o["step_ms_p90"].get<double>());
     for (const StageField& stage : kStages) std::printf(" %8.3f", o["stage_ms_median"][stage.name].get<double>());
-    std::printf(" | %10s %7.2f %6.2f %6.2f %10s %6d",
+    std::printf(" | %10s %10s %7.2f %6.2f %6.2f %10s %6d",
                 HumanBytes(static_cast<int64_t>(o["bytes_sent_per_rank_step"].get<double>())).c_str(),
+                HumanBytes(static_cast<int64_t>(o["inter_node_bytes_sent_per_rank_step"].get<double>())).c_str(),
                 o["copies_per_row"].get<double>(), o["balancedness_picks"].get<double>(),
                 o["balancedness_bytes"].get<double>(),
                 HumanBytes(static_cast<int64_t>(o["peak_buffer_bytes"].get<double>())).c_str(),
@@ -384,8 +400,10 @@ void PrintText(const nlohmann::json& r) {
   std::printf(
       "stage times: median over steps of the mean over ranks, summed over layers (ms); step ms: slowest rank\n");
   std::printf(
-      "copies: ranks each row is delivered to (a2a expects %.2f under uniform routing); bal.p / bal.b: mean / "
-      "max picks and expert bytes per rank\n",
+      "sent/rank: bytes a rank sends per step, inter-node: the part sent to other nodes (a2a levels: %s); copies: "
+      "ranks each row is delivered to (a2a expects %.2f under uniform routing); bal.p / bal.b: mean / max picks and "
+      "expert bytes per rank\n",
+      r["a2a_levels"].get<std::string>().c_str(),
       r["expected_a2a_copies_per_row_uniform"].get<double>());
   if (checked) std::printf("check: every option matches the single-process layer within its tolerance\n");
 }
@@ -429,6 +447,12 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--partial-sums", o->partial_sums,
                 "a2a: sum a row's picks on each expert rank and send one row back per rank (fewer bytes; not "
                 "bit-exact with the single process)");
+  cmd->add_option("--a2a-levels", o->a2a_levels,
+                  "a2a: rows bound for another node cross once per node to a gateway rank that forwards them inside "
+                  "it (two-level), or once per destination rank (flat); auto: two-level when there are several nodes "
+                  "and some node holds more than one rank")
+      ->check(CLI::IsMember({"auto", "flat", "two-level"}))
+      ->capture_default_str();
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
