@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -154,6 +155,52 @@ TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
     ASSERT_TRUE((*a)->Close().ok());
     ASSERT_TRUE((*b)->Close().ok());
   }
+}
+
+// The two-level a2a exchange on two nodes follows a placement installed live (it reads the
+// snapshot each step) and stays bit for bit the flat exchange started from that placement.
+TEST(EngineStep, TwoLevelExchangeFollowsALiveInstall) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  CommOptions two_nodes;
+  two_nodes.ranks_per_node = std::max(1, g / 2);
+  two_nodes.timeout_seconds = 120;
+  auto nodes = WorldCommunicator(two_nodes);
+  ASSERT_TRUE(nodes.ok()) << nodes.status().ToString();
+  const PlacementPtr target = RotatedPlacement(model.num_experts, 2 * g, g);
+  auto trivial = Placement::Trivial(kLayers, model.num_experts, 2 * g, g, 1);
+  ASSERT_TRUE(trivial.ok());
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  EngineOptions flat = FloatOptions(EpOption::kA2a, g);
+  flat.executor.a2a_levels = A2aLevels::kFlat;
+  flat.executor.placement = target;
+  EngineOptions live = FloatOptions(EpOption::kA2a, g);
+  live.executor.a2a_levels = A2aLevels::kTwoLevel;
+  live.executor.placement = std::make_shared<const Placement>(*trivial);
+  live.rebalance = true;
+  live.rebalancer.trigger.interval_steps = 1000;  // only the proposal
+  auto a = Engine::Create(**nodes, model, flat, Pool());
+  auto b = Engine::Create(**nodes, model, live, Pool());
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+  ASSERT_TRUE((*b)->ProposePlacement(target).ok());
+  const int64_t total = 6 * g;
+  for (int step = 0; step < 3; ++step) {
+    Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+    Matrix y = x;
+    ASSERT_TRUE((*a)->Step(&x, First(total), **routing).ok());
+    auto report = (*b)->Step(&y, First(total), **routing);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0)
+        << "step " << step << " rank " << World().rank();
+    if ((*nodes)->num_nodes() > 1) {
+      EXPECT_GT(report->inter_node_bytes_sent, 0);
+    }
+    EXPECT_LE(report->inter_node_bytes_sent, report->bytes_sent);
+  }
+  EXPECT_EQ(*(*b)->live_placement()->placement(), *target);
+  ASSERT_TRUE((*a)->Close().ok());
+  ASSERT_TRUE((*b)->Close().ok());
 }
 
 TEST(EngineStep, RecorderCountsWhatTheDispatchTablesSent) {
