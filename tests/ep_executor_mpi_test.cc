@@ -135,6 +135,19 @@ struct Case {
   Communicator* comm = nullptr;  // null: World()
 };
 
+// `total` rows that all pick experts (j * stride) mod E, j = 0..k-1, with weights 0.3 - 0.05 j: skew
+// onto a few ranks (stride 1: the first experts; 5: experts spread over the ranks).
+Picks SamePicksEveryRow(const ModelConfig& model, int64_t total, int stride) {
+  Picks picks{total, model.top_k, {}, {}};
+  for (int64_t r = 0; r < total; ++r) {
+    for (int j = 0; j < model.top_k; ++j) {
+      picks.experts.push_back((j * stride) % model.num_experts);
+      picks.weights.push_back(0.3f - 0.05f * j);
+    }
+  }
+  return picks;
+}
+
 Case CaseOf(EpOption option) {
   Case c;
   c.option = option;
@@ -336,13 +349,7 @@ TEST(Executor, A2aPartialSumsSendFewerBytesBack) {
   // Skewed and bounded: partial sums in rounds stay right.
   const ModelConfig model = TinyModel(1);
   const int64_t total = 6 * g;
-  Picks picks{total, model.top_k, {}, {}};
-  for (int64_t r = 0; r < total; ++r) {
-    for (int j = 0; j < model.top_k; ++j) {
-      picks.experts.push_back((j * 5) % model.num_experts);
-      picks.weights.push_back(0.3f - 0.05f * j);
-    }
-  }
+  const Picks picks = SamePicksEveryRow(model, total, 5);
   Case c;
   c.partial_sums = true;
   // A rank's own records do not pass through MPI buffers, so one rank alone needs a tighter bound.
@@ -395,13 +402,7 @@ TEST(Executor, MemoryBoundRunsSkewInRounds) {
   const int g = World().size();
   const ModelConfig model = TinyModel(1);
   const int64_t total = 6 * g;
-  Picks picks{total, model.top_k, {}, {}};
-  for (int64_t r = 0; r < total; ++r) {
-    for (int j = 0; j < model.top_k; ++j) {
-      picks.experts.push_back(j);  // every row to the same experts: one rank receives everything
-      picks.weights.push_back(0.3f - 0.05f * j);
-    }
-  }
+  const Picks picks = SamePicksEveryRow(model, total, 1);  // one rank receives everything
   for (EpOption option : {EpOption::kA2a, EpOption::kWhole, EpOption::kSliced}) {
     SCOPED_TRACE(EpOptionName(option));
     Case c;
@@ -511,8 +512,7 @@ TEST(Executor, A2aLevelsAutoPicksTwoLevelsOnlyForNodesOfSeveralRanks) {
   auto executor = CreateExecutor(nodes, TinyModel(1), OptionsFor(Case{}, nodes.size()), Pool());
   ASSERT_TRUE(executor.ok()) << executor.status().ToString();
   const bool two_level = nodes.num_nodes() > 1;
-  EXPECT_EQ((*executor)->description().find("two-level") != std::string::npos, two_level)
-      << (*executor)->description();
+  EXPECT_EQ((*executor)->description().find("two-level") != std::string::npos, two_level) << (*executor)->description();
 }
 
 // Two levels on nodes of 1, 2, 3 (unequal nodes where 3 does not divide the ranks) and 4 ranks:
@@ -558,13 +558,7 @@ TEST(Executor, A2aTwoLevelRedundantSlotsAndRounds) {
   auto placement = Placement::Trivial(2, model.num_experts, g, g, 1);
   ASSERT_TRUE(placement.ok()) << placement.status().ToString();
   const int64_t total = 24 * g;
-  Picks picks{total, model.top_k, {}, {}};
-  for (int64_t r = 0; r < total; ++r) {
-    for (int j = 0; j < model.top_k; ++j) {
-      picks.experts.push_back((j * 5) % model.num_experts);  // the same experts, spread over the ranks
-      picks.weights.push_back(0.3f - 0.05f * j);
-    }
-  }
+  const Picks picks = SamePicksEveryRow(model, total, 5);
   for (int ranks_per_node : {2, 3}) {
     SCOPED_TRACE(fmt::format("{} ranks per node", ranks_per_node));
     Case c;
@@ -763,9 +757,9 @@ TEST(Executor, MemoryEstimateMatchesWhatTheExecutorHolds) {
     const MemoryEstimate estimate = EstimateExecutorMemory(model, options, g, me, all);
     Matrix out;
     StepStats stats;
-    const Status status = (*executor)->Forward(0, SyntheticRows(kSeed, model, 0, me * rows_per_rank, rows_per_rank),
-                                               UniformPicks(model, rows_per_rank, kSeed, me * rows_per_rank), &out,
-                                               &stats);
+    const Status status =
+        (*executor)->Forward(0, SyntheticRows(kSeed, model, 0, me * rows_per_rank, rows_per_rank),
+                             UniformPicks(model, rows_per_rank, kSeed, me * rows_per_rank), &out, &stats);
     ASSERT_TRUE(status.ok()) << status.ToString();
     EXPECT_LE(static_cast<double>(stats.peak_buffer_bytes), estimate.exchange);
   }

@@ -103,15 +103,14 @@ TEST(EpRunCli, TwoLevelExchangeSendsFewerBytesBetweenNodes) {
     const auto& o = j["options"][0];
     inter_node[i] = o["inter_node_bytes_sent_per_rank_step"].get<double>();
     EXPECT_GT(o["intra_node_bytes_sent_per_rank_step"].get<double>(), 0);
-    EXPECT_DOUBLE_EQ(o["inter_node_bytes_sent_per_rank_step"].get<double>() +
-                         o["intra_node_bytes_sent_per_rank_step"].get<double>(),
-                     o["bytes_sent_per_rank_step"].get<double>());
+    EXPECT_DOUBLE_EQ(
+        o["inter_node_bytes_sent_per_rank_step"].get<double>() + o["intra_node_bytes_sent_per_rank_step"].get<double>(),
+        o["bytes_sent_per_rank_step"].get<double>());
     EXPECT_NE(o["description"].get<std::string>().find(levels[i]), std::string::npos) << o["description"];
   }
   EXPECT_GT(inter_node[1], 0);
   EXPECT_LT(inter_node[1], inter_node[0]);
-  const CommandRun text =
-      Shell(mpirun + Binary() + " run --option a2a --ranks-per-node 2" + std::string(kSmall), true);
+  const CommandRun text = Shell(mpirun + Binary() + " run --option a2a --ranks-per-node 2" + std::string(kSmall), true);
   ASSERT_EQ(text.exit_code, 0) << text.out;
   EXPECT_NE(text.out.find("inter-node"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("a2a exchange: two-level, from --a2a-levels auto"), std::string::npos) << text.out;

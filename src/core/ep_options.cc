@@ -14,9 +14,8 @@ constexpr EnumNames<RowOrigin, 2> kRowOrigins("row origin", {{{RowOrigin::kDataP
 constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedMode::kDefault, "default"},
                                                                         {SharedMode::kSliced, "sliced"},
                                                                         {SharedMode::kCopied, "copied"}}});
-constexpr EnumNames<A2aLevels, 3> kA2aLevels("a2a levels", {{{A2aLevels::kAuto, "auto"},
-                                                             {A2aLevels::kFlat, "flat"},
-                                                             {A2aLevels::kTwoLevel, "two-level"}}});
+constexpr EnumNames<A2aLevels, 3> kA2aLevels(
+    "a2a levels", {{{A2aLevels::kAuto, "auto"}, {A2aLevels::kFlat, "flat"}, {A2aLevels::kTwoLevel, "two-level"}}});
 }  // namespace
 
 const char* EpOptionName(EpOption option) {

@@ -260,9 +260,9 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
     }
     for (const StageField& stage : kStages) times.push_back(st.*stage.us);
     times.push_back(wall_us);
-    counts.insert(counts.end(), {st.rows, st.row_copies, st.picks, st.expert_bytes_read, st.bytes_sent,
-                                 st.bytes_received, st.peak_buffer_bytes, st.rounds, st.inter_node_bytes_sent,
-                                 st.inter_node_bytes_received});
+    counts.insert(counts.end(),
+                  {st.rows, st.row_copies, st.picks, st.expert_bytes_read, st.bytes_sent, st.bytes_received,
+                   st.peak_buffer_bytes, st.rounds, st.inter_node_bytes_sent, st.inter_node_bytes_received});
     for (size_t i = 0; i < rows->data.size(); ++i) rows->data[i] += out.data[i];  // residual stream
   }
   times.push_back(max_error);

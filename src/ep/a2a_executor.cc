@@ -238,9 +238,18 @@ class A2aExecutor : public MoeExecutor {
     }
     Needs n;
     n.items = runs * picks_per_row_;
-    n.bytes = {returns, send, recv, runs * hidden_ * 4, runs * activation_bytes_,
-               n.items * activation_bytes_, n.items * hidden_ * 4, back, forwarded * record_bytes_,
-               forwarded_in * record_bytes_, forwarded_in * per_returned_row_, forwarded * per_returned_row_};
+    n.bytes = {returns,
+               send,
+               recv,
+               runs * hidden_ * 4,
+               runs * activation_bytes_,
+               n.items * activation_bytes_,
+               n.items * hidden_ * 4,
+               back,
+               forwarded * record_bytes_,
+               forwarded_in * record_bytes_,
+               forwarded_in * per_returned_row_,
+               forwarded * per_returned_row_};
     // The kernel's input format is bounded by fp32 (the kernel may differ between ranks).
     n.held = returns + send + recv + back + runs * (picks_per_row_ + 1) * 2 * hidden_ * 4 +
              (forwarded + forwarded_in) * (record_bytes_ + per_returned_row_);
@@ -283,8 +292,8 @@ class A2aExecutor : public MoeExecutor {
     return Reserve(needs);
   }
   int64_t Reserve(std::span<const int64_t, kBuffers> needs) {
-    ScratchBuffer* buffers[kBuffers] = {&returns_,  &send_,     &recv_,          &decoded_,
-                                        &quantized_, &work_in_, &work_out_,      &back_send_,
+    ScratchBuffer* buffers[kBuffers] = {&returns_,      &send_,         &recv_,         &decoded_,
+                                        &quantized_,    &work_in_,      &work_out_,     &back_send_,
                                         &forward_send_, &forward_recv_, &forward_back_, &forward_returns_};
     // Large buffers take whole huge pages (HugePageBytes) when, rounded up to them,
     // every buffer still fits the bound; otherwise exactly what they need.
@@ -458,8 +467,8 @@ class A2aExecutor : public MoeExecutor {
     std::vector<int64_t> gather_bytes(g, count_fields_ * 8), gather_offsets(g);
     for (int r = 0; r < g; ++r) gather_offsets[r] = r * count_fields_ * 8;
     EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Request> counting,
-                           comm_.StartAllgatherv(send_count_.data(), count_fields_ * 8, count_matrix_.data(), gather_bytes,
-                                                 gather_offsets));
+                           comm_.StartAllgatherv(send_count_.data(), count_fields_ * 8, count_matrix_.data(),
+                                                 gather_bytes, gather_offsets));
     int64_t own_send = 0;
     for (int d = 0; d < g; ++d) own_send += send_count_[d] * record_bytes_;
     bool packed = false;
@@ -555,7 +564,8 @@ class A2aExecutor : public MoeExecutor {
       }
       EPMOE_RETURN_IF_ERROR(FinishCombineSends(&st, watch));
       for (int s = 0; s < g; ++s)
-        EncodeOutputs(batches, s, s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s]);
+        EncodeOutputs(batches, s,
+                      s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s]);
       st.pack_us += watch.Lap();
       EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_send_bytes,
                                                                   back_send_offsets, returns, back_recv_bytes_,
@@ -717,8 +727,8 @@ class A2aExecutor : public MoeExecutor {
       at += recv_bytes[s];
     }
     EPMOE_CHECK(at <= forward_recv_.capacity());
-    EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(forward_send_.data(), send_bytes, forward_offsets_, forward_recv_.data(),
-                                          recv_bytes, recv_at));
+    EPMOE_RETURN_IF_ERROR(
+        comm_.Alltoallv(forward_send_.data(), send_bytes, forward_offsets_, forward_recv_.data(), recv_bytes, recv_at));
     st->dispatch_us += watch.Lap();
     AddExchangeBytes(comm_, send_bytes, recv_bytes, st);
 
@@ -746,8 +756,9 @@ class A2aExecutor : public MoeExecutor {
     EPMOE_CHECK(BatchOutputs(batches, m + node_index_[me]) == forward_outputs_[me]);
     for (size_t i = 0; i < m; ++i) {
       const int gw = members[i];
-      EncodeOutputs(batches, m + i,
-                    gw == me ? forward_returns_.data() + forward_return_region_[me] : forward_back_.data() + back_at[gw]);
+      EncodeOutputs(
+          batches, m + i,
+          gw == me ? forward_returns_.data() + forward_return_region_[me] : forward_back_.data() + back_at[gw]);
     }
     st->pack_us += watch.Lap();
     EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(forward_back_.data(), back_bytes, back_at, forward_returns_.data(),
@@ -807,8 +818,10 @@ class A2aExecutor : public MoeExecutor {
           const int32_t slot = slot_ids_[j];
           if (slot == -1) continue;
           if (slot < -1 || slot >= static_cast<int64_t>(g) * slots || comm_.node_of(slot / slots) != node)
-            return Internal(fmt::format("a2a: rank {} (a gateway of node {}) received a pick for slot {} from rank {}, "
-                                        "not a slot of its node", me, node, slot, batch.source));
+            return Internal(
+                fmt::format("a2a: rank {} (a gateway of node {}) received a pick for slot {} from rank {}, "
+                            "not a slot of its node",
+                            me, node, slot, batch.source));
           const int d = slot / slots;
           const bool first = last[d] != q;
           last[d] = q;
@@ -844,7 +857,8 @@ class A2aExecutor : public MoeExecutor {
           const int d = slot / slots;
           if (last[d] != q) {
             last[d] = q;
-            for (int jj = 0; jj < k; ++jj) local[jj] = slot_ids_[jj] >= 0 && slot_ids_[jj] / slots == d ? slot_ids_[jj] - d * slots : -1;
+            for (int jj = 0; jj < k; ++jj)
+              local[jj] = slot_ids_[jj] >= 0 && slot_ids_[jj] / slots == d ? slot_ids_[jj] - d * slots : -1;
             uint8_t* forwarded = forward_send_.data() + record_at[d];
             std::memcpy(forwarded, local.data(), k * 4);
             std::memcpy(forwarded + k * 4, record + k * 4, record_bytes_ - k * 4);  // weights and row, unchanged

@@ -217,7 +217,8 @@ class DwdpExecutor : public MoeExecutor {
       }
       EPMOE_RETURN_IF_ERROR(Complete(buffers_[current]));
       std::vector<int64_t> none(g, 0), read_from(g, 0);
-      for (int i = 0; i < PieceSize(piece); ++i) read_from[OwnerOf(LackingExpert(piece * piece_experts_ + i))] += expert_bytes_;
+      for (int i = 0; i < PieceSize(piece); ++i)
+        read_from[OwnerOf(LackingExpert(piece * piece_experts_ + i))] += expert_bytes_;
       AddExchangeBytes(comm_, none, read_from, &st);
       st.dispatch_us += watch.Lap();
       // The next piece (of this layer, or the next layer's first) into the other half.

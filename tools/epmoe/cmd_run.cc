@@ -331,6 +331,8 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     if (!r.eplb.is_null()) j["eplb"] = r.eplb;
     rows.push_back(j);
   }
+  const A2aLevels ran_levels =
+      UsesTwoLevels(base.a2a_levels, g, comm->num_nodes()) ? A2aLevels::kTwoLevel : A2aLevels::kFlat;
   *report = {{"model", model.name},
              {"hidden", model.hidden},
              {"expert_intermediate", model.expert_intermediate},
@@ -347,8 +349,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"row_origin", o.origin},
              {"dispatch_format", o.dispatch_format},
              {"combine_format", o.combine_format},
-             {"a2a_levels", A2aLevelsName(UsesTwoLevels(base.a2a_levels, g, comm->num_nodes()) ? A2aLevels::kTwoLevel
-                                                                                                : A2aLevels::kFlat)},
+             {"a2a_levels", A2aLevelsName(ran_levels)},
              {"a2a_levels_asked", o.a2a_levels},
              {"weight_format", o.weight_format},
              {"weights", opened.report},
