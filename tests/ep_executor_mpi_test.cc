@@ -242,6 +242,14 @@ std::vector<int64_t> EvenishRows(int64_t total) {
   return counts;
 }
 
+// Runs c on `picks` (rows split evenly) with a bound that must force several rounds, and checks the
+// buffers stayed within it.
+void ExpectRoundsWithinTheBound(const Case& c, const Picks& picks) {
+  const StepStats st = RunAndCheck(c, EvenishRows(picks.rows), &picks, 1);
+  EXPECT_GT(st.rounds, 1);
+  EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
+}
+
 TEST(Executor, EveryOptionAndOriginMatchesTheSingleProcessLayer) {
   const int g = World().size();
   for (EpOption option : AllEpOptions()) {
@@ -354,9 +362,7 @@ TEST(Executor, A2aPartialSumsSendFewerBytesBack) {
   c.partial_sums = true;
   // A rank's own records do not pass through MPI buffers, so one rank alone needs a tighter bound.
   c.max_buffer_bytes = 10 * 1024 + g * 4 * 1024;
-  const StepStats st = RunAndCheck(c, EvenishRows(total), &picks, 1);
-  EXPECT_GT(st.rounds, 1);
-  EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
+  ExpectRoundsWithinTheBound(c, picks);
 }
 
 TEST(Executor, RanksWithoutRows) {
@@ -571,9 +577,7 @@ TEST(Executor, A2aTwoLevelRedundantSlotsAndRounds) {
       c.partial_sums = partial;
       // Gateways hold forwarding buffers besides: a looser bound than flat's, still several rounds.
       c.max_buffer_bytes = 64 * 1024 + g * 8 * 1024;
-      const StepStats st = RunAndCheck(c, EvenishRows(total), &picks, 1);
-      EXPECT_GT(st.rounds, 1);
-      EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
+      ExpectRoundsWithinTheBound(c, picks);
     }
   }
 }
