@@ -66,7 +66,8 @@ struct ExecutorOptions {
   bool combine_partial_sums = false;
   // a2a: whether rows bound for another node cross once per node and are forwarded inside it by a
   // gateway rank (two-level), or go to each destination rank (flat); ep_options.h. The nodes are
-  // the communicator's (Communicator::node_of). Both give the same outputs, bit for bit.
+  // the communicator's (Communicator::node_of). Both give the same outputs, bit for bit (with
+  // partial sums equal to fp32 rounding: the gateway adds its node's partial rows).
   A2aLevels a2a_levels = A2aLevels::kAuto;
   SharedMode shared = SharedMode::kDefault;
   // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
