@@ -26,7 +26,8 @@ bool GathersRows(EpOption option);
 // How a2a's dispatch learns what each rank receives (seed 003's --deepep-mode): normal all-gathers
 // the row counts first and sizes buffers exactly (rounds under the buffer bound); low-latency
 // sizes fixed buffers once from the most rows a rank may send and exchanges no counts (decode);
-// auto picks low-latency when that bound is small and its buffers fit (ResolveA2aMode, executor.h).
+// auto picks low-latency when that bound is small, its buffers fit and two levels were not asked
+// for (ResolveA2aMode, executor.h).
 enum class A2aMode { kNormal, kLowLatency, kAuto };
 const char* A2aModeName(A2aMode mode);                // "normal", "low-latency", "auto"
 Result<A2aMode> ParseA2aMode(std::string_view name);  // also SGLang's "low_latency"
@@ -42,5 +43,16 @@ const char* SharedModeName(SharedMode mode);                // "default", "slice
 Result<SharedMode> ParseSharedMode(std::string_view name);  // also "auto" for default
 // Whether `mode` slices under `option` (default: options 1-3 slice).
 bool SharedIsSliced(EpOption option, SharedMode mode);
+
+// How a2a rows cross between nodes: flat sends one record per (row, destination rank); two-level
+// (DeepEP's normal mode) sends one per (row, destination node) to a gateway rank of that node,
+// which forwards it inside the node; auto picks two-level when there are several nodes and some
+// node holds more than one rank, flat otherwise. Low-latency mode is flat only (ResolveA2aLevels,
+// executor.h, combines the two).
+enum class A2aLevels { kAuto, kFlat, kTwoLevel };
+const char* A2aLevelsName(A2aLevels levels);  // "auto", "flat", "two-level"
+Result<A2aLevels> ParseA2aLevels(std::string_view name);
+// Whether `levels` runs the two-level exchange on `num_ranks` ranks in `num_nodes` nodes.
+bool UsesTwoLevels(A2aLevels levels, int num_ranks, int num_nodes);
 
 }  // namespace epmoe

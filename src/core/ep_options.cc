@@ -16,6 +16,8 @@ constexpr EnumNames<RowOrigin, 2> kRowOrigins("row origin", {{{RowOrigin::kDataP
 constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedMode::kDefault, "default"},
                                                                         {SharedMode::kSliced, "sliced"},
                                                                         {SharedMode::kCopied, "copied"}}});
+constexpr EnumNames<A2aLevels, 3> kA2aLevels(
+    "a2a levels", {{{A2aLevels::kAuto, "auto"}, {A2aLevels::kFlat, "flat"}, {A2aLevels::kTwoLevel, "two-level"}}});
 }  // namespace
 
 const char* EpOptionName(EpOption option) {
@@ -62,6 +64,17 @@ Result<SharedMode> ParseSharedMode(std::string_view name) {
 }
 bool SharedIsSliced(EpOption option, SharedMode mode) {
   return mode == SharedMode::kDefault ? GathersRows(option) : mode == SharedMode::kSliced;
+}
+
+const char* A2aLevelsName(A2aLevels levels) {
+  return kA2aLevels.Name(levels);
+}
+Result<A2aLevels> ParseA2aLevels(std::string_view name) {
+  return kA2aLevels.Parse(name);
+}
+bool UsesTwoLevels(A2aLevels levels, int num_ranks, int num_nodes) {
+  if (levels == A2aLevels::kAuto) return num_nodes > 1 && num_nodes < num_ranks;
+  return levels == A2aLevels::kTwoLevel;
 }
 
 }  // namespace epmoe
