@@ -241,6 +241,56 @@ TEST(EngineStep, TwoBatchOverlapGivesTheSameRowsBitForBit) {
   }
 }
 
+// Two-batch overlap on two modeled nodes with each a2a exchange that crosses them: two levels
+// (each lane builds the node membership its gateways need from its own communicator) and
+// low-latency (flat, its fixed buffers per lane): the same rows bit for bit as without overlap,
+// and both count the bytes that crossed between the nodes.
+TEST(EngineStep, TwoBatchOverlapWithTwoLevelsAndLowLatency) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  CommOptions two_nodes;
+  two_nodes.ranks_per_node = std::max(1, g / 2);
+  two_nodes.timeout_seconds = 120;
+  auto nodes = WorldCommunicator(two_nodes);
+  ASSERT_TRUE(nodes.ok()) << nodes.status().ToString();
+  Communicator& comm = **nodes;
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  const int64_t total = 5 * g + 3;
+  for (const A2aMode mode : {A2aMode::kNormal, A2aMode::kLowLatency}) {
+    SCOPED_TRACE(A2aModeName(mode));
+    EngineOptions plain = FloatOptions(EpOption::kA2a, g);
+    plain.executor.placement = RotatedPlacement(model.num_experts, 2 * g, g);
+    plain.executor.a2a_mode = mode;
+    plain.executor.a2a_levels = mode == A2aMode::kNormal ? A2aLevels::kTwoLevel : A2aLevels::kAuto;
+    plain.executor.max_rows_per_rank = RowBegin(total, g, 1);
+    EngineOptions overlapped = plain;
+    overlapped.two_batch_overlap = true;
+    auto a = Engine::Create(comm, model, plain, Pool());
+    auto b = Engine::Create(comm, model, overlapped, Pool());
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    const std::string levels = mode == A2aMode::kNormal ? "two-level" : "flat";
+    EXPECT_NE((*b)->executor().description().find(levels), std::string::npos) << (*b)->executor().description();
+    for (int step = 0; step < 2; ++step) {
+      Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+      Matrix y = x;
+      auto ra = (*a)->Step(&x, First(total), **routing);
+      auto rb = (*b)->Step(&y, First(total), **routing);
+      ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status().ToString() << rb.status().ToString();
+      EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0)
+          << "step " << step << " rank " << World().rank();
+      if (comm.num_nodes() > 1) {
+        EXPECT_GT(ra->inter_node_bytes_sent, 0);
+        EXPECT_GT(rb->inter_node_bytes_sent, 0);
+      } else {
+        EXPECT_EQ(rb->inter_node_bytes_sent, 0);
+      }
+    }
+    ASSERT_TRUE((*a)->Close().ok());
+    ASSERT_TRUE((*b)->Close().ok());
+  }
+}
+
 TEST(EngineStep, TwoBatchOverlapRefusesWhatCannotOverlap) {
   const ModelConfig model = TinyModel();
   EngineOptions whole = FloatOptions(EpOption::kWhole, World().size());

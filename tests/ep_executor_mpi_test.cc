@@ -663,6 +663,89 @@ TEST(Executor, A2aModeAutoAndLowLatencyRefusals) {
   EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
 }
 
+// Low-latency is flat only, as DeepEP's: asked for with two levels it is refused, auto levels
+// resolve to flat under it, and auto mode leaves an explicit two-level to normal mode. Run on
+// modeled nodes it splits its bytes by node like every exchange.
+TEST(Executor, A2aLowLatencyIsFlatOnly) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  ExecutorOptions o = OptionsFor(LowLatency(16), g);
+  o.a2a_levels = A2aLevels::kAuto;
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kFlat);
+  o.a2a_mode = A2aMode::kNormal;
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kTwoLevel);
+  o.a2a_mode = A2aMode::kAuto;  // decode-sized: low-latency, so flat
+  EXPECT_EQ(ResolveA2aMode(model, o, 4), A2aMode::kLowLatency);
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kFlat);
+  o.a2a_levels = A2aLevels::kTwoLevel;  // two levels asked for: auto runs normal mode
+  EXPECT_EQ(ResolveA2aMode(model, o, 4), A2aMode::kNormal);
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kTwoLevel);
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+  o.a2a_mode = A2aMode::kLowLatency;
+  const Status both = CheckExecutorShape(model, o, g);
+  EXPECT_EQ(both.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(both.message().find("--a2a-levels two-level"), std::string::npos) << both.message();
+  EXPECT_FALSE(CreateExecutor(Nodes(2), model, o, Pool()).ok());
+  o.a2a_levels = A2aLevels::kFlat;
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+
+  const std::vector<int64_t> rows = EvenishRows(2 * g + 3);
+  Case c = LowLatency(*std::max_element(rows.begin(), rows.end()));
+  c.comm = &Nodes(2);
+  auto executor = CreateExecutor(*c.comm, model, OptionsFor(c, g), Pool());
+  ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+  EXPECT_NE((*executor)->description().find(", flat,"), std::string::npos) << (*executor)->description();
+  EXPECT_TRUE((*executor)->Close().ok());
+  RunAndCheck(c, rows, nullptr, 1);
+  c.comm = &Nodes(1);
+  const StepStats apart = RunAndCheck(c, rows, nullptr, 1);
+  EXPECT_EQ(apart.inter_node_bytes_sent, apart.bytes_sent);
+  EXPECT_EQ(apart.inter_node_bytes_received, apart.bytes_received);
+  if (g > 1) {
+    EXPECT_GT(apart.inter_node_bytes_received, 0);
+  }
+  c.comm = &Nodes(g);
+  const StepStats together = RunAndCheck(c, rows, nullptr, 1);
+  EXPECT_EQ(together.inter_node_bytes_sent, 0);
+  EXPECT_EQ(together.inter_node_bytes_received, 0);
+}
+
+// A lane (two-batch overlap) resolves the exchange as its executor does and sets up what it needs
+// on its own communicator: the node membership of two levels, the fixed buffers of low-latency;
+// its outputs are the single-process layer's bit for bit.
+TEST(Executor, A2aLaneRunsItsExecutorsExchange) {
+  Communicator& nodes = Nodes(2);
+  const int g = nodes.size(), me = nodes.rank();
+  const ModelConfig model = TinyModel(1);
+  auto lane_comm = nodes.Split(0, me);
+  ASSERT_TRUE(lane_comm.ok()) << lane_comm.status().ToString();
+  Case two_level;
+  two_level.levels = A2aLevels::kTwoLevel;
+  const std::vector<int64_t> rows = EvenishRows(3 * g + 1);
+  const int64_t first = RowBegin(3 * g + 1, g, me);
+  for (const Case& c : {two_level, LowLatency(*std::max_element(rows.begin(), rows.end()))}) {
+    auto executor = CreateExecutor(nodes, model, OptionsFor(c, g), Pool());
+    ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+    auto lane = (*executor)->CreateLane(**lane_comm, Pool());
+    ASSERT_TRUE(lane.ok()) << lane.status().ToString();
+    const std::string want = c.a2a_mode == A2aMode::kLowLatency
+                                 ? "a2a (low-latency"
+                                 : fmt::format("two-level over {} nodes", (*lane_comm)->num_nodes());
+    EXPECT_NE((*lane)->description().find(want), std::string::npos) << (*lane)->description();
+    EXPECT_EQ((*lane)->description(), (*executor)->description());
+    const Matrix all_rows = SyntheticRows(kSeed, model, 0, 0, 3 * g + 1);
+    const Picks all_picks = UniformPicks(model, 3 * g + 1, kSeed);
+    Matrix out;
+    const Status status =
+        (*lane)->Forward(1, RowsOf(all_rows, first, rows[me]), PicksOf(all_picks, first, rows[me]), &out, nullptr);
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    const Matrix expected = Expected(model, 1, all_rows, all_picks, RowFormat::kFp32, false);
+    EXPECT_EQ(out.data, RowsOf(expected, first, rows[me]).data);
+    EXPECT_TRUE((*lane)->Close().ok());
+    EXPECT_TRUE((*executor)->Close().ok());
+  }
+}
+
 TEST(Executor, A2aLevelsAutoPicksTwoLevelsOnlyForNodesOfSeveralRanks) {
   EXPECT_TRUE(UsesTwoLevels(A2aLevels::kAuto, 4, 2));
   EXPECT_FALSE(UsesTwoLevels(A2aLevels::kAuto, 4, 1));  // one node

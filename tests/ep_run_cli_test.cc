@@ -147,6 +147,20 @@ TEST(EpRunCli, TwoLevelExchangeSendsFewerBytesBetweenNodes) {
   const CommandRun bad = Shell(Binary() + " run --a2a-levels three" + std::string(kSmall), true);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.out.find("--a2a-levels"), std::string::npos) << bad.out;
+  // Low-latency is flat only: with auto levels it runs flat on the same nodes (and counts its
+  // bytes between them); asked for with two levels it is refused before any work.
+  const CommandRun low = Shell(mpirun + Binary() + " run --option a2a --check --ranks-per-node 2 --format json" +
+                                   " --a2a-mode low-latency" + kSmall,
+                               false);
+  ASSERT_EQ(low.exit_code, 0) << low.out;
+  const auto lj = nlohmann::json::parse(low.out);
+  EXPECT_EQ(lj["a2a_levels"], "flat");
+  EXPECT_EQ(lj["options"][0]["a2a_mode"], "low-latency");
+  EXPECT_GT(lj["options"][0]["inter_node_bytes_sent_per_rank_step"].get<double>(), 0);
+  const CommandRun both =
+      Shell(Binary() + " run --option a2a --a2a-mode low-latency --a2a-levels two-level" + std::string(kSmall), true);
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.out.find("cannot run the two-level exchange"), std::string::npos) << both.out;
 }
 
 TEST(EpRunCli, RunsTheListedOptionsInTheirOrder) {
