@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -124,15 +125,32 @@ TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
   auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
   ASSERT_TRUE(routing.ok());
   const int64_t total = 6 * g;
-  for (EpOption option : {EpOption::kA2a, EpOption::kWhole}) {
+  // The two-level a2a exchange on two nodes (one node with one rank) reads the placement each step
+  // too: installed live it stays bit for bit the flat exchange started from the placement.
+  CommOptions two_nodes;
+  two_nodes.ranks_per_node = std::max(1, g / 2);
+  two_nodes.timeout_seconds = 120;
+  auto nodes = WorldCommunicator(two_nodes);
+  ASSERT_TRUE(nodes.ok()) << nodes.status().ToString();
+  struct Run {
+    EpOption option;
+    A2aLevels live_levels;
+    Communicator* comm;
+  };
+  for (const Run& run :
+       {Run{EpOption::kA2a, A2aLevels::kFlat, &World()}, Run{EpOption::kWhole, A2aLevels::kAuto, &World()},
+        Run{EpOption::kA2a, A2aLevels::kTwoLevel, nodes->get()}}) {
+    const EpOption option = run.option;
     EngineOptions from_file = FloatOptions(option, g);
     from_file.executor.placement = target;
+    from_file.executor.a2a_levels = A2aLevels::kFlat;
     EngineOptions live = FloatOptions(option, g);
     live.executor.placement = std::make_shared<const Placement>(*trivial);
+    live.executor.a2a_levels = run.live_levels;
     live.rebalance = true;
     live.rebalancer.trigger.interval_steps = 1000;  // only the proposal
-    auto a = Engine::Create(World(), model, from_file, Pool());
-    auto b = Engine::Create(World(), model, live, Pool());
+    auto a = Engine::Create(*run.comm, model, from_file, Pool());
+    auto b = Engine::Create(*run.comm, model, live, Pool());
     ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
     ASSERT_TRUE((*b)->ProposePlacement(target).ok());
     for (int step = 0; step < 3; ++step) {
@@ -141,6 +159,9 @@ TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
       ASSERT_TRUE((*a)->Step(&x, First(total), **routing).ok());
       auto report = (*b)->Step(&y, First(total), **routing);
       ASSERT_TRUE(report.ok()) << report.status().ToString();
+      if (run.comm->num_nodes() > 1) {
+        EXPECT_GT(report->inter_node_bytes_sent, 0);
+      }
       if (step == 0) {
         EXPECT_EQ(report->boundary.layers_installed, kLayers);  // the proposal switches after step 0
         EXPECT_EQ((*b)->live_placement()->current()->generation, 1);
@@ -149,7 +170,7 @@ TEST(EngineStep, StartingFromAPlacementEqualsInstallingItLive) {
       ASSERT_EQ(*(*b)->live_placement()->placement(), *target);
       if (option == EpOption::kA2a) {
         EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0)
-            << "a2a step " << step << " rank " << World().rank();
+            << "a2a " << A2aLevelsName(run.live_levels) << " step " << step << " rank " << World().rank();
       } else {
         EXPECT_LE(NormalizedMaxError(y, x), 1e-6) << "whole step " << step;  // partial sums add in transport order
       }
@@ -234,6 +255,56 @@ TEST(EngineStep, OverlapGivesTheSameRowsBitForBit) {
       ASSERT_TRUE(b->Close().ok());
     }
     ASSERT_TRUE((*a)->Close().ok());
+  }
+}
+
+// Two-batch overlap on two modeled nodes with each a2a exchange that crosses them: two levels
+// (each lane builds the node membership its gateways need from its own communicator) and
+// low-latency (flat, its fixed buffers per lane): the same rows bit for bit as without overlap,
+// and both count the bytes that crossed between the nodes.
+TEST(EngineStep, TwoBatchOverlapWithTwoLevelsAndLowLatency) {
+  const ModelConfig model = TinyModel();
+  const int g = World().size();
+  CommOptions two_nodes;
+  two_nodes.ranks_per_node = std::max(1, g / 2);
+  two_nodes.timeout_seconds = 120;
+  auto nodes = WorldCommunicator(two_nodes);
+  ASSERT_TRUE(nodes.ok()) << nodes.status().ToString();
+  Communicator& comm = **nodes;
+  auto routing = SimulatedRouting(model, RoutingMode::kUniform, kSeed);
+  ASSERT_TRUE(routing.ok());
+  const int64_t total = 5 * g + 3;
+  for (const A2aMode mode : {A2aMode::kNormal, A2aMode::kLowLatency}) {
+    SCOPED_TRACE(A2aModeName(mode));
+    EngineOptions plain = FloatOptions(EpOption::kA2a, g);
+    plain.executor.placement = RotatedPlacement(model.num_experts, 2 * g, g);
+    plain.executor.a2a_mode = mode;
+    plain.executor.a2a_levels = mode == A2aMode::kNormal ? A2aLevels::kTwoLevel : A2aLevels::kAuto;
+    plain.executor.max_rows_per_rank = RowBegin(total, g, 1);
+    EngineOptions overlapped = plain;
+    overlapped.two_batch_overlap = true;
+    auto a = Engine::Create(comm, model, plain, Pool());
+    auto b = Engine::Create(comm, model, overlapped, Pool());
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    const std::string levels = mode == A2aMode::kNormal ? "two-level" : "flat";
+    EXPECT_NE((*b)->executor().description().find(levels), std::string::npos) << (*b)->executor().description();
+    for (int step = 0; step < 2; ++step) {
+      Matrix x = SyntheticRows(kSeed, model, step, First(total), Count(total));
+      Matrix y = x;
+      auto ra = (*a)->Step(&x, First(total), **routing);
+      auto rb = (*b)->Step(&y, First(total), **routing);
+      ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status().ToString() << rb.status().ToString();
+      EXPECT_EQ(std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)), 0)
+          << "step " << step << " rank " << World().rank();
+      if (comm.num_nodes() > 1) {
+        EXPECT_GT(ra->inter_node_bytes_sent, 0);
+        EXPECT_GT(rb->inter_node_bytes_sent, 0);
+      } else {
+        EXPECT_EQ(rb->inter_node_bytes_sent, 0);
+      }
+    }
+    ASSERT_TRUE((*a)->Close().ok());
+    ASSERT_TRUE((*b)->Close().ok());
   }
 }
 

@@ -1,10 +1,14 @@
 // Every option against the single-process MoeLayer on the same inputs, under mpirun with 1, 2, 4
 // and 8 ranks: both row origins, uneven rows, ranks with no rows, ranks whose experts get no picks,
-// skew that triggers the memory bound, redundant placements, and shapes an option must refuse.
+// skew that triggers the memory bound, redundant placements, and shapes an option must refuse; a2a's
+// two-level exchange on modeled nodes (CommOptions::ranks_per_node) of several sizes.
 // Shapes are tiny (hidden 64, intermediate 32) so 8 oversubscribed ranks stay fast.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
 
 #include "epmoe/comm.h"
 #include "epmoe/executor.h"
@@ -21,6 +25,22 @@ namespace {
 constexpr uint64_t kSeed = 7;
 
 Communicator& World() { return testing::SharedWorld(120); }
+
+// The world with nodes of `ranks_per_node` consecutive ranks (the last one smaller when it does
+// not divide the ranks), made once per node size; every rank asks for them in the same order.
+Communicator& Nodes(int ranks_per_node) {
+  static std::map<int, std::unique_ptr<Communicator>> worlds;
+  std::unique_ptr<Communicator>& world = worlds[ranks_per_node];
+  if (world == nullptr) {
+    CommOptions options;
+    options.ranks_per_node = ranks_per_node;
+    options.timeout_seconds = 120;
+    auto made = WorldCommunicator(options);
+    EPMOE_CHECK_MSG(made.ok(), made.status().ToString());
+    world = std::move(made).value();
+  }
+  return *world;
+}
 
 ThreadPool& Pool() {
   static ThreadPool pool(1);
@@ -114,7 +134,22 @@ struct Case {
   WeightFormat weights = WeightFormat::kFp32;
   bool gpt_oss = false;             // TinyGptOss instead of TinyModel(shared)
   bool shared_output_gate = false;  // TinyModel(shared) with Qwen2-MoE's gate on the shared output
+  A2aLevels levels = A2aLevels::kAuto;
+  Communicator* comm = nullptr;  // null: World()
 };
+
+// `total` rows that all pick experts (j * stride) mod E, j = 0..k-1, with weights 0.3 - 0.05 j: skew
+// onto a few ranks (stride 1: the first experts; 5: experts spread over the ranks).
+Picks SamePicksEveryRow(const ModelConfig& model, int64_t total, int stride) {
+  Picks picks{total, model.top_k, {}, {}};
+  for (int64_t r = 0; r < total; ++r) {
+    for (int j = 0; j < model.top_k; ++j) {
+      picks.experts.push_back((j * stride) % model.num_experts);
+      picks.weights.push_back(0.3f - 0.05f * j);
+    }
+  }
+  return picks;
+}
 
 Case CaseOf(EpOption option) {
   Case c;
@@ -137,6 +172,7 @@ ExecutorOptions OptionsFor(const Case& c, int ranks) {
   o.seed = kSeed;
   o.placement = c.placement;
   o.pack.format = c.weights;
+  o.a2a_levels = c.levels;
   if (c.option == EpOption::kHybrid) o.tp_in_ep = ranks % 2 == 0 ? 2 : 1;
   return o;
 }
@@ -149,7 +185,7 @@ bool Exact(const Case& c) {
 // rank's outputs; returns the last step's stats of this rank.
 StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, const Picks* forced_picks = nullptr,
                       int steps = 2) {
-  Communicator& comm = World();
+  Communicator& comm = c.comm != nullptr ? *c.comm : World();
   const int g = comm.size(), me = comm.rank();
   ModelConfig model = c.gpt_oss ? TinyGptOss() : TinyModel(c.shared);
   model.shared_output_gate = c.shared_output_gate;
@@ -209,6 +245,14 @@ std::vector<int64_t> EvenishRows(int64_t total) {
   std::vector<int64_t> counts(g);
   for (int r = 0; r < g; ++r) counts[r] = RowBegin(total, g, r + 1) - RowBegin(total, g, r);
   return counts;
+}
+
+// Runs c on `picks` (rows split evenly) with a bound that must force several rounds, and checks the
+// buffers stayed within it.
+void ExpectRoundsWithinTheBound(const Case& c, const Picks& picks) {
+  const StepStats st = RunAndCheck(c, EvenishRows(picks.rows), &picks, 1);
+  EXPECT_GT(st.rounds, 1);
+  EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
 }
 
 TEST(Executor, EveryOptionAndOriginMatchesTheSingleProcessLayer) {
@@ -318,20 +362,12 @@ TEST(Executor, A2aPartialSumsSendFewerBytesBack) {
   // Skewed and bounded: partial sums in rounds stay right.
   const ModelConfig model = TinyModel(1);
   const int64_t total = 6 * g;
-  Picks picks{total, model.top_k, {}, {}};
-  for (int64_t r = 0; r < total; ++r) {
-    for (int j = 0; j < model.top_k; ++j) {
-      picks.experts.push_back((j * 5) % model.num_experts);
-      picks.weights.push_back(0.3f - 0.05f * j);
-    }
-  }
+  const Picks picks = SamePicksEveryRow(model, total, 5);
   Case c;
   c.partial_sums = true;
   // A rank's own records do not pass through MPI buffers, so one rank alone needs a tighter bound.
   c.max_buffer_bytes = 10 * 1024 + g * 4 * 1024;
-  const StepStats st = RunAndCheck(c, EvenishRows(total), &picks, 1);
-  EXPECT_GT(st.rounds, 1);
-  EXPECT_LE(st.peak_buffer_bytes, c.max_buffer_bytes);
+  ExpectRoundsWithinTheBound(c, picks);
 }
 
 TEST(Executor, RanksWithoutRows) {
@@ -377,13 +413,7 @@ TEST(Executor, MemoryBoundRunsSkewInRounds) {
   const int g = World().size();
   const ModelConfig model = TinyModel(1);
   const int64_t total = 6 * g;
-  Picks picks{total, model.top_k, {}, {}};
-  for (int64_t r = 0; r < total; ++r) {
-    for (int j = 0; j < model.top_k; ++j) {
-      picks.experts.push_back(j);  // every row to the same experts: one rank receives everything
-      picks.weights.push_back(0.3f - 0.05f * j);
-    }
-  }
+  const Picks picks = SamePicksEveryRow(model, total, 1);  // one rank receives everything
   for (EpOption option : {EpOption::kA2a, EpOption::kWhole, EpOption::kSliced}) {
     SCOPED_TRACE(EpOptionName(option));
     Case c;
@@ -633,6 +663,228 @@ TEST(Executor, A2aModeAutoAndLowLatencyRefusals) {
   EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
 }
 
+// Low-latency is flat only, as DeepEP's: asked for with two levels it is refused, auto levels
+// resolve to flat under it, and auto mode leaves an explicit two-level to normal mode. Run on
+// modeled nodes it splits its bytes by node like every exchange.
+TEST(Executor, A2aLowLatencyIsFlatOnly) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  ExecutorOptions o = OptionsFor(LowLatency(16), g);
+  o.a2a_levels = A2aLevels::kAuto;
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kFlat);
+  o.a2a_mode = A2aMode::kNormal;
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kTwoLevel);
+  o.a2a_mode = A2aMode::kAuto;  // decode-sized: low-latency, so flat
+  EXPECT_EQ(ResolveA2aMode(model, o, 4), A2aMode::kLowLatency);
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kFlat);
+  o.a2a_levels = A2aLevels::kTwoLevel;  // two levels asked for: auto runs normal mode
+  EXPECT_EQ(ResolveA2aMode(model, o, 4), A2aMode::kNormal);
+  EXPECT_EQ(ResolveA2aLevels(model, o, 4, 2), A2aLevels::kTwoLevel);
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+  o.a2a_mode = A2aMode::kLowLatency;
+  const Status both = CheckExecutorShape(model, o, g);
+  EXPECT_EQ(both.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(both.message().find("--a2a-levels two-level"), std::string::npos) << both.message();
+  EXPECT_FALSE(CreateExecutor(Nodes(2), model, o, Pool()).ok());
+  o.a2a_levels = A2aLevels::kFlat;
+  EXPECT_TRUE(CheckExecutorShape(model, o, g).ok());
+
+  const std::vector<int64_t> rows = EvenishRows(2 * g + 3);
+  Case c = LowLatency(*std::max_element(rows.begin(), rows.end()));
+  c.comm = &Nodes(2);
+  auto executor = CreateExecutor(*c.comm, model, OptionsFor(c, g), Pool());
+  ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+  EXPECT_NE((*executor)->description().find(", flat,"), std::string::npos) << (*executor)->description();
+  EXPECT_TRUE((*executor)->Close().ok());
+  RunAndCheck(c, rows, nullptr, 1);
+  c.comm = &Nodes(1);
+  const StepStats apart = RunAndCheck(c, rows, nullptr, 1);
+  EXPECT_EQ(apart.inter_node_bytes_sent, apart.bytes_sent);
+  EXPECT_EQ(apart.inter_node_bytes_received, apart.bytes_received);
+  if (g > 1) {
+    EXPECT_GT(apart.inter_node_bytes_received, 0);
+  }
+  c.comm = &Nodes(g);
+  const StepStats together = RunAndCheck(c, rows, nullptr, 1);
+  EXPECT_EQ(together.inter_node_bytes_sent, 0);
+  EXPECT_EQ(together.inter_node_bytes_received, 0);
+}
+
+// A lane (two-batch overlap) resolves the exchange as its executor does and sets up what it needs
+// on its own communicator: the node membership of two levels, the fixed buffers of low-latency;
+// its outputs are the single-process layer's bit for bit.
+TEST(Executor, A2aLaneRunsItsExecutorsExchange) {
+  Communicator& nodes = Nodes(2);
+  const int g = nodes.size(), me = nodes.rank();
+  const ModelConfig model = TinyModel(1);
+  auto lane_comm = nodes.Split(0, me);
+  ASSERT_TRUE(lane_comm.ok()) << lane_comm.status().ToString();
+  Case two_level;
+  two_level.levels = A2aLevels::kTwoLevel;
+  const std::vector<int64_t> rows = EvenishRows(3 * g + 1);
+  const int64_t first = RowBegin(3 * g + 1, g, me);
+  for (const Case& c : {two_level, LowLatency(*std::max_element(rows.begin(), rows.end()))}) {
+    auto executor = CreateExecutor(nodes, model, OptionsFor(c, g), Pool());
+    ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+    auto lane = (*executor)->CreateLane(**lane_comm, Pool());
+    ASSERT_TRUE(lane.ok()) << lane.status().ToString();
+    const std::string want = c.a2a_mode == A2aMode::kLowLatency
+                                 ? "a2a (low-latency"
+                                 : fmt::format("two-level over {} nodes", (*lane_comm)->num_nodes());
+    EXPECT_NE((*lane)->description().find(want), std::string::npos) << (*lane)->description();
+    EXPECT_EQ((*lane)->description(), (*executor)->description());
+    const Matrix all_rows = SyntheticRows(kSeed, model, 0, 0, 3 * g + 1);
+    const Picks all_picks = UniformPicks(model, 3 * g + 1, kSeed);
+    Matrix out;
+    const Status status =
+        (*lane)->Forward(1, RowsOf(all_rows, first, rows[me]), PicksOf(all_picks, first, rows[me]), &out, nullptr);
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    const Matrix expected = Expected(model, 1, all_rows, all_picks, RowFormat::kFp32, false);
+    EXPECT_EQ(out.data, RowsOf(expected, first, rows[me]).data);
+    EXPECT_TRUE((*lane)->Close().ok());
+    EXPECT_TRUE((*executor)->Close().ok());
+  }
+}
+
+TEST(Executor, A2aLevelsAutoPicksTwoLevelsOnlyForNodesOfSeveralRanks) {
+  EXPECT_TRUE(UsesTwoLevels(A2aLevels::kAuto, 4, 2));
+  EXPECT_FALSE(UsesTwoLevels(A2aLevels::kAuto, 4, 1));  // one node
+  EXPECT_FALSE(UsesTwoLevels(A2aLevels::kAuto, 4, 4));  // a rank per node: nothing to forward
+  EXPECT_TRUE(UsesTwoLevels(A2aLevels::kTwoLevel, 4, 4));
+  EXPECT_FALSE(UsesTwoLevels(A2aLevels::kFlat, 4, 2));
+  EXPECT_EQ(ParseA2aLevels("two-level").value(), A2aLevels::kTwoLevel);
+  EXPECT_EQ(ParseA2aLevels("two").status().code(), StatusCode::kInvalidArgument);
+  Communicator& nodes = Nodes(2);
+  auto executor = CreateExecutor(nodes, TinyModel(1), OptionsFor(Case{}, nodes.size()), Pool());
+  ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+  const bool two_level = nodes.num_nodes() > 1;
+  EXPECT_EQ((*executor)->description().find("two-level") != std::string::npos, two_level) << (*executor)->description();
+}
+
+// Two levels on nodes of 1, 2, 3 (unequal nodes where 3 does not divide the ranks) and 4 ranks:
+// bit for bit the single-process layer with fp32 rows and outputs, both origins; rows traveling in
+// bf16 and q8 and outputs in bf16 as flat does; partial sums (summed again by the gateway) to fp32
+// rounding.
+TEST(Executor, A2aTwoLevelMatchesTheSingleProcessLayer) {
+  const int g = World().size();
+  for (int ranks_per_node : {1, 2, 3, 4}) {
+    Communicator& nodes = Nodes(ranks_per_node);
+    for (RowOrigin origin : {RowOrigin::kDataParallel, RowOrigin::kTensorParallel}) {
+      for (bool partial : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} ranks per node, {}{}", ranks_per_node, RowOriginName(origin),
+                                 partial ? ", partial sums" : ""));
+        Case c;
+        c.levels = A2aLevels::kTwoLevel;
+        c.comm = &nodes;
+        c.origin = origin;
+        c.partial_sums = partial;
+        RunAndCheck(c, EvenishRows(3 * g + 1), nullptr, 1);
+      }
+    }
+    for (RowFormat dispatch : {RowFormat::kBf16, RowFormat::kQ8}) {
+      for (RowFormat combine : {RowFormat::kFp32, RowFormat::kBf16}) {
+        SCOPED_TRACE(fmt::format("{} ranks per node, {} out, {} back", ranks_per_node, RowFormatName(dispatch),
+                                 RowFormatName(combine)));
+        Case c;
+        c.levels = A2aLevels::kTwoLevel;
+        c.comm = &nodes;
+        c.dispatch = dispatch;
+        c.combine = combine;
+        RunAndCheck(c, EvenishRows(7), nullptr, 1);
+      }
+    }
+  }
+}
+
+// Redundant copies (the dispatch table deals picks over them), and skew under a small bound: the
+// step runs in rounds, gateways' forwarding buffers within the bound too.
+TEST(Executor, A2aTwoLevelRedundantSlotsAndRounds) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  auto placement = Placement::Trivial(2, model.num_experts, g, g, 1);
+  ASSERT_TRUE(placement.ok()) << placement.status().ToString();
+  const int64_t total = 24 * g;
+  const Picks picks = SamePicksEveryRow(model, total, 5);
+  for (int ranks_per_node : {2, 3}) {
+    SCOPED_TRACE(fmt::format("{} ranks per node", ranks_per_node));
+    Case c;
+    c.levels = A2aLevels::kTwoLevel;
+    c.comm = &Nodes(ranks_per_node);
+    c.placement = std::make_shared<const Placement>(*placement);
+    RunAndCheck(c, EvenishRows(3 * g + 1), nullptr, 1);
+    c.placement = nullptr;
+    for (bool partial : {false, true}) {
+      c.partial_sums = partial;
+      // Gateways hold forwarding buffers besides: a looser bound than flat's, still several rounds.
+      c.max_buffer_bytes = 64 * 1024 + g * 8 * 1024;
+      ExpectRoundsWithinTheBound(c, picks);
+    }
+  }
+}
+
+// Rows whose picks lie on two ranks of another node cross the network once with two levels, twice
+// flat: fewer inter-node bytes over all ranks. With a rank per node there is nothing to forward:
+// the same bytes as flat on every rank.
+TEST(Executor, A2aTwoLevelSendsFewerInterNodeBytes) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  const int64_t total = 4 * g;
+  Picks picks = UniformPicks(model, total, kSeed);
+  if (g >= 4) {  // nodes of 2: every row picks two experts of rank 2 and two of rank 3 (node 1)
+    const int per_rank = model.num_experts / g;
+    for (int64_t r = 0; r < total; ++r) {
+      const int32_t experts[] = {2 * per_rank, 3 * per_rank, 2 * per_rank + 1, 3 * per_rank + 1};
+      for (int j = 0; j < model.top_k; ++j) picks.experts[r * model.top_k + j] = experts[j];
+    }
+  }
+  Case flat;
+  flat.levels = A2aLevels::kFlat;
+  flat.comm = &Nodes(2);
+  Case two = flat;
+  two.levels = A2aLevels::kTwoLevel;
+  const StepStats a = RunAndCheck(flat, EvenishRows(total), &picks, 1);
+  const StepStats b = RunAndCheck(two, EvenishRows(total), &picks, 1);
+  auto flat_inter = World().AllreduceSum(static_cast<double>(a.inter_node_bytes_sent));
+  auto two_inter = World().AllreduceSum(static_cast<double>(b.inter_node_bytes_sent));
+  ASSERT_TRUE(flat_inter.ok() && two_inter.ok());
+  if (g >= 4) {
+    EXPECT_LT(*two_inter, *flat_inter);
+    EXPECT_GT(*two_inter, 0);
+  } else {
+    EXPECT_EQ(*two_inter, 0);  // one node
+  }
+
+  flat.comm = two.comm = &Nodes(1);
+  const StepStats c = RunAndCheck(flat, EvenishRows(total), nullptr, 1);
+  const StepStats d = RunAndCheck(two, EvenishRows(total), nullptr, 1);
+  EXPECT_EQ(c.bytes_sent, d.bytes_sent);
+  EXPECT_EQ(c.bytes_received, d.bytes_received);
+  EXPECT_EQ(d.inter_node_bytes_sent, d.bytes_sent);  // every other rank is on another node
+  EXPECT_EQ(d.inter_node_bytes_received, d.bytes_received);
+}
+
+// Every option splits its bytes by node: all of them cross between nodes of one rank, none on one
+// node.
+TEST(Executor, EveryOptionSplitsItsBytesByNode) {
+  const int g = World().size();
+  for (EpOption option : AllEpOptions()) {
+    SCOPED_TRACE(EpOptionName(option));
+    Case c = CaseOf(option);
+    c.comm = &Nodes(1);
+    const StepStats apart = RunAndCheck(c, EvenishRows(2 * g + 3), nullptr, 1);
+    EXPECT_EQ(apart.inter_node_bytes_sent, apart.bytes_sent);
+    EXPECT_EQ(apart.inter_node_bytes_received, apart.bytes_received);
+    if (g > 1) {
+      EXPECT_GT(apart.bytes_received, 0);
+    }
+    c.comm = &Nodes(g);
+    const StepStats together = RunAndCheck(c, EvenishRows(2 * g + 3), nullptr, 1);
+    EXPECT_EQ(together.inter_node_bytes_sent, 0);
+    EXPECT_EQ(together.inter_node_bytes_received, 0);
+    EXPECT_EQ(together.intra_node_bytes_received(), together.bytes_received);
+  }
+}
+
 TEST(Executor, RefusesShapesBeforeAnyWork) {
   Communicator& comm = World();
   const int g = comm.size();
@@ -747,6 +999,24 @@ TEST(Executor, MemoryEstimateMatchesWhatTheExecutorHolds) {
       }
       EXPECT_TRUE((*executor)->Close().ok());
     }
+  }
+  // Two levels: the gateways' forwarding buffers are within the estimate too.
+  Communicator& nodes = Nodes(2);
+  for (int64_t rows_per_rank : {1, 4, 40}) {
+    SCOPED_TRACE(fmt::format("two levels, {} rows per rank", rows_per_rank));
+    ExecutorOptions options = OptionsFor(Case{}, g);
+    options.a2a_levels = A2aLevels::kTwoLevel;
+    auto executor = CreateExecutor(nodes, model, options, Pool());
+    ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+    const int64_t all = rows_per_rank * g;
+    const MemoryEstimate estimate = EstimateExecutorMemory(model, options, g, me, all);
+    Matrix out;
+    StepStats stats;
+    const Status status =
+        (*executor)->Forward(0, SyntheticRows(kSeed, model, 0, me * rows_per_rank, rows_per_rank),
+                             UniformPicks(model, rows_per_rank, kSeed, me * rows_per_rank), &out, &stats);
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    EXPECT_LE(static_cast<double>(stats.peak_buffer_bytes), estimate.exchange);
   }
 }
 

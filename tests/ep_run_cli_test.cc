@@ -113,6 +113,56 @@ TEST(EpRunCli, A2aModes) {
       << refused.out;
 }
 
+// Two modeled nodes of two ranks: the two-level exchange passes the check and sends fewer bytes
+// between nodes than flat (rows visit both ranks of the other node), reported in JSON and text.
+TEST(EpRunCli, TwoLevelExchangeSendsFewerBytesBetweenNodes) {
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
+      "mpirun --oversubscribe --bind-to none -np 4 ";
+  double inter_node[2] = {0, 0};
+  const char* levels[2] = {"flat", "two-level"};
+  for (int i = 0; i < 2; ++i) {
+    const CommandRun run = Shell(mpirun + Binary() + " run --option a2a --check --ranks-per-node 2 --format json" +
+                                     " --a2a-levels " + levels[i] + kSmall,
+                                 false);
+    ASSERT_EQ(run.exit_code, 0) << run.out;
+    const auto j = nlohmann::json::parse(run.out);
+    EXPECT_EQ(j["nodes"], 2);
+    EXPECT_EQ(j["a2a_levels"], levels[i]);
+    EXPECT_EQ(j["a2a_levels_asked"], levels[i]);
+    const auto& o = j["options"][0];
+    inter_node[i] = o["inter_node_bytes_sent_per_rank_step"].get<double>();
+    EXPECT_GT(o["intra_node_bytes_sent_per_rank_step"].get<double>(), 0);
+    EXPECT_DOUBLE_EQ(
+        o["inter_node_bytes_sent_per_rank_step"].get<double>() + o["intra_node_bytes_sent_per_rank_step"].get<double>(),
+        o["bytes_sent_per_rank_step"].get<double>());
+    EXPECT_NE(o["description"].get<std::string>().find(levels[i]), std::string::npos) << o["description"];
+  }
+  EXPECT_GT(inter_node[1], 0);
+  EXPECT_LT(inter_node[1], inter_node[0]);
+  const CommandRun text = Shell(mpirun + Binary() + " run --option a2a --ranks-per-node 2" + std::string(kSmall), true);
+  ASSERT_EQ(text.exit_code, 0) << text.out;
+  EXPECT_NE(text.out.find("inter-node"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("a2a exchange: two-level, from --a2a-levels auto"), std::string::npos) << text.out;
+  const CommandRun bad = Shell(Binary() + " run --a2a-levels three" + std::string(kSmall), true);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--a2a-levels"), std::string::npos) << bad.out;
+  // Low-latency is flat only: with auto levels it runs flat on the same nodes (and counts its
+  // bytes between them); asked for with two levels it is refused before any work.
+  const CommandRun low = Shell(mpirun + Binary() + " run --option a2a --check --ranks-per-node 2 --format json" +
+                                   " --a2a-mode low-latency" + kSmall,
+                               false);
+  ASSERT_EQ(low.exit_code, 0) << low.out;
+  const auto lj = nlohmann::json::parse(low.out);
+  EXPECT_EQ(lj["a2a_levels"], "flat");
+  EXPECT_EQ(lj["options"][0]["a2a_mode"], "low-latency");
+  EXPECT_GT(lj["options"][0]["inter_node_bytes_sent_per_rank_step"].get<double>(), 0);
+  const CommandRun both =
+      Shell(Binary() + " run --option a2a --a2a-mode low-latency --a2a-levels two-level" + std::string(kSmall), true);
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.out.find("cannot run the two-level exchange"), std::string::npos) << both.out;
+}
+
 TEST(EpRunCli, RunsTheListedOptionsInTheirOrder) {
   const CommandRun run = Shell(Binary() + " run --option dwdp,sliced --check --format json" + kSmall, false);
   ASSERT_EQ(run.exit_code, 0) << run.out;

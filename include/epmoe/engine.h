@@ -110,6 +110,8 @@ struct StepReport {
   int64_t rows = 0;                            // rows of the step (each counted at its home rank)
   double copies_per_row = 0;                   // ranks a row was delivered to, averaged over rows and layers
   int64_t bytes_sent = 0, bytes_received = 0;  // over all ranks and layers
+  int64_t inter_node_bytes_sent = 0;           // the part of bytes_sent between nodes
+  int64_t inter_node_bytes_received = 0;       // the part of bytes_received between nodes
   int64_t peak_buffer_bytes = 0;               // the largest on any rank
   int rounds = 0;                              // the most exchange rounds of any layer and rank
   double max_error = 0;                        // with check: the largest normalized error of any layer and rank

@@ -26,7 +26,8 @@ bool GathersRows(EpOption option);
 // How a2a's dispatch learns what each rank receives (seed 003's --deepep-mode): normal all-gathers
 // the row counts first and sizes buffers exactly (rounds under the buffer bound); low-latency
 // sizes fixed buffers once from the most rows a rank may send and exchanges no counts (decode);
-// auto picks low-latency when that bound is small and its buffers fit (ResolveA2aMode, executor.h).
+// auto picks low-latency when that bound is small, its buffers fit and two levels were not asked
+// for (ResolveA2aMode, executor.h).
 enum class A2aMode { kNormal, kLowLatency, kAuto };
 const char* A2aModeName(A2aMode mode);                // "normal", "low-latency", "auto"
 Result<A2aMode> ParseA2aMode(std::string_view name);  // also SGLang's "low_latency"
@@ -47,11 +48,15 @@ Result<SharedMode> ParseSharedMode(std::string_view name);  // also "auto" for d
 // Whether `mode` slices under `option` (default: options 1-3 slice).
 bool SharedIsSliced(EpOption option, SharedMode mode);
 
-// How traveling rows (a2a) cross between nodes: flat (a record to every rank holding a pick) or
-// two-level (once per destination node, to a gateway rank that forwards it inside its node); auto:
-// two-level when there are several nodes and some node holds more than one rank.
-enum class A2aLevels { kFlat, kTwoLevel, kAuto };
-const char* A2aLevelsName(A2aLevels levels);  // "flat", "two-level", "auto"
+// How a2a rows cross between nodes: flat sends one record per (row, destination rank); two-level
+// (DeepEP's normal mode) sends one per (row, destination node) to a gateway rank of that node,
+// which forwards it inside the node; auto picks two-level when there are several nodes and some
+// node holds more than one rank, flat otherwise. Low-latency mode is flat only (ResolveA2aLevels,
+// executor.h, combines the two).
+enum class A2aLevels { kAuto, kFlat, kTwoLevel };
+const char* A2aLevelsName(A2aLevels levels);  // "auto", "flat", "two-level"
 Result<A2aLevels> ParseA2aLevels(std::string_view name);
+// Whether `levels` runs the two-level exchange on `num_ranks` ranks in `num_nodes` nodes.
+bool UsesTwoLevels(A2aLevels levels, int num_ranks, int num_nodes);
 
 }  // namespace epmoe

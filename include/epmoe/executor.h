@@ -8,7 +8,9 @@
 //   a2a     traveling rows: a row goes once to every rank holding one of its picks, with those
 //           picks and their router weights; outputs are weighted on the expert side and come back
 //           one per pick (the home rank sums a row's k outputs in pick order j = 0..k-1), or
-//           summed per rank (combine_partial_sums: one row back per rank a row visited);
+//           summed per rank (combine_partial_sums: one row back per rank a row visited); with
+//           two levels a row bound for another node goes there once, to a gateway rank that
+//           forwards it to the ranks of its node holding its picks and returns their outputs;
 //   dwdp    traveling weights: rows stay, every rank reads the experts it lacks from their owners
 //           with one-sided reads of their packed bytes (values and scales), one layer ahead, into
 //           a double buffer (in pieces of a layer when a layer's lacking experts exceed the bound).
@@ -74,6 +76,12 @@ struct ExecutorOptions {
   // cannot agree on falling back to normal mode without the count exchange low-latency avoids).
   // 0: not given (low-latency is refused; auto runs normal).
   int64_t max_rows_per_rank = 0;
+  // a2a: whether rows bound for another node cross once per node and are forwarded inside it by a
+  // gateway rank (two-level), or go to each destination rank (flat); ep_options.h. The nodes are
+  // the communicator's (Communicator::node_of). Both give the same outputs, bit for bit (with
+  // partial sums equal to fp32 rounding: the gateway adds its node's partial rows). Resolved once,
+  // at creation, with the mode (ResolveA2aLevels): low-latency is flat only.
+  A2aLevels a2a_levels = A2aLevels::kAuto;
   SharedMode shared = SharedMode::kDefault;
   // Bound on this rank's exchange buffers (a2a and 1-3: rows and outputs in flight; dwdp: the
   // double buffer its reads land in). A step that would exceed it runs in rounds (dwdp: reads
@@ -111,12 +119,17 @@ struct StepStats {
   int64_t expert_bytes_read = 0; // bytes of local expert weights touched (+ shared)
   int64_t bytes_sent = 0;        // to other ranks (not to itself)
   int64_t bytes_received = 0;    // from other ranks (dwdp: weights read)
+  int64_t inter_node_bytes_sent = 0;      // the part of bytes_sent to ranks of other nodes
+  int64_t inter_node_bytes_received = 0;  // the part of bytes_received from ranks of other nodes
   int64_t peak_buffer_bytes = 0; // largest exchange buffers held at once
   int rounds = 0;                // exchange rounds (more than 1 when the memory bound applied; dwdp:
                                  // pieces each layer's lacking experts are read in)
 
   // Sums times and counts; keeps the larger peak and the larger round count.
   void Add(const StepStats& other);
+  // The bytes that stayed inside this rank's node.
+  int64_t intra_node_bytes_sent() const { return bytes_sent - inter_node_bytes_sent; }
+  int64_t intra_node_bytes_received() const { return bytes_received - inter_node_bytes_received; }
 };
 
 // The stages of a step, in order, with their names: the one list that reports iterate.
@@ -173,9 +186,18 @@ class MoeExecutor {
 };
 
 // The a2a mode that options.a2a_mode runs on `num_ranks` ranks: normal or low-latency (auto:
-// low-latency when 0 < max_rows_per_rank <= kAutoLowLatencyMaxRows and the fixed buffers fit
-// max_buffer_bytes, else normal).
+// low-latency when 0 < max_rows_per_rank <= kAutoLowLatencyMaxRows, the fixed buffers fit
+// max_buffer_bytes and a2a_levels is not two-level, else normal). Low-latency is flat, as
+// DeepEP's, so auto leaves an explicit two-level to normal mode; low-latency asked for together
+// with two-level is refused (CheckExecutorShape).
 A2aMode ResolveA2aMode(const ModelConfig& model, const ExecutorOptions& options, int num_ranks);
+
+// The a2a levels that options.a2a_levels runs on `num_ranks` ranks in `num_nodes` nodes: flat or
+// two-level. Flat whenever the mode resolves to low-latency; otherwise UsesTwoLevels's rule (auto:
+// two-level when there are several nodes and some node holds more than one rank). So auto and
+// auto pick DeepEP's pairing: low-latency (flat) for decode-sized steps, normal with two levels
+// across nodes otherwise.
+A2aLevels ResolveA2aLevels(const ModelConfig& model, const ExecutorOptions& options, int num_ranks, int num_nodes);
 
 // Checks that the option can run this shape on comm.size() ranks (divisibility, formats, memory
 // bound, placement) and says why not; called by CreateExecutor before any work.

@@ -17,7 +17,7 @@ constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedM
                                                                         {SharedMode::kSliced, "sliced"},
                                                                         {SharedMode::kCopied, "copied"}}});
 constexpr EnumNames<A2aLevels, 3> kA2aLevels(
-    "a2a levels", {{{A2aLevels::kFlat, "flat"}, {A2aLevels::kTwoLevel, "two-level"}, {A2aLevels::kAuto, "auto"}}});
+    "a2a levels", {{{A2aLevels::kAuto, "auto"}, {A2aLevels::kFlat, "flat"}, {A2aLevels::kTwoLevel, "two-level"}}});
 }  // namespace
 
 const char* EpOptionName(EpOption option) {
@@ -71,6 +71,10 @@ const char* A2aLevelsName(A2aLevels levels) {
 }
 Result<A2aLevels> ParseA2aLevels(std::string_view name) {
   return kA2aLevels.Parse(name);
+}
+bool UsesTwoLevels(A2aLevels levels, int num_ranks, int num_nodes) {
+  if (levels == A2aLevels::kAuto) return num_nodes > 1 && num_nodes < num_ranks;
+  return levels == A2aLevels::kTwoLevel;
 }
 
 }  // namespace epmoe

@@ -383,13 +383,14 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
     }
     for (const StageField& stage : kStages) times.push_back(st.*stage.us);
     times.push_back(wall_us);
-    counts.insert(counts.end(), {st.rows, st.row_copies, st.picks, st.expert_bytes_read, st.bytes_sent,
-                                 st.bytes_received, st.peak_buffer_bytes, st.rounds});
+    counts.insert(counts.end(),
+                  {st.rows, st.row_copies, st.picks, st.expert_bytes_read, st.bytes_sent, st.bytes_received,
+                   st.peak_buffer_bytes, st.rounds, st.inter_node_bytes_sent, st.inter_node_bytes_received});
   }
   times.push_back(max_error);
 
   // Every rank's figures, in two typed all-gathers.
-  const size_t time_fields = kNumStages + 1, count_fields = 8;
+  const size_t time_fields = kNumStages + 1, count_fields = 10;
   std::vector<double> all_times(times.size() * g);
   std::vector<int64_t> all_counts(counts.size() * g);
   EPMOE_RETURN_IF_ERROR(comm_.AllgatherDouble(times, all_times));
@@ -423,6 +424,8 @@ Result<StepReport> Engine::Step(Matrix* rows, int64_t first_row, const Routing& 
       report.bytes_received += c[5];
       report.peak_buffer_bytes = std::max(report.peak_buffer_bytes, c[6]);
       report.rounds = std::max(report.rounds, static_cast<int>(c[7]));
+      report.inter_node_bytes_sent += c[8];
+      report.inter_node_bytes_received += c[9];
     }
     report.seconds = std::max(report.seconds, wall);  // a step waits for its slowest rank
     report.max_error = std::max(report.max_error, all_times[(r + 1) * times.size() - 1]);

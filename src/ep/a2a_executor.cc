@@ -18,15 +18,33 @@
 // message (StartCappedAlltoallv) as soon as its records are packed: a header with the sender's row
 // count this step, then its records for that peer; the receiver learns how many from the message's
 // length. A step over the bound sends headers only, so every rank learns of it from the same
-// messages and all fail that step alike. The combine is the same as normal mode's.
+// messages and all fail that step alike. The combine is the same as normal mode's. Low-latency
+// is flat only, as DeepEP's: it never forwards through a gateway (ResolveA2aLevels).
 // Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
 // last need not wait for its peers to take its own records or outputs, which they do whenever
 // they next poll; those sends are finished before their buffer is written again (next round or
 // step, counted in that step's dispatch or combine).
+//
+// Two levels (DeepEP's normal mode, A2aLevels::kTwoLevel): a row whose picks lie on another node
+// goes there once, as a node record (its slot ids are then global slots, rank * slots + local
+// slot, for every rank of that node) to the node's gateway for the sender: the rank with the
+// sender's index in its own node (modulo the node's size, so unequal nodes spread the load), as
+// DeepEP pairs the GPUs of equal local index across nodes so that the network hop needs no
+// forwarding on the sending side. The gateway forwards a per-rank record (local slot ids, as flat)
+// to each rank of its node holding a pick, itself included; rows whose picks stay on the home
+// node go straight to their ranks. The combine reverses it: each expert rank returns a forwarded
+// record's outputs to the gateway, which sends the row's outputs of its node home unchanged, one
+// per pick in pick order (with partial sums: the sum of the node's partial rows, one row per node),
+// so the home rank lays out and sums its returns exactly as flat does, the gateway standing in for
+// the ranks of its node. A round runs four exchanges: node and direct records, forwarded records
+// (after one count exchange: what a gateway forwards depends on the picks it received), forwarded
+// outputs back to the gateways, and direct and gateway outputs home. The expert side (RunBatches,
+// EncodeOutputs) is the same for flat, two-level and low-latency.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 
@@ -74,9 +92,19 @@ class A2aExecutor : public MoeExecutor {
     return InitExchange();
   }
 
-  // The exchange's mode and, in low-latency mode, its fixed buffers (every lane has its own).
+  // The exchange's mode and levels, the nodes' members (two levels) and, in low-latency mode, its
+  // fixed buffers: every lane has its own, on its own communicator.
   Status InitExchange() {
-    low_latency_ = ResolveA2aMode(model_, options_, comm_.size()) == A2aMode::kLowLatency;
+    const int g = comm_.size();
+    low_latency_ = ResolveA2aMode(model_, options_, g) == A2aMode::kLowLatency;
+    two_level_ = ResolveA2aLevels(model_, options_, g, comm_.num_nodes()) == A2aLevels::kTwoLevel;
+    node_members_.assign(comm_.num_nodes(), {});
+    node_index_.resize(g);
+    for (int r = 0; r < g; ++r) {
+      std::vector<int>& members = node_members_[comm_.node_of(r)];
+      node_index_[r] = static_cast<int>(members.size());
+      members.push_back(r);
+    }
     if (low_latency_) {
       // CheckExecutorShape has kept the fixed buffers within the bound.
       message_bytes_ = LowLatencyMessageBytes(model_, options_);
@@ -105,9 +133,10 @@ class A2aExecutor : public MoeExecutor {
   std::string description() const override {
     const std::string mode =
         low_latency_ ? fmt::format("low-latency, buffers for {} rows per rank", options_.max_rows_per_rank) : "normal";
-    return fmt::format("a2a ({}): {} rows out, {} outputs back ({}), shared expert copied", mode,
+    return fmt::format("a2a ({}): {} rows out, {} outputs back ({}), {}, shared expert copied", mode,
                        RowFormatName(options_.dispatch_format), RowFormatName(options_.combine_format),
-                       options_.combine_partial_sums ? "one per row and rank" : "one per pick");
+                       options_.combine_partial_sums ? "one per row and rank" : "one per pick",
+                       two_level_ ? fmt::format("two-level over {} nodes", comm_.num_nodes()) : "flat");
   }
   int64_t resident_weight_bytes() const override {
     int64_t bytes = 0;
@@ -143,8 +172,7 @@ class A2aExecutor : public MoeExecutor {
     EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(my_out.data.data(), bytes[me], out->data.data(), bytes,
                                            std::span<const int64_t>(offsets.data(), g)));
     st.combine_us += watch.Lap();
-    st.bytes_sent += bytes[me] * (g - 1);
-    st.bytes_received += offsets[g] - bytes[me];
+    AddAllgatherBytes(comm_, bytes, &st);
     if (stats != nullptr) *stats = st;
     return Status::Ok();
   }
@@ -153,21 +181,66 @@ class A2aExecutor : public MoeExecutor {
  private:
   // The step's buffers: returns, records sent and received, received rows decoded and in the
   // kernel's input format, expert-ordered inputs (kernel format) and outputs (fp32), outputs going
-  // back.
+  // back; two levels only: records forwarded and received from a gateway, outputs of forwarded
+  // records going back to their gateways and landing there.
   static constexpr int kBuffers = kA2aBuffers;
   static constexpr int64_t kHeaderBytes = 8;  // low-latency: the sender's row count, before its records
+
+  // One block of records the expert side runs: `count` records from rank `source`.
+  struct Batch {
+    const uint8_t* records = nullptr;
+    int64_t count = 0;
+    int source = 0;
+  };
 
   // Rows [first, first + count) of destination d's list in round `round` of `rounds`: both sides
   // split a pair's rows the same way, so no per-round counts travel.
   static int64_t RoundFirst(int64_t count, int64_t round, int64_t rounds) { return count * round / rounds; }
   static int64_t RoundShare(int64_t count, int64_t rounds) { return (count + rounds - 1) / rounds; }
 
-  // Rows rank `from` sends to rank `to` this step (from the all-gathered count matrix).
-  int64_t Sent(int from, int to) const { return count_matrix_[static_cast<size_t>(from) * comm_.size() + to]; }
+  // Rows rank `from` sends to rank `to` this step (from the all-gathered count matrix): to its
+  // first hop (with two levels: records for a gateway's whole node, or for a rank of its own node).
+  int64_t Sent(int from, int to) const { return count_matrix_[static_cast<size_t>(from) * count_fields_ + to]; }
+  // Two levels: rows of rank `from` whose picks include one on rank `to` (the flat count).
+  int64_t Delivered(int from, int to) const {
+    return count_matrix_[static_cast<size_t>(from) * count_fields_ + comm_.size() + to];
+  }
+  // Two levels: the bytes of the outputs coming back to `rank` this step.
+  int64_t ReturnsBytes(int rank) const {
+    return count_matrix_[static_cast<size_t>(rank) * count_fields_ + 2 * comm_.size()];
+  }
+
+  // Two levels: the rank of `node` that receives `home`'s node records for it.
+  int Gateway(int home, int node) const {
+    const std::vector<int>& members = node_members_[node];
+    return members[node_index_[home] % members.size()];
+  }
+  // Where `home` sends its picks on rank `dest`: straight there inside its node, else the gateway.
+  int FirstHop(int home, int dest) const {
+    const int node = comm_.node_of(dest);
+    return !two_level_ || node == comm_.node_of(home) ? dest : Gateway(home, node);
+  }
+  // Two levels: an upper bound of the records gateway `gw` forwards to rank `dest` of its node in
+  // one of `rounds` rounds (each source's node records of a round, at most those with a pick on
+  // dest); every rank computes it alike from the count matrix.
+  int64_t ForwardedBound(int gw, int dest, int64_t rounds) const {
+    const int node = comm_.node_of(gw);
+    int64_t records = 0;
+    for (int h = 0; h < comm_.size(); ++h) {
+      if (comm_.node_of(h) != node && Gateway(h, node) == gw)
+        records += std::min(RoundShare(Sent(h, gw), rounds), Delivered(h, dest));
+    }
+    return records;
+  }
+  // Two levels: the most outputs a gateway of a node of `ranks` ranks sends home per node record.
+  int64_t GatewayReturnsPerRecord(int64_t ranks) const {
+    return partial_ ? 1 : std::min<int64_t>(top_k_, slots_ * ranks);
+  }
 
   // The bytes `rank` holds at once with `rounds` rounds (see ForwardHome's memory model); every
   // rank evaluates it for every rank from the count matrix, so all agree on the rounds.
   int64_t BytesHeld(int rank, int64_t rounds) const {
+    if (two_level_) return BufferNeeds(rank, rounds).held;
     const int g = comm_.size();
     int64_t bytes = 0;
     for (int r = 0; r < g; ++r) {
@@ -181,9 +254,65 @@ class A2aExecutor : public MoeExecutor {
     return bytes;
   }
 
+  // Two levels: the buffers `rank` needs with `rounds` rounds (bounds computed alike on every rank
+  // from the count matrix; `held` is their sum).
+  struct Needs {
+    std::array<int64_t, kBuffers> bytes{};
+    int64_t items = 0;  // picks run in a round
+    int64_t held = 0;
+  };
+  Needs BufferNeeds(int rank, int64_t rounds) const {
+    const int g = comm_.size(), node = comm_.node_of(rank);
+    const std::vector<int>& members = node_members_[node];
+    const int64_t returns = ReturnsBytes(rank);
+    int64_t send = 0, recv = 0, back = 0, runs = 0;
+    for (int r = 0; r < g; ++r) {
+      const int64_t in = RoundShare(Sent(r, rank), rounds);
+      const bool remote = comm_.node_of(r) != node;
+      send += RoundShare(Sent(rank, r), rounds) * record_bytes_;
+      if (r != rank) recv += in * record_bytes_;
+      if (remote) {
+        back += in * GatewayReturnsPerRecord(members.size()) * return_bytes_;  // gateway outputs home
+      } else {
+        runs += in;  // direct records
+        if (r != rank) back += in * per_returned_row_;
+      }
+    }
+    int64_t forwarded = 0, forwarded_in = 0;
+    for (int d : members) forwarded += ForwardedBound(rank, d, rounds);
+    for (int gw : members) {
+      const int64_t in = ForwardedBound(gw, rank, rounds);
+      runs += in;
+      if (gw != rank) forwarded_in += in;
+    }
+    Needs n;
+    n.items = runs * picks_per_row_;
+    n.bytes = {returns,
+               send,
+               recv,
+               runs * hidden_ * 4,
+               runs * activation_bytes_,
+               n.items * activation_bytes_,
+               n.items * hidden_ * 4,
+               back,
+               forwarded * record_bytes_,
+               forwarded_in * record_bytes_,
+               forwarded_in * per_returned_row_,
+               forwarded * per_returned_row_};
+    // The kernel's input format is bounded by fp32 (the kernel may differ between ranks).
+    n.held = returns + send + recv + back + runs * (picks_per_row_ + 1) * 2 * hidden_ * 4 +
+             (forwarded + forwarded_in) * (record_bytes_ + per_returned_row_);
+    return n;
+  }
+
   // This step's buffer needs for `rounds` rounds; releases what is held beyond them first when
   // holding both would exceed the bound, then reserves. Returns the bytes held.
   int64_t ReserveBuffers(int64_t rounds) {
+    if (two_level_) {
+      const Needs needs = BufferNeeds(comm_.rank(), rounds);
+      items_cap_ = needs.items;
+      return Reserve(needs.bytes);
+    }
     const int g = comm_.size(), me = comm_.rank();
     int64_t send_cap = 0, recv_cap = 0, items_cap = 0, back_cap = 0, received_cap = 0;
     for (int r = 0; r < g; ++r) {
@@ -197,13 +326,24 @@ class A2aExecutor : public MoeExecutor {
       }
     }
     items_cap_ = items_cap;
-    const int64_t needs[kBuffers] = {returns_bytes_, send_cap, recv_cap, received_cap * hidden_ * 4,
-                                     received_cap * activation_bytes_, items_cap * activation_bytes_,
-                                     items_cap * hidden_ * 4, back_cap};
+    const int64_t needs[kBuffers] = {returns_bytes_,
+                                     send_cap,
+                                     recv_cap,
+                                     received_cap * hidden_ * 4,
+                                     received_cap * activation_bytes_,
+                                     items_cap * activation_bytes_,
+                                     items_cap * hidden_ * 4,
+                                     back_cap,
+                                     0,
+                                     0,
+                                     0,
+                                     0};
     return Reserve(needs);
   }
   int64_t Reserve(std::span<const int64_t, kBuffers> needs) {
-    ScratchBuffer* buffers[kBuffers] = {&returns_, &send_, &recv_, &decoded_, &quantized_, &work_in_, &work_out_, &back_send_};
+    ScratchBuffer* buffers[kBuffers] = {&returns_,      &send_,         &recv_,         &decoded_,
+                                        &quantized_,    &work_in_,      &work_out_,     &back_send_,
+                                        &forward_send_, &forward_recv_, &forward_back_, &forward_returns_};
     // Large buffers take whole huge pages (HugePageBytes) when, rounded up to them,
     // every buffer still fits the bound; otherwise exactly what they need.
     int64_t rounded = 0;
@@ -262,9 +402,11 @@ class A2aExecutor : public MoeExecutor {
   }
 
   // The step's row, record and return sizes (for `layer`'s kernel), and the layout of its rows:
-  // where each pick goes, each destination's rows, and where their returns will land.
+  // where each pick goes (its first hop), each destination's rows, and where their returns will
+  // land. Sets send_count_ (count_fields_ values: with two levels also the rows each rank finally
+  // receives and the bytes of this rank's returns, all-gathered by ForwardHome).
   void Layout(int layer, const LivePlacement::Snapshot& snapshot, const Picks& picks) {
-    const int g = comm_.size(), k = model_.top_k;
+    const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
     const int64_t n = picks.rows;
     const Placement& p = *snapshot.placement;
     const DispatchTable& dispatch = snapshot.dispatch;
@@ -275,39 +417,50 @@ class A2aExecutor : public MoeExecutor {
     const int64_t h = model_.hidden;
     hidden_ = h;
     partial_ = partial;
+    top_k_ = k;
+    slots_ = slots;
     record_bytes_ = k * 8 + RowBytes(dispatch_format, h);
     return_bytes_ = RowBytes(combine_format, h);
     picks_per_row_ = std::min(k, slots);
     activation_bytes_ = store.activation_row_bytes();
     per_returned_row_ = (partial ? 1 : picks_per_row_) * return_bytes_;
     const int64_t return_bytes = return_bytes_;
-    // Layout, pass 1: the destination rank and local slot of every pick; rows and picks per
-    // destination (a row counts once per destination it visits).
+    // Layout, pass 1: the destination (first hop) and slot id of every pick: the local slot on a
+    // rank reached directly, the global slot when a gateway forwards it; rows and picks per
+    // destination (a row counts once per destination it visits). With two levels also the rows
+    // each rank finally receives.
     pick_rank_.resize(n * k);
     pick_slot_.resize(n * k);
     nth_.assign(model_.num_experts, 0);
-    send_count_.assign(g, 0);
-    std::vector<int64_t> picks_to(g, 0), last_row(g, -1);
+    count_fields_ = two_level_ ? 2 * g + 1 : g;
+    send_count_.assign(count_fields_, 0);
+    std::vector<int64_t> picks_to(g, 0), last_row(g, -1), last_delivered(g, -1);
+    const int my_node = comm_.node_of(me);
     for (int64_t r = 0; r < n; ++r) {
       for (int j = 0; j < k; ++j) {
         const int32_t e = picks.expert(r, j);
         const int32_t slot = dispatch.SlotFor(layer, e, nth_[e]++);
-        const int dest = p.rank_of_slot(slot);
+        const int rank = p.rank_of_slot(slot), dest = FirstHop(me, rank);
         pick_rank_[r * k + j] = dest;
-        pick_slot_[r * k + j] = slot - dest * slots;
+        pick_slot_[r * k + j] = two_level_ && comm_.node_of(rank) != my_node ? slot : slot - rank * slots;
         ++picks_to[dest];
         if (last_row[dest] != r) {
           last_row[dest] = r;
           ++send_count_[dest];
         }
+        if (two_level_ && last_delivered[rank] != r) {
+          last_delivered[rank] = r;
+          ++send_count_[g + rank];
+        }
       }
     }
     // Pass 2: each destination's rows in row order, the returns they bring (prefix per row), and
     // where each pick's returned output will lie in the returns buffer.
-    send_row_begin_ = PrefixOffsets(send_count_);
+    send_row_begin_ = PrefixOffsets(std::span<const int64_t>(send_count_.data(), g));
     region_.assign(g + 1, 0);  // returns of destination d: [region_[d], region_[d+1])
     for (int d = 0; d < g; ++d) region_[d + 1] = region_[d] + (partial ? send_count_[d] : picks_to[d]) * return_bytes;
     returns_bytes_ = region_[g];
+    if (two_level_) send_count_[2 * g] = returns_bytes_;
     send_rows_.resize(send_row_begin_[g]);
     send_return_at_.resize(send_row_begin_[g] + g);  // per destination: count + 1 prefix values
     pick_return_.resize(n * k);
@@ -348,7 +501,11 @@ class A2aExecutor : public MoeExecutor {
   //            were packed and never pass through MPI); the records received from other ranks;
   //            the expert-ordered input and output rows (at most min(k, slots) picks per record);
   //            the weighted outputs going back to other ranks (this rank's own go straight into
-  //            returns).
+  //            returns); with two levels also the records a gateway forwards and receives from
+  //            its node's gateways, the forwarded records' outputs going back to their gateways
+  //            and landing there, and the gateway's outputs going home (bounded per round from
+  //            the count matrix; the returns are all-gathered with it, so every rank knows every
+  //            rank's need exactly).
   // Buffers are kept across steps and reused; when a step needs a different mix whose total would
   // exceed the bound, the oversized ones are released first, so what is held never exceeds it.
   // Buffers of 1 MiB or more are rounded up to whole 2 MiB pages when the rounded total fits.
@@ -364,22 +521,28 @@ class A2aExecutor : public MoeExecutor {
     Stopwatch watch;
     EPMOE_RETURN_IF_ERROR(FinishPreviousSends(watch, st));
     Layout(layer, *snapshot, picks);
+    if (two_level_) {  // the ranks this rank's rows reach, not the gateways they pass
+      for (int rank = 0; rank < g; ++rank) st.row_copies += send_count_[g + rank];
+    }
 
-    // Counts: every rank's row counts to every rank, all-gathered (G values per rank) so that every
-    // rank computes every rank's need and all agree on the rounds without a second exchange. While
-    // they travel, the records of a one-round step are packed when this rank's own share fits.
-    count_matrix_.assign(static_cast<size_t>(g) * g, 0);
-    std::vector<int64_t> gather_bytes(g, g * 8), gather_offsets(g);
-    for (int r = 0; r < g; ++r) gather_offsets[r] = r * g * 8;
+    // Counts: every rank's row counts to every rank, all-gathered (count_fields_ values per rank)
+    // so that every rank computes every rank's need and all agree on the rounds without a second
+    // exchange. While they travel, the records of a one-round step are packed when this rank's own
+    // share fits.
+    count_matrix_.assign(static_cast<size_t>(g) * count_fields_, 0);
+    std::vector<int64_t> gather_bytes(g, count_fields_ * 8), gather_offsets(g);
+    for (int r = 0; r < g; ++r) gather_offsets[r] = r * count_fields_ * 8;
     EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Request> counting,
-                           comm_.StartAllgatherv(send_count_.data(), g * 8, count_matrix_.data(), gather_bytes,
-                                                 gather_offsets));
+                           comm_.StartAllgatherv(send_count_.data(), count_fields_ * 8, count_matrix_.data(),
+                                                 gather_bytes, gather_offsets));
     int64_t own_send = 0;
     for (int d = 0; d < g; ++d) own_send += send_count_[d] * record_bytes_;
     bool packed = false;
     int64_t packed_generation = 0;  // send_'s memory the records were packed into
     if (returns_bytes_ + own_send <= options_.max_buffer_bytes) {
-      const int64_t needs[kBuffers] = {returns_bytes_, own_send, 0, 0, 0, 0, 0, 0};
+      std::array<int64_t, kBuffers> needs{};
+      needs[0] = returns_bytes_;
+      needs[1] = own_send;
       Reserve(needs);
       PackRound(0, 1, rows, picks);
       packed = true;
@@ -422,8 +585,9 @@ class A2aExecutor : public MoeExecutor {
     if (send_.generation() != packed_generation) packed = false;
     st.pack_us += watch.Lap();
 
+    const ExpertStore& store = *stores_[layer];
     std::vector<int64_t> recv_bytes(g), recv_offsets(g), recv_n(g);
-    std::vector<const uint8_t*> source_records(g);
+    std::vector<Batch> batches(g);
     for (int64_t round = 0; round < rounds; ++round) {
       if (round > 0) {  // the previous round's records are still being sent from send_
         EPMOE_RETURN_IF_ERROR(FinishSends(dispatch_sends_));
@@ -438,7 +602,9 @@ class A2aExecutor : public MoeExecutor {
         recv_bytes[s] = s == me ? 0 : recv_n[s] * record_bytes_;
         recv_at += recv_bytes[s];
       }
-      for (int d = 0; d < g; ++d) st.row_copies += send_n_[d];
+      if (!two_level_) {
+        for (int d = 0; d < g; ++d) st.row_copies += send_n_[d];
+      }
       st.pack_us += watch.Lap();
       // Only the records sent here are needed to go on; this rank's own go on their way meanwhile
       // (its peers take them whenever they poll) and are finished before send_ is written again.
@@ -447,15 +613,15 @@ class A2aExecutor : public MoeExecutor {
       if (round == 0) ComputeSharedWhileInFlight(layer, rows, watch, st);
       EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
       st.dispatch_us += watch.Lap();
-      for (int r = 0; r < g; ++r) {
-        st.bytes_sent += send_bytes_[r];
-        st.bytes_received += recv_bytes[r];
+      AddExchangeBytes(comm_, send_bytes_, recv_bytes, &st);
+      if (two_level_) {
+        EPMOE_RETURN_IF_ERROR(TwoLevelRound(store, recv_n, recv_offsets, &st, watch));
+        continue;
       }
-
-      // This rank's own records are read where they were packed.
+      // Every source's records (this rank's own read where they were packed).
       for (int s = 0; s < g; ++s)
-        source_records[s] = s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s];
-      EPMOE_RETURN_IF_ERROR(ExpertRound(layer, source_records, recv_n, watch, st));
+        batches[s] = {s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s], recv_n[s], s};
+      EPMOE_RETURN_IF_ERROR(FlatRound(store, batches, &st, watch));
     }
     return FinishStep(layer, rows, out, watch, st, stats);
   }
@@ -513,12 +679,10 @@ class A2aExecutor : public MoeExecutor {
                       "sized for (max_rows_per_rank; epmoe run: --tokens); use normal mode for larger "
                       "steps",
                       fmt::join(over, ", "), bound));
-    std::vector<int64_t> recv_n(g);
-    std::vector<const uint8_t*> source_records(g);
+    std::vector<Batch> batches(g);
     for (int s = 0; s < g; ++s) {
       if (s == me) {
-        recv_n[s] = send_n_[me];
-        source_records[s] = send_.data() + send_offsets_[me];
+        batches[s] = {send_.data() + send_offsets_[me], send_n_[me], s};
         continue;
       }
       const int64_t record_bytes = received_bytes_[s] - kHeaderBytes;
@@ -527,73 +691,81 @@ class A2aExecutor : public MoeExecutor {
             fmt::format("a2a low-latency: rank {} received {} bytes of records from rank {}, not whole "
                         "records of {} bytes",
                         me, record_bytes, s, record_bytes_));
-      recv_n[s] = record_bytes / record_bytes_;
-      source_records[s] = recv_.data() + s * message_bytes_ + kHeaderBytes;
-      st.bytes_sent += message_bytes[s];
-      st.bytes_received += received_bytes_[s];
+      batches[s] = {recv_.data() + s * message_bytes_ + kHeaderBytes, record_bytes / record_bytes_, s};
     }
+    AddExchangeBytes(comm_, message_bytes, received_bytes_, &st);
     st.pack_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(ExpertRound(layer, source_records, recv_n, watch, st));
+    EPMOE_RETURN_IF_ERROR(FlatRound(*stores_[layer], batches, &st, watch));
     return FinishStep(layer, rows, out, watch, st, stats);
   }
 
-  // One round's expert side and combine: recv_n[s] records of rank s at source_records[s] are run
-  // and each source gets its weighted outputs back (this rank's own straight into returns_);
-  // returns once this rank's own returns have landed.
-  Status ExpertRound(int layer, std::span<const uint8_t* const> source_records, std::span<const int64_t> recv_n,
-                     Stopwatch& watch, StepStats& st) {
-    const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
-    const int64_t h = hidden_, return_bytes = return_bytes_;
-    const ExpertStore& store = *stores_[layer];
-    const int slots = store.num_experts();
-    const RowFormat dispatch_format = options_.dispatch_format, combine_format = options_.combine_format;
-    const bool partial = partial_;
-    std::vector<int64_t> source_first(g + 1), back_send_bytes(g), back_send_offsets(g);
-    std::vector<int64_t> slot_offsets(slots + 1), slot_cursor(slots);
-    uint8_t* const returns = returns_.data();
-    // Expert side: group the received picks by local slot (counting sort) and decode each row
-    // straight into its places in the expert-ordered input. Records are numbered q in source
-    // order; this rank's own are read where they were packed.
-    for (int s = 0; s < g; ++s) source_first[s + 1] = source_first[s] + recv_n[s];
-    const int64_t received = source_first[g];
-    std::fill(slot_offsets.begin(), slot_offsets.end(), 0);
+  // One flat round once every source's records are at hand (batch s: rank s's): runs them, then
+  // sends each source its weighted outputs (this rank's own straight into returns_); returns once
+  // this rank's own returns have landed.
+  Status FlatRound(const ExpertStore& store, std::span<const Batch> batches, StepStats* st, Stopwatch& watch) {
+    const int g = comm_.size(), me = comm_.rank();
+    EPMOE_RETURN_IF_ERROR(RunBatches(store, batches, st, watch));
+    std::vector<int64_t> back_bytes(g), back_at(g);
+    int64_t at = 0;
     for (int s = 0; s < g; ++s) {
-      for (int64_t i = 0; i < recv_n[s]; ++i) {
-        std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
+      back_at[s] = at;
+      back_bytes[s] = s == me ? 0 : BatchOutputs(batches, s) * return_bytes_;
+      at += back_bytes[s];
+    }
+    EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
+    for (int s = 0; s < g; ++s)
+      EncodeOutputs(batches, s, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + back_at[s]);
+    st->pack_us += watch.Lap();
+    return SendOutputsHome(back_bytes, back_at, st, watch);
+  }
+
+  // Expert side of a round: groups the picks of the batches' records by local slot (counting
+  // sort), decodes each record's row once into the kernel's input format (QuantizeRows) and copies
+  // it to its picks' places in the expert-ordered input, then runs the slots (RunQuantized gives
+  // what Run would on the decoded rows, bit for bit). Records are numbered q in batch order
+  // (batch_first_); position_[q * k + j] is pick j's row in the expert-ordered output (-1: not here).
+  Status RunBatches(const ExpertStore& store, std::span<const Batch> batches, StepStats* st, Stopwatch& watch) {
+    const int k = top_k_, slots = slots_, me = comm_.rank();
+    const int64_t h = hidden_;
+    const size_t count = batches.size();
+    batch_first_.assign(count + 1, 0);
+    for (size_t b = 0; b < count; ++b) batch_first_[b + 1] = batch_first_[b] + batches[b].count;
+    const int64_t received = batch_first_[count];
+    slot_offsets_.assign(slots + 1, 0);
+    for (const Batch& batch : batches) {
+      for (int64_t i = 0; i < batch.count; ++i) {
+        std::memcpy(slot_ids_.data(), batch.records + i * record_bytes_, k * 4);
         for (int j = 0; j < k; ++j) {
           const int32_t slot = slot_ids_[j];
           if (slot < -1 || slot >= slots)
-            return Internal(
-                fmt::format("a2a: rank {} received a pick for slot {} from rank {} (it holds {})", me, slot, s, slots));
-          if (slot >= 0) ++slot_offsets[slot + 1];
+            return Internal(fmt::format("a2a: rank {} received a pick for slot {} from rank {} (it holds {})", me, slot,
+                                        batch.source, slots));
+          if (slot >= 0) ++slot_offsets_[slot + 1];
         }
       }
     }
-    for (int s = 0; s < slots; ++s) slot_offsets[s + 1] += slot_offsets[s];
-    const int64_t items = slot_offsets[slots];
+    for (int s = 0; s < slots; ++s) slot_offsets_[s + 1] += slot_offsets_[s];
+    const int64_t items = slot_offsets_[slots];
     EPMOE_CHECK(items <= items_cap_);
-    std::copy(slot_offsets.begin(), slot_offsets.end() - 1, slot_cursor.begin());
-    // Each received row is decoded once and put in the kernel's input format once
-    // (QuantizeRows); its picks then take copies of those smaller rows, and RunQuantized gives
-    // what Run would on the decoded rows, bit for bit.
+    std::vector<int64_t> slot_cursor(slot_offsets_.begin(), slot_offsets_.end() - 1);
     position_.resize(received * k);
     float* const decoded = decoded_.floats();
-    for (int s = 0; s < g; ++s) {
-      for (int64_t i = 0; i < recv_n[s]; ++i) {
-        DecodeRow(dispatch_format, source_records[s] + i * record_bytes_ + k * 8, h,
-                  decoded + (source_first[s] + i) * h);
+    for (size_t b = 0; b < count; ++b) {
+      for (int64_t i = 0; i < batches[b].count; ++i) {
+        DecodeRow(options_.dispatch_format, batches[b].records + i * record_bytes_ + k * 8, h,
+                  decoded + (batch_first_[b] + i) * h);
       }
     }
     const int64_t act = activation_bytes_;
     std::byte* const quantized = reinterpret_cast<std::byte*>(quantized_.data());
     std::byte* const work_in = reinterpret_cast<std::byte*>(work_in_.data());
-    st.pack_us += watch.Lap();
+    st->pack_us += watch.Lap();
     if (received > 0) store.QuantizeRows(decoded, received, quantized, pool_);
-    st.experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
-    for (int s = 0; s < g; ++s) {
-      for (int64_t i = 0; i < recv_n[s]; ++i) {
-        const int64_t q = source_first[s] + i;
-        std::memcpy(slot_ids_.data(), source_records[s] + i * record_bytes_, k * 4);
+    st->experts_us += watch.Lap();  // the kernel's own first phase (Run would do it inside)
+    for (size_t b = 0; b < count; ++b) {
+      for (int64_t i = 0; i < batches[b].count; ++i) {
+        const int64_t q = batch_first_[b] + i;
+        std::memcpy(slot_ids_.data(), batches[b].records + i * record_bytes_, k * 4);
         for (int j = 0; j < k; ++j) {
           const int32_t slot = slot_ids_[j];
           position_[q * k + j] = slot < 0 ? -1 : slot_cursor[slot]++;
@@ -601,75 +773,278 @@ class A2aExecutor : public MoeExecutor {
         }
       }
     }
-    st.pack_us += watch.Lap();
-    if (items > 0) store.RunQuantized(work_in, slot_offsets, work_out_.floats(), pool_);
+    st->pack_us += watch.Lap();
+    if (items > 0) store.RunQuantized(work_in, slot_offsets_, work_out_.floats(), pool_);
     for (int s = 0; s < slots; ++s) {
-      if (slot_offsets[s + 1] > slot_offsets[s]) st.expert_bytes_read += store.expert_bytes(s);
+      if (slot_offsets_[s + 1] > slot_offsets_[s]) st->expert_bytes_read += store.expert_bytes(s);
     }
-    st.picks += items;
-    st.experts_us += watch.Lap();
+    st->picks += items;
+    st->experts_us += watch.Lap();
+    return Status::Ok();
+  }
 
-    // Weighted outputs back, per source in record order: one per pick in pick order, or (partial
-    // sums) one per record with its picks here summed in pick order. This rank's own go straight
-    // to their place in returns.
-    int64_t back_at = 0;
-    for (int s = 0; s < g; ++s) {
-      int64_t count = 0;
-      for (int64_t q = source_first[s]; q < source_first[s + 1]; ++q) {
-        if (partial) {
-          ++count;
-          continue;
-        }
-        for (int j = 0; j < k; ++j) count += position_[q * k + j] >= 0;
-      }
-      back_send_offsets[s] = back_at;
-      back_send_bytes[s] = s == me ? 0 : count * return_bytes;
-      back_at += back_send_bytes[s];
-    }
-    if (combine_sends_ != nullptr) {  // the previous round's outputs are still being sent from back_send_
-      st.pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
-      st.combine_us += watch.Lap();
-    }
+  // Outputs batch b sends back after RunBatches: one per pick run here, or (partial sums) one per
+  // record.
+  int64_t BatchOutputs(std::span<const Batch> batches, size_t b) const {
+    if (partial_) return batches[b].count;
+    int64_t outputs = 0;
+    for (int64_t q = batch_first_[b] * top_k_; q < batch_first_[b + 1] * top_k_; ++q) outputs += position_[q] >= 0;
+    return outputs;
+  }
+
+  // Encodes batch b's weighted outputs at `to`, in record order: one per pick in pick order, or
+  // (partial sums) one per record with its picks here summed in pick order.
+  void EncodeOutputs(std::span<const Batch> batches, size_t b, uint8_t* to) {
+    const int k = top_k_;
+    const int64_t h = hidden_, return_bytes = return_bytes_;
+    const RowFormat combine_format = options_.combine_format;
     const float* const work_out = work_out_.floats();
-    for (int s = 0; s < g; ++s) {
-      uint8_t* to = s == me ? returns + back_recv_offsets_[me] : back_send_.data() + back_send_offsets[s];
-      for (int64_t i = 0; i < recv_n[s]; ++i) {
-        const int64_t q = source_first[s] + i;
-        const uint8_t* weights = source_records[s] + i * record_bytes_ + k * 4;
-        if (partial) {
-          std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
-          for (int j = 0; j < k; ++j) {
-            const int64_t pos = position_[q * k + j];
-            if (pos < 0) continue;
-            float w;
-            std::memcpy(&w, weights + j * 4, 4);
-            const float* src = work_out + pos * h;
-            for (int64_t c = 0; c < h; ++c) partial_row_[c] += w * src[c];
-          }
-          EncodeRow(combine_format, partial_row_.data(), h, to);
-          to += return_bytes;
-          continue;
-        }
+    for (int64_t i = 0; i < batches[b].count; ++i) {
+      const int64_t q = batch_first_[b] + i;
+      const uint8_t* weights = batches[b].records + i * record_bytes_ + k * 4;
+      if (partial_) {
+        std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
         for (int j = 0; j < k; ++j) {
           const int64_t pos = position_[q * k + j];
           if (pos < 0) continue;
           float w;
           std::memcpy(&w, weights + j * 4, 4);
-          EncodeScaledRow(combine_format, w, work_out + pos * h, h, to);
+          const float* src = work_out + pos * h;
+          for (int64_t c = 0; c < h; ++c) partial_row_[c] += w * src[c];
+        }
+        EncodeRow(combine_format, partial_row_.data(), h, to);
+        to += return_bytes;
+        continue;
+      }
+      for (int j = 0; j < k; ++j) {
+        const int64_t pos = position_[q * k + j];
+        if (pos < 0) continue;
+        float w;
+        std::memcpy(&w, weights + j * 4, 4);
+        EncodeScaledRow(combine_format, w, work_out + pos * h, h, to);
+        to += return_bytes;
+      }
+    }
+  }
+
+  // Two levels, one round once the node and direct records have landed (recv_n[s] records from rank
+  // s at recv_offsets[s] of recv_): forwards the node records that came from other nodes, runs the
+  // direct and forwarded records, returns the forwarded records' outputs to their gateways, then
+  // sends the direct outputs and the gateway's outputs home.
+  Status TwoLevelRound(const ExpertStore& store, std::span<const int64_t> recv_n, std::span<const int64_t> recv_offsets,
+                       StepStats* st, Stopwatch& watch) {
+    const int g = comm_.size(), me = comm_.rank(), node = comm_.node_of(me);
+    const std::vector<int>& members = node_members_[node];
+    const size_t m = members.size();
+    std::vector<Batch> node_records;
+    for (int s = 0; s < g; ++s) {
+      if (comm_.node_of(s) != node) node_records.push_back({recv_.data() + recv_offsets[s], recv_n[s], s});
+    }
+    EPMOE_RETURN_IF_ERROR(PackForwarded(node_records));
+    st->pack_us += watch.Lap();
+    // What a gateway forwards depends on the picks it received: its counts travel first.
+    std::vector<int64_t> forward_in(g, 0), send_bytes(g, 0), recv_bytes(g, 0), recv_at(g, 0);
+    EPMOE_RETURN_IF_ERROR(comm_.ExchangeCounts(forward_n_, forward_in));
+    int64_t at = 0;
+    for (int s = 0; s < g; ++s) {
+      if (s == me) continue;
+      send_bytes[s] = forward_n_[s] * record_bytes_;
+      recv_at[s] = at;
+      recv_bytes[s] = forward_in[s] * record_bytes_;
+      at += recv_bytes[s];
+    }
+    EPMOE_CHECK(at <= forward_recv_.capacity());
+    EPMOE_RETURN_IF_ERROR(
+        comm_.Alltoallv(forward_send_.data(), send_bytes, forward_offsets_, forward_recv_.data(), recv_bytes, recv_at));
+    st->dispatch_us += watch.Lap();
+    AddExchangeBytes(comm_, send_bytes, recv_bytes, st);
+
+    // Expert side: the direct records of each rank of this node, then the records each gateway of
+    // this node forwarded (this rank's own read where they were packed).
+    std::vector<Batch> batches(2 * m);
+    for (size_t i = 0; i < m; ++i) {
+      const int s = members[i];
+      batches[i] = {s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s], recv_n[s], s};
+      batches[m + i] = {s == me ? forward_send_.data() + forward_offsets_[me] : forward_recv_.data() + recv_at[s],
+                        forward_in[s], s};
+    }
+    EPMOE_RETURN_IF_ERROR(RunBatches(store, batches, st, watch));
+
+    // Forwarded records' outputs back to their gateways (this rank's own straight where they land).
+    std::vector<int64_t> back_bytes(g, 0), back_at(g, 0), returned_bytes(g, 0);
+    at = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const int gw = members[i];
+      back_at[gw] = at;
+      if (gw != me) back_bytes[gw] = BatchOutputs(batches, m + i) * return_bytes_;
+      if (gw != me) returned_bytes[gw] = forward_outputs_[gw] * return_bytes_;
+      at += back_bytes[gw];
+    }
+    EPMOE_CHECK(BatchOutputs(batches, m + node_index_[me]) == forward_outputs_[me]);
+    for (size_t i = 0; i < m; ++i) {
+      const int gw = members[i];
+      EncodeOutputs(
+          batches, m + i,
+          gw == me ? forward_returns_.data() + forward_return_region_[me] : forward_back_.data() + back_at[gw]);
+    }
+    st->pack_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(comm_.Alltoallv(forward_back_.data(), back_bytes, back_at, forward_returns_.data(),
+                                          returned_bytes, forward_return_region_));
+    st->combine_us += watch.Lap();
+    AddExchangeBytes(comm_, back_bytes, returned_bytes, st);
+
+    // Home: direct outputs to the ranks of this node, gateway outputs to the ranks whose node
+    // records came here (one per pick of this node, unchanged, or one summed row per record).
+    at = 0;
+    for (int s = 0; s < g; ++s) {
+      back_at[s] = at;
+      back_bytes[s] = 0;
+      if (comm_.node_of(s) != node) {
+        back_bytes[s] = gateway_outputs_[s] * return_bytes_;
+      } else if (s != me) {
+        back_bytes[s] = BatchOutputs(batches, node_index_[s]) * return_bytes_;
+      }
+      at += back_bytes[s];
+    }
+    EPMOE_CHECK(at <= back_send_.capacity());
+    EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
+    for (size_t i = 0; i < m; ++i) {
+      const int s = members[i];
+      EncodeOutputs(batches, i, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + back_at[s]);
+    }
+    PackGatewayOutputs(node_records, back_at);
+    st->pack_us += watch.Lap();
+    return SendOutputsHome(back_bytes, back_at, st, watch);
+  }
+
+  // The round's last exchange: the outputs encoded in back_send_ (back_bytes[s] at back_at[s] for
+  // rank s) go home into returns_, where this round's returns land (back_recv_*). Waits only for
+  // what lands here; the sends finish before back_send_ is written again (FinishCombineSends).
+  Status SendOutputsHome(std::span<const int64_t> back_bytes, std::span<const int64_t> back_at, StepStats* st,
+                         Stopwatch& watch) {
+    EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_bytes, back_at, returns_.data(),
+                                                                back_recv_bytes_, back_recv_offsets_));
+    EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
+    st->combine_us += watch.Lap();
+    AddExchangeBytes(comm_, back_bytes, back_recv_bytes_, st);
+    return Status::Ok();
+  }
+
+  // Gateway: checks the node records (every pick on a rank of this node), writes the per-rank
+  // record forwarded to each rank holding one of a record's picks (itself included) into
+  // forward_send_, grouped by destination in record order, and notes where each pick's output
+  // will land in forward_returns_ (gateway_return_at_; with partial sums, the rank's one row at
+  // its first pick). Sets forward_n_, forward_offsets_, forward_outputs_, forward_return_region_
+  // and gateway_outputs_ (per rank).
+  Status PackForwarded(std::span<const Batch> node_records) {
+    const int g = comm_.size(), me = comm_.rank(), k = top_k_, slots = slots_, node = comm_.node_of(me);
+    forward_n_.assign(g, 0);
+    forward_outputs_.assign(g, 0);
+    gateway_outputs_.assign(g, 0);
+    int64_t total = 0;
+    for (const Batch& batch : node_records) total += batch.count;
+    gateway_return_at_.assign(total * k, -1);
+    std::vector<int64_t> last(g, -1);
+    int64_t q = 0;
+    for (const Batch& batch : node_records) {
+      for (int64_t i = 0; i < batch.count; ++i, ++q) {
+        std::memcpy(slot_ids_.data(), batch.records + i * record_bytes_, k * 4);
+        for (int j = 0; j < k; ++j) {
+          const int32_t slot = slot_ids_[j];
+          if (slot == -1) continue;
+          if (slot < -1 || slot >= static_cast<int64_t>(g) * slots || comm_.node_of(slot / slots) != node)
+            return Internal(
+                fmt::format("a2a: rank {} (a gateway of node {}) received a pick for slot {} from rank {}, "
+                            "not a slot of its node",
+                            me, node, slot, batch.source));
+          const int d = slot / slots;
+          const bool first = last[d] != q;
+          last[d] = q;
+          forward_n_[d] += first;
+          forward_outputs_[d] += partial_ ? first : 1;
+          gateway_outputs_[batch.source] += partial_ ? 0 : 1;
+        }
+        gateway_outputs_[batch.source] += partial_ ? 1 : 0;
+      }
+    }
+    forward_offsets_.assign(g, 0);
+    forward_return_region_.assign(g, 0);
+    int64_t records = 0, outputs = 0;
+    for (int d = 0; d < g; ++d) {
+      forward_offsets_[d] = records * record_bytes_;
+      forward_return_region_[d] = outputs * return_bytes_;
+      records += forward_n_[d];
+      outputs += forward_outputs_[d];
+    }
+    EPMOE_CHECK(records * record_bytes_ <= forward_send_.capacity());
+    EPMOE_CHECK(outputs * return_bytes_ <= forward_returns_.capacity());
+    std::vector<int64_t> record_at(forward_offsets_), return_at(forward_return_region_);
+    std::fill(last.begin(), last.end(), -1);
+    std::vector<int32_t> local(k);
+    q = 0;
+    for (const Batch& batch : node_records) {
+      for (int64_t i = 0; i < batch.count; ++i, ++q) {
+        const uint8_t* record = batch.records + i * record_bytes_;
+        std::memcpy(slot_ids_.data(), record, k * 4);
+        for (int j = 0; j < k; ++j) {
+          const int32_t slot = slot_ids_[j];
+          if (slot < 0) continue;
+          const int d = slot / slots;
+          if (last[d] != q) {
+            last[d] = q;
+            for (int jj = 0; jj < k; ++jj)
+              local[jj] = slot_ids_[jj] >= 0 && slot_ids_[jj] / slots == d ? slot_ids_[jj] - d * slots : -1;
+            uint8_t* forwarded = forward_send_.data() + record_at[d];
+            std::memcpy(forwarded, local.data(), k * 4);
+            std::memcpy(forwarded + k * 4, record + k * 4, record_bytes_ - k * 4);  // weights and row, unchanged
+            record_at[d] += record_bytes_;
+          } else if (partial_) {
+            continue;  // summed by rank d into the output of the record's first pick on it
+          }
+          gateway_return_at_[q * k + j] = return_at[d];
+          return_at[d] += return_bytes_;
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Gateway: the outputs of each node record, in record order, at back_send_ + at[source]: its
+  // picks' outputs as they came back (one per pick in pick order), or with partial sums the sum of
+  // the node's rows for it, in pick order of each rank's first pick.
+  void PackGatewayOutputs(std::span<const Batch> node_records, std::span<const int64_t> at) {
+    const int k = top_k_;
+    const int64_t h = hidden_, return_bytes = return_bytes_;
+    const uint8_t* const returned = forward_returns_.data();
+    int64_t q = 0;
+    for (const Batch& batch : node_records) {
+      uint8_t* to = back_send_.data() + at[batch.source];
+      for (int64_t i = 0; i < batch.count; ++i, ++q) {
+        if (partial_) std::fill(partial_row_.begin(), partial_row_.end(), 0.0f);
+        for (int j = 0; j < k; ++j) {
+          const int64_t from = gateway_return_at_[q * k + j];
+          if (from < 0) continue;
+          if (partial_) {
+            AddDecodedRow(options_.combine_format, returned + from, h, partial_row_.data());
+          } else {
+            std::memcpy(to, returned + from, return_bytes);
+            to += return_bytes;
+          }
+        }
+        if (partial_) {
+          EncodeRow(options_.combine_format, partial_row_.data(), h, to);
           to += return_bytes;
         }
       }
     }
-    st.pack_us += watch.Lap();
-    EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_send_bytes, back_send_offsets,
-                                                                returns, back_recv_bytes_, back_recv_offsets_));
-    EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
-    st.combine_us += watch.Lap();
-    for (int r = 0; r < g; ++r) {
-      st.bytes_sent += back_send_bytes[r];
-      st.bytes_received += back_recv_bytes_[r];
-    }
+  }
+
+  // The previous round's outputs may still be on their way from back_send_, about to be written.
+  Status FinishCombineSends(StepStats* st, Stopwatch& watch) {
+    if (combine_sends_ == nullptr) return Status::Ok();
+    st->pack_us += watch.Lap();
+    EPMOE_RETURN_IF_ERROR(FinishSends(combine_sends_));
+    st->combine_us += watch.Lap();
     return Status::Ok();
   }
 
@@ -737,29 +1112,44 @@ class A2aExecutor : public MoeExecutor {
   std::vector<std::vector<float>>& shared_gates_;      // weights_->shared_gates
   std::unique_ptr<SlotStoresTarget> target_;           // live rebalancing of stores_ (null in a lane)
 
-  bool low_latency_ = false;             // a2a_mode resolved at creation (ResolveA2aMode)
-  int64_t message_bytes_ = 0;            // low-latency: the capacity of one peer's message
-  int64_t fixed_buffer_bytes_ = 0;       // low-latency: the buffers held from creation on
-  std::vector<int64_t> received_bytes_;  // low-latency: this step's message length from each rank
+  // The exchange resolved at creation (InitExchange, in every lane).
+  bool low_latency_ = false;                    // a2a_mode (ResolveA2aMode)
+  bool two_level_ = false;                      // a2a_levels (ResolveA2aLevels; never with low-latency)
+  std::vector<std::vector<int>> node_members_;  // per node: its ranks, ascending
+  std::vector<int> node_index_;                 // per rank: its index in its node's members
+  int64_t message_bytes_ = 0;                   // low-latency: the capacity of one peer's message
+  int64_t fixed_buffer_bytes_ = 0;              // low-latency: the buffers held from creation on
+  std::vector<int64_t> received_bytes_;         // low-latency: this step's message length from each rank
 
   // Per-step state, kept to reuse its memory (see ForwardHome).
   int64_t hidden_ = 0, record_bytes_ = 0, return_bytes_ = 0, returns_bytes_ = 0, per_returned_row_ = 0;
   int64_t picks_per_row_ = 0, items_cap_ = 0, activation_bytes_ = 0;
+  int top_k_ = 0, slots_ = 0;
+  int count_fields_ = 0;  // values per rank in count_matrix_: G, or 2G + 1 with two levels
   bool partial_ = false;
   std::vector<int32_t> pick_rank_, pick_slot_;     // per pick of this rank's rows
   std::vector<int64_t> pick_return_;               // per pick: byte offset of its output in returns_ (-1: none)
   std::vector<int64_t> nth_;                       // per expert: picks dealt so far this step
   std::vector<int64_t> send_count_, recv_count_;   // rows to / from each rank this step
-  std::vector<int64_t> count_matrix_;              // rows rank s sends rank d, at s * G + d
+  std::vector<int64_t> count_matrix_;              // rows rank s sends rank d, at s * count_fields_ + d
+                                                   // (two levels: rows delivered to d at + G + d, returns at + 2G)
   std::vector<int64_t> send_row_begin_, send_rows_;  // rows per destination, in row order
   std::vector<int64_t> send_return_at_;            // per destination: returns before each of its rows
   std::vector<int64_t> region_;                    // per destination: where its returns start
   std::vector<int64_t> send_n_, send_bytes_, send_offsets_;     // this round's records per destination
   std::vector<int64_t> back_recv_bytes_, back_recv_offsets_;    // this round's returns per destination
   std::vector<int64_t> position_;                  // per received pick: its row in the expert-ordered input
+  std::vector<int64_t> batch_first_, slot_offsets_;  // per batch: its first record; per slot: its first row
+  // Two levels, per rank of this node: records forwarded there and where they start in
+  // forward_send_, their outputs and where those land in forward_returns_; per source rank of
+  // another node: the outputs its node records bring home. Per pick of a node record received:
+  // where its output lands in forward_returns_ (-1: none, or summed into another with partial sums).
+  std::vector<int64_t> forward_n_, forward_offsets_, forward_outputs_, forward_return_region_, gateway_outputs_;
+  std::vector<int64_t> gateway_return_at_;
   std::vector<int32_t> slot_ids_;
   std::vector<float> partial_row_;
   ScratchBuffer returns_, send_, recv_, decoded_, quantized_, work_in_, work_out_, back_send_;
+  ScratchBuffer forward_send_, forward_recv_, forward_back_, forward_returns_;
   SharedOutputs shared_outputs_;  // this step's shared expert outputs
   // The last row and output exchanges, received but maybe still sending from send_ and back_send_
   // (declared after the buffers: destroyed, and so completed, before them).

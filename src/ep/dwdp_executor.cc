@@ -216,7 +216,10 @@ class DwdpExecutor : public MoeExecutor {
         EPMOE_RETURN_IF_ERROR(StartFetch(layer, piece, buffers_[current]));
       }
       EPMOE_RETURN_IF_ERROR(Complete(buffers_[current]));
-      st.bytes_received += PieceSize(piece) * expert_bytes_;
+      std::vector<int64_t> none(g, 0), read_from(g, 0);
+      for (int i = 0; i < PieceSize(piece); ++i)
+        read_from[OwnerOf(LackingExpert(piece * piece_experts_ + i))] += expert_bytes_;
+      AddExchangeBytes(comm_, none, read_from, &st);
       st.dispatch_us += watch.Lap();
       // The next piece (of this layer, or the next layer's first) into the other half.
       Buffer& other = buffers_[1 - current];
@@ -250,8 +253,7 @@ class DwdpExecutor : public MoeExecutor {
       const auto row_offsets = PrefixOffsets(bytes);
       EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(my_out.data.data(), bytes[me], out->data.data(), bytes,
                                              std::span<const int64_t>(row_offsets.data(), g)));
-      st.bytes_sent += bytes[me] * (g - 1);
-      st.bytes_received += row_offsets[g] - bytes[me];
+      AddAllgatherBytes(comm_, bytes, &st);
       st.combine_us += watch.Lap();
     } else {
       *out = std::move(my_out);
@@ -278,6 +280,15 @@ class DwdpExecutor : public MoeExecutor {
   int OwnerBegin(int rank) const {
     return static_cast<int>(static_cast<int64_t>(rank) * model_.num_experts / comm_.size());
   }
+  // The expert of a lacking index: the experts of the ranks before and after this one.
+  int LackingExpert(int lacking_index) const {
+    return lacking_index < own_begin_ ? lacking_index : lacking_index + (own_end_ - own_begin_);
+  }
+  int OwnerOf(int expert) const {
+    int owner = 0;
+    while (OwnerBegin(owner + 1) <= expert) ++owner;
+    return owner;
+  }
   int PieceSize(int piece) const { return std::min(piece_experts_, lacking_ - piece * piece_experts_); }
   // The two stores.
   int64_t BufferBytes() const { return lacking_ > 0 ? 2 * static_cast<int64_t>(piece_experts_) * expert_bytes_ : 0; }
@@ -291,11 +302,8 @@ class DwdpExecutor : public MoeExecutor {
     auto issue = [this, layer, piece, &b]() -> Status {
       const int begin = piece * piece_experts_, count = PieceSize(piece);
       for (int i = 0; i < count; ++i) {
-        // Lacking expert begin + i: the experts of the ranks before and after this one.
-        const int lacking_index = begin + i;
-        const int e = lacking_index < own_begin_ ? lacking_index : lacking_index + (own_end_ - own_begin_);
-        int owner = 0;
-        while (OwnerBegin(owner + 1) <= e) ++owner;
+        const int e = LackingExpert(begin + i);
+        const int owner = OwnerOf(e);
         const int64_t owner_experts = OwnerBegin(owner + 1) - OwnerBegin(owner);
         int64_t at = (static_cast<int64_t>(layer) * owner_experts + (e - OwnerBegin(owner))) * expert_bytes_;
         for (const std::span<std::byte>& part : b.slots[i]) {

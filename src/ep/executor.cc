@@ -22,6 +22,8 @@ void StepStats::Add(const StepStats& o) {
   expert_bytes_read += o.expert_bytes_read;
   bytes_sent += o.bytes_sent;
   bytes_received += o.bytes_received;
+  inter_node_bytes_sent += o.inter_node_bytes_sent;
+  inter_node_bytes_received += o.inter_node_bytes_received;
   peak_buffer_bytes = std::max(peak_buffer_bytes, o.peak_buffer_bytes);
   rounds = std::max(rounds, o.rounds);
 }
@@ -54,7 +56,11 @@ std::array<int64_t, kA2aBuffers> LowLatencyBufferBytes(const ModelConfig& model,
           received * h * 4,
           received * picks_per_row * h * 4,
           received * picks_per_row * h * 4,
-          (g - 1) * rows * back_per_row};
+          (g - 1) * rows * back_per_row,
+          0,
+          0,
+          0,
+          0};
 }
 
 int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& o, int ranks) {
@@ -67,9 +73,15 @@ int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& o, int 
 
 A2aMode ResolveA2aMode(const ModelConfig& model, const ExecutorOptions& options, int num_ranks) {
   if (options.a2a_mode != A2aMode::kAuto) return options.a2a_mode;
+  if (options.a2a_levels == A2aLevels::kTwoLevel) return A2aMode::kNormal;  // low-latency is flat
   const bool decode = options.max_rows_per_rank > 0 && options.max_rows_per_rank <= kAutoLowLatencyMaxRows;
   const bool fits = decode && ep_internal::LowLatencyBytes(model, options, num_ranks) <= options.max_buffer_bytes;
   return fits ? A2aMode::kLowLatency : A2aMode::kNormal;
+}
+
+A2aLevels ResolveA2aLevels(const ModelConfig& model, const ExecutorOptions& options, int num_ranks, int num_nodes) {
+  if (ResolveA2aMode(model, options, num_ranks) == A2aMode::kLowLatency) return A2aLevels::kFlat;
+  return UsesTwoLevels(options.a2a_levels, num_ranks, num_nodes) ? A2aLevels::kTwoLevel : A2aLevels::kFlat;
 }
 
 Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, int num_ranks) {
@@ -133,6 +145,11 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
   if (o.max_rows_per_rank < 0)
     return InvalidArgument(
         fmt::format("{}: {} rows per rank at most: must not be negative", name, o.max_rows_per_rank));
+  if (o.option == EpOption::kA2a && o.a2a_mode == A2aMode::kLowLatency && o.a2a_levels == A2aLevels::kTwoLevel)
+    return InvalidArgument(
+        "a2a: low-latency mode sends every rank its records straight (flat, as DeepEP's low-latency "
+        "kernels), so it cannot run the two-level exchange: use --a2a-mode normal (or auto) with "
+        "--a2a-levels two-level, or --a2a-levels flat (or auto) with low-latency");
   if (o.option == EpOption::kA2a && ResolveA2aMode(model, o, g) == A2aMode::kLowLatency) {
     if (o.max_rows_per_rank == 0)
       return InvalidArgument(
@@ -210,7 +227,12 @@ MemoryEstimate EstimateExecutorMemory(const ModelConfig& model, const ExecutorOp
   // pick its row in, its output, and (a2a) the weighted output going back and landing home.
   const double row = 4.0 * model.hidden;
   const double record = 8.0 * k + static_cast<double>(RowBytes(o.dispatch_format, model.hidden));
-  const double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
+  double per_row = 2 * record + 3 * row + std::min<double>(k, local_experts) * 4 * row;
+  // Two levels (any levels but flat, as the nodes are not known here): a gateway also holds a row's
+  // node record, its forwarded records (one per rank of the node it visits) and up to k outputs
+  // landing from the node's ranks and going home.
+  if (o.option == EpOption::kA2a && o.a2a_levels != A2aLevels::kFlat)
+    per_row += (1 + std::min(k, g)) * record + 2.0 * k * row;
   m.exchange = std::min(static_cast<double>(o.max_buffer_bytes), static_cast<double>(tokens) * per_row);
   if (o.option == EpOption::kA2a && ResolveA2aMode(model, o, g) == A2aMode::kLowLatency) {
     // Fixed buffers, sized for the bound whatever a step sends (CheckExecutorShape keeps them
@@ -328,6 +350,25 @@ Status CheckForwardInput(const ModelConfig& model, int num_layers, int layer, co
   if (bad >= 0)
     return InvalidArgument(fmt::format("row {} column {} is {}", bad / rows.cols, bad % rows.cols, rows.data[bad]));
   return Status::Ok();
+}
+
+void AddExchangeBytes(const Communicator& comm, std::span<const int64_t> send_bytes,
+                      std::span<const int64_t> recv_bytes, StepStats* st) {
+  const int me = comm.rank(), my_node = comm.node_of(me);
+  for (int r = 0; r < comm.size(); ++r) {
+    if (r == me) continue;
+    st->bytes_sent += send_bytes[r];
+    st->bytes_received += recv_bytes[r];
+    if (comm.node_of(r) != my_node) {
+      st->inter_node_bytes_sent += send_bytes[r];
+      st->inter_node_bytes_received += recv_bytes[r];
+    }
+  }
+}
+
+void AddAllgatherBytes(const Communicator& comm, std::span<const int64_t> bytes, StepStats* st) {
+  const std::vector<int64_t> sent(comm.size(), bytes[comm.rank()]);
+  AddExchangeBytes(comm, sent, bytes, st);
 }
 
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out) {

@@ -77,16 +77,26 @@ class SlotStoresTarget final : public RebalanceTarget {
   std::map<std::pair<int, int>, std::vector<std::byte>> staged_;
 };
 
+// The exchange buffers A2aExecutor holds, in this order: returns, records sent and received,
+// received rows decoded and in the kernel's input format, expert-ordered inputs and outputs,
+// outputs going back; two levels only: records a gateway forwards and receives, forwarded
+// records' outputs going back to their gateways and landing there.
+inline constexpr int kA2aBuffers = 12;
 // a2a low-latency: the bytes of one rank's message to a peer (a header of the sender's row count,
-// then at most max_rows_per_rank records), and the fixed buffers sized from it for `ranks` ranks,
-// in the order A2aExecutor holds them (returns, records sent and received, received rows decoded
-// and in the kernel's input format, expert-ordered inputs and outputs, outputs going back). The
-// kernel's input format is bounded by fp32, as in normal mode's memory model.
-inline constexpr int kA2aBuffers = 8;
+// then at most max_rows_per_rank records), and the fixed buffers sized from it for `ranks` ranks
+// (none for two levels: low-latency is flat). The kernel's input format is bounded by fp32, as in
+// normal mode's memory model.
 int64_t LowLatencyMessageBytes(const ModelConfig& model, const ExecutorOptions& options);
 std::array<int64_t, kA2aBuffers> LowLatencyBufferBytes(const ModelConfig& model, const ExecutorOptions& options,
                                                        int ranks);
 int64_t LowLatencyBytes(const ModelConfig& model, const ExecutorOptions& options, int ranks);  // their sum
+
+// Adds what one exchange moved to st: send_bytes[r] to and recv_bytes[r] from rank r (this rank's
+// own entries do not count), and the part of it to or from ranks of other nodes.
+void AddExchangeBytes(const Communicator& comm, std::span<const int64_t> send_bytes,
+                      std::span<const int64_t> recv_bytes, StepStats* st);
+// An all-gather: this rank's bytes[me] went to every other rank and bytes[r] came from rank r.
+void AddAllgatherBytes(const Communicator& comm, std::span<const int64_t> bytes, StepStats* st);
 
 // Makes rows travel: encode then decode (what a receiver sees).
 void RoundTripRows(RowFormat format, const Matrix& rows, Matrix* out);

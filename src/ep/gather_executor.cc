@@ -256,8 +256,7 @@ class GatherExecutor : public MoeExecutor {
         EPMOE_RETURN_IF_ERROR(comm_.Allgatherv(send.data(), bytes[me], recv.data(), bytes,
                                                std::span<const int64_t>(offsets.data(), g)));
         st.dispatch_us += watch.Lap();
-        st.bytes_sent += bytes[me] * (g - 1);
-        st.bytes_received += offsets[g] - bytes[me];
+        AddAllgatherBytes(comm_, bytes, &st);
         st.row_copies += chunk[me] * g;
         for (int64_t q = 0; q < round_total; ++q) {
           const uint8_t* record = recv.data() + q * record_bytes;
@@ -346,9 +345,10 @@ class GatherExecutor : public MoeExecutor {
       // Sum the partials: each rank gets its own rows (or, tensor-parallel, all of them).
       if (tensor_parallel) {
         EPMOE_RETURN_IF_ERROR(comm_.Allreduce(partial.data.data(), round_total * h));
-        const int64_t moved = 2 * (g - 1) * round_total * h * 4 / g;  // as a ring all-reduce moves them
-        st.bytes_sent += moved;
-        st.bytes_received += moved;
+        // As a ring all-reduce moves them, counted as an even share to and from every other rank.
+        const int64_t moved = 2 * (g - 1) * round_total * h * 4 / g;
+        std::vector<int64_t> share(g, g > 1 ? moved / (g - 1) : 0);
+        AddExchangeBytes(comm_, share, share, &st);
         int64_t row_at = 0;
         for (int r = 0; r < g; ++r) {
           const int64_t first = RowBegin(total, g, r) + chunk_first[r];
@@ -359,8 +359,10 @@ class GatherExecutor : public MoeExecutor {
         std::vector<int64_t> floats(g);
         for (int r = 0; r < g; ++r) floats[r] = chunk[r] * h;
         EPMOE_RETURN_IF_ERROR(comm_.ReduceScatter(partial.data.data(), out->row(chunk_first[me]), floats));
-        st.bytes_sent += (round_total - chunk[me]) * h * 4;
-        st.bytes_received += (g - 1) * chunk[me] * h * 4;
+        // Each rank's chunk of the partial sums goes to it; this rank's comes from every other.
+        std::vector<int64_t> sent(g), received(g, chunk[me] * h * 4);
+        for (int r = 0; r < g; ++r) sent[r] = chunk[r] * h * 4;
+        AddExchangeBytes(comm_, sent, received, &st);
       }
       st.combine_us += watch.Lap();
       st.peak_buffer_bytes = std::max(st.peak_buffer_bytes, buffer_bytes);

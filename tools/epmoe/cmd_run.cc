@@ -45,6 +45,7 @@ struct RunOptions {
   bool tbo = false;
   bool sbo = false;
   std::string a2a_mode = "normal";
+  std::string a2a_levels = "auto";
   std::string weight_format = "fp32";
   std::string isa = "auto";
   std::string weights;
@@ -97,6 +98,7 @@ struct OptionResult {
   std::vector<std::vector<double>> stage_ms = std::vector<std::vector<double>>(kNumStages);  // [stage][step]
   double copies_per_row = 0, picks_balance = 0, bytes_balance = 0, peak_buffer = 0, rounds = 0, max_error = 0;
   double sent_per_rank_step = 0, received_per_rank_step = 0;
+  double inter_node_sent_per_rank_step = 0, inter_node_received_per_rank_step = 0;
   int64_t resident_bytes = 0;
   nlohmann::json eplb;  // with --eplb
 };
@@ -146,6 +148,8 @@ class OptionRun {
     copies_ += report.copies_per_row * static_cast<double>(report.rows);
     sent_ += static_cast<double>(report.bytes_sent);
     received_ += static_cast<double>(report.bytes_received);
+    inter_node_sent_ += static_cast<double>(report.inter_node_bytes_sent);
+    inter_node_received_ += static_cast<double>(report.inter_node_bytes_received);
     picks_balance_ += report.picks_balancedness;
     bytes_balance_ += report.bytes_balancedness;
     result_->peak_buffer = std::max(result_->peak_buffer, static_cast<double>(report.peak_buffer_bytes));
@@ -162,6 +166,8 @@ class OptionRun {
     result_->copies_per_row = rows_ > 0 ? copies_ / rows_ : 0;
     result_->sent_per_rank_step = steps_ ? sent_ / g / steps_ : 0;
     result_->received_per_rank_step = steps_ ? received_ / g / steps_ : 0;
+    result_->inter_node_sent_per_rank_step = steps_ ? inter_node_sent_ / g / steps_ : 0;
+    result_->inter_node_received_per_rank_step = steps_ ? inter_node_received_ / g / steps_ : 0;
     result_->picks_balance = steps_ ? picks_balance_ / steps_ : 1;
     result_->bytes_balance = steps_ ? bytes_balance_ / steps_ : 1;
     return engine_->Close();
@@ -179,6 +185,7 @@ class OptionRun {
   std::optional<EplbReport> eplb_;
   bool tensor_parallel_ = false;  // every rank holds every row
   double copies_ = 0, rows_ = 0, sent_ = 0, received_ = 0, picks_balance_ = 0, bytes_balance_ = 0;
+  double inter_node_sent_ = 0, inter_node_received_ = 0;
   int steps_ = 0;
 };
 
@@ -199,6 +206,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   EPMOE_ASSIGN_OR_RETURN(base.combine_format, ParseRowFormat(o.combine_format));
   base.combine_partial_sums = o.partial_sums;
   EPMOE_ASSIGN_OR_RETURN(base.a2a_mode, ParseA2aMode(o.a2a_mode));
+  EPMOE_ASSIGN_OR_RETURN(base.a2a_levels, ParseA2aLevels(o.a2a_levels));
   EPMOE_ASSIGN_OR_RETURN(base.pack.format, ParseWeightFormat(o.weight_format));
   base.pack.isa = o.isa;
   EPMOE_ASSIGN_OR_RETURN(base.shared, ParseSharedMode(o.shared));
@@ -326,6 +334,11 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
               {"stage_ms_median", stages},
               {"bytes_sent_per_rank_step", r.sent_per_rank_step},
               {"bytes_received_per_rank_step", r.received_per_rank_step},
+              {"inter_node_bytes_sent_per_rank_step", r.inter_node_sent_per_rank_step},
+              {"inter_node_bytes_received_per_rank_step", r.inter_node_received_per_rank_step},
+              {"intra_node_bytes_sent_per_rank_step", r.sent_per_rank_step - r.inter_node_sent_per_rank_step},
+              {"intra_node_bytes_received_per_rank_step",
+               r.received_per_rank_step - r.inter_node_received_per_rank_step},
               {"copies_per_row", r.copies_per_row},
               {"balancedness_picks", r.picks_balance},
               {"balancedness_bytes", r.bytes_balance},
@@ -336,6 +349,9 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     if (!r.eplb.is_null()) j["eplb"] = r.eplb;
     rows.push_back(j);
   }
+  // The levels a2a ran (flat whenever its mode resolved to low-latency).
+  const A2aLevels ran_levels =
+      ResolveA2aLevels(model, OptionExecutorOptions(base, o, EpOption::kA2a, g), g, comm->num_nodes());
   *report = {{"model", model.name},
              {"hidden", model.hidden},
              {"expert_intermediate", model.expert_intermediate},
@@ -353,6 +369,8 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"dispatch_format", o.dispatch_format},
              {"combine_format", o.combine_format},
              {"a2a_mode_requested", o.a2a_mode},
+             {"a2a_levels", A2aLevelsName(ran_levels)},
+             {"a2a_levels_asked", o.a2a_levels},
              {"weight_format", o.weight_format},
              {"weights", opened.report},
              {"threads_per_rank", pool.size()},
@@ -378,7 +396,8 @@ void PrintText(const nlohmann::json& r) {
   if (!weights.empty()) std::printf("%s\n", weights.c_str());
   std::printf("%-7s %9s %9s |", "option", "step ms", "p90 ms");
   for (const StageField& stage : kStages) std::printf(" %8s", stage.name);
-  std::printf(" | %10s %7s %6s %6s %10s %6s", "sent/rank", "copies", "bal.p", "bal.b", "peak buf", "rounds");
+  std::printf(" | %10s %10s %7s %6s %6s %10s %6s", "sent/rank", "inter-node", "copies", "bal.p", "bal.b", "peak buf",
+              "rounds");
   const bool checked = r["checked"].get<bool>();
   std::printf(checked ? " %9s\n" : "\n", "max err");
   for (const auto& o : r["options"]) {
@@ -390,8 +409,9 @@ void PrintText(const nlohmann::json& r) {
     std::printf("%-7s %9.3f %9.3f |", o["option"].get<std::string>().c_str(), o["step_ms_median"].get<double>(),
                 o["step_ms_p90"].get<double>());
     for (const StageField& stage : kStages) std::printf(" %8.3f", o["stage_ms_median"][stage.name].get<double>());
-    std::printf(" | %10s %7.2f %6.2f %6.2f %10s %6d",
+    std::printf(" | %10s %10s %7.2f %6.2f %6.2f %10s %6d",
                 HumanBytes(static_cast<int64_t>(o["bytes_sent_per_rank_step"].get<double>())).c_str(),
+                HumanBytes(static_cast<int64_t>(o["inter_node_bytes_sent_per_rank_step"].get<double>())).c_str(),
                 o["copies_per_row"].get<double>(), o["balancedness_picks"].get<double>(),
                 o["balancedness_bytes"].get<double>(),
                 HumanBytes(static_cast<int64_t>(o["peak_buffer_bytes"].get<double>())).c_str(),
@@ -404,8 +424,10 @@ void PrintText(const nlohmann::json& r) {
   std::printf(
       "stage times: median over steps of the mean over ranks, summed over layers (ms); step ms: slowest rank\n");
   std::printf(
-      "copies: ranks each row is delivered to (a2a expects %.2f under uniform routing); bal.p / bal.b: mean / "
-      "max picks and expert bytes per rank\n",
+      "sent/rank: bytes a rank sends per step, inter-node: the part sent to other nodes (a2a exchange: %s, from "
+      "--a2a-levels %s); copies: ranks each row is delivered to (a2a expects %.2f under uniform routing); bal.p / "
+      "bal.b: mean / max picks and expert bytes per rank\n",
+      r["a2a_levels"].get<std::string>().c_str(), r["a2a_levels_asked"].get<std::string>().c_str(),
       r["expected_a2a_copies_per_row_uniform"].get<double>());
   if (checked) std::printf("check: every option matches the single-process layer within its tolerance\n");
 }
@@ -455,13 +477,20 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--a2a-mode", o->a2a_mode,
                   fmt::format("a2a: normal (row counts exchanged first, buffers sized to them), low-latency (buffers "
                               "sized once for the most rows a rank holds at --tokens, no count exchange; for decode) "
-                              "or auto (low-latency up to {} rows per rank)",
+                              "or auto (low-latency up to {} rows per rank, normal with --a2a-levels two-level)",
                               kAutoLowLatencyMaxRows))
       ->check(CLI::IsMember({"normal", "low-latency", "low_latency", "auto"}))
       ->capture_default_str();
   cmd->add_flag("--sbo", o->sbo,
                 "a2a: single-batch overlap: the shared expert runs while the dispatch is in flight (same outputs; "
                 "the other options of --option run as without)");
+  cmd->add_option("--a2a-levels", o->a2a_levels,
+                  "a2a: rows bound for another node cross once per node to a gateway rank that forwards them inside "
+                  "it (two-level), or once per destination rank (flat); auto: two-level when there are several nodes "
+                  "and some node holds more than one rank. Low-latency mode is flat only (two-level with it is "
+                  "refused; auto gives flat)")
+      ->check(CLI::IsMember({"auto", "flat", "two-level"}))
+      ->capture_default_str();
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
       ->capture_default_str();
