@@ -751,7 +751,7 @@ class MpiCommunicator : public Communicator {
       MPI_Comm_set_errhandler(comm_, previous);
       MPI_Errhandler_free(&previous);
       if (code != MPI_SUCCESS) {
-        return Unavailable(fmt::format(
+        return FailedPrecondition(fmt::format(
             "rank {}: MPI_Win_allocate failed across {} nodes: {}; the MPI library has no one-sided transport between "
             "these nodes (Open MPI over TCP has none for a program that asks for MPI_THREAD_MULTIPLE; an RDMA "
             "network or UCX provides one: scripts/cluster mpirun --ucx)",
