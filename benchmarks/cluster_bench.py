@@ -6,11 +6,12 @@ For every link rate (--gbit), a 2-node cluster is made; on it, 2 nodes x 2 ranks
 rank run `epmoe run --option a2a` at each batch (--tokens, rows per step over all ranks) for every
 variant (--variants: flat and two-level exchange, normal and low-latency mode, with TBO or SBO).
 The variants' runs are interleaved (one run of each, --repeats times) and each figure is the median
-over runs of epmoe run's own median over steps. Exposed exchange = the dispatch and combine stages
-(time a rank waits on the exchange, the count exchange included). The planner's line for each run
+over runs of epmoe run's own median over steps. Exposed exchange = the time a rank waits on the
+exchange: the step less its compute stages (route, pack, experts, unpack,
+shared), which with TBO counts only what neither micro-batch's compute hides. The planner's line for each run
 comes from `epmoe plan --hardware PROFILE` with the same shape and variant, where PROFILE is this
-machine's profile with its links measured on the cluster (`epmoe calibrate --links` under
-scripts/cluster mpirun) unless --profile is given. Needs root (network namespaces).
+machine's profile with its links measured on the cluster at the run's layout (`epmoe calibrate
+--links --link-gbit` under scripts/cluster mpirun) unless --profile is given. Needs root (network namespaces).
 
     benchmarks/cluster_bench.py build                 # the full table (about 15 minutes)
     benchmarks/cluster_bench.py build --gbit 1 --tokens 16 --repeats 1   # a quick look
@@ -66,10 +67,10 @@ def main():
     for gbit in args.gbit:
         run([CLUSTER, "up", "--name", args.name, "--nodes", "2", "--link-gbit", str(gbit)])
         try:
-            profile = args.profile or calibrate(epmoe, args.name, gbit)
             for layout in args.layouts:
                 nodes, per_node = (int(x) for x in layout.split("x"))
                 ranks = nodes * per_node
+                profile = args.profile or calibrate(epmoe, args.name, gbit, ranks)
                 for tokens in args.tokens:
                     figures = {v: [] for v in args.variants}
                     for _ in range(args.repeats):
@@ -85,8 +86,7 @@ def main():
                         rows.append({
                             "gbit": gbit, "layout": layout, "tokens": tokens, "variant": variant,
                             "step_ms": med(lambda r: r["step_ms_median"]),
-                            "exposed_ms": med(lambda r: r["stage_ms_median"]["dispatch"] +
-                                              r["stage_ms_median"]["combine"]),
+                            "exposed_ms": med(exposed),
                             "experts_ms": med(lambda r: r["stage_ms_median"]["experts"]),
                             "inter_node_kb": med(lambda r: r["inter_node_bytes_sent_per_rank_step"]) / 1e3,
                             "plan_step_ms": plan.get("step_ms"), "plan_exposed_ms": plan.get("exposed_ms"),
@@ -106,34 +106,46 @@ def main():
               f" {plan_exposed} | {ratio} |")
 
 
-def calibrate(epmoe, name, gbit):
-    """This machine's profile with the cluster's two links measured; a temporary file."""
+def exposed(report):
+    """Time a rank waits on the exchange: the step less its compute stages (with TBO the two lanes'
+    exchanges overlap the other's compute, so their own dispatch and combine stages overstate it)."""
+    stages = report["stage_ms_median"]
+    compute = sum(stages[s] for s in ("route", "pack", "experts", "unpack", "shared"))
+    return max(0.0, report["step_ms_median"] - compute)
+
+
+def calibrate(epmoe, name, gbit, ranks):
+    """This machine's profile with the cluster's links measured by `ranks` ranks (the run's layout:
+    the planner takes the ranks per node and each rank's share of its node's link from it); a
+    temporary file."""
     handle, path = tempfile.mkstemp(suffix=".json", prefix="cluster_bench_")
     os.close(handle)
-    run([CLUSTER, "mpirun", "--name", name, "-np", "4", epmoe, "calibrate", "--links", "--link-gbit", str(gbit),
+    run([CLUSTER, "mpirun", "--name", name, "-np", str(ranks), epmoe, "calibrate", "--links", "--link-gbit", str(gbit),
          "--out", path])
     return path
 
 
 def predict(epmoe, profile, model_flags, ranks, tokens, variant):
     """The planner's step and exposed exchange time for one run, in ms (empty when it has none)."""
-    flags = list(VARIANTS[variant])
-    # epmoe plan names the weight format --weights and prices one layer (scaled by --layers here).
-    plan_model = []
-    i = 0
-    while i < len(model_flags):
-        flag, value = model_flags[i], model_flags[i + 1]
-        if flag == "--weight-format":
+    # epmoe plan names the weight format --weights and prices one MoE layer: the run's --layers of
+    # them make its step. It returns a2a's outputs one per pick, as epmoe run does by default.
+    plan_model, layers = [], 1
+    for flag, value in zip(model_flags[::2], model_flags[1::2]):
+        if flag == "--layers":
+            layers = int(value)
+        elif flag == "--weight-format":
             plan_model += ["--weights", value]
-        elif flag != "--layers":
+        else:
             plan_model += [flag, value]
-        i += 2
+    flags = [f for f in VARIANTS[variant] if f not in ("--tbo", "--sbo")]
+    want_tbo, want_sbo = "--tbo" in VARIANTS[variant], "--sbo" in VARIANTS[variant]
     out = run([epmoe, "plan", "--hardware", profile, *plan_model, "--options", "a2a", "--gpus", str(ranks),
-               "--batch", str(tokens), "--format", "json", *flags])
-    plan = json.loads(out)
-    for cost in plan.get("costs", []):
-        if cost.get("option") == "a2a":
-            return {"step_ms": cost.get("layer_us", 0) * 2 / 1e3, "exposed_ms": cost.get("exposed_us", 0) * 2 / 1e3}
+               "--batch", str(tokens), "--a2a-combine", "per-pick", "--format", "json", *flags,
+               *(["--tbo"] if want_tbo else []), *(["--sbo"] if want_sbo else [])])
+    for cost in json.loads(out)["costs"]:
+        a2a = cost.get("a2a", {})
+        if cost.get("applicable") and a2a.get("tbo") == want_tbo and a2a.get("sbo") == want_sbo:
+            return {"step_ms": cost["layer_us"] * layers / 1e3, "exposed_ms": cost["exposed_comm_us"] * layers / 1e3}
     return {}
 
 
