@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Multi-node tests on the cluster on one machine (scripts/cluster): 2 nodes over shaped links,
-# every option checked against the single-process layer with 2 ranks per node and 1, a node whose
-# link goes down mid-run ending the job (named with its ranks) with nothing left running, and the
-# cluster gone afterwards. Exits 77 (ctest: skipped) where network namespaces cannot be made.
+# every option checked against the single-process layer with 2 ranks per node and 1 (and a2a with
+# two levels, low-latency, TBO and SBO), a node whose link goes down mid-run ending the job (named
+# with its ranks) with nothing left running, and the cluster gone afterwards. Exits 77 (ctest: skipped) where network namespaces cannot be made.
 # Usage: tests/cluster/cluster_test.sh BUILD_DIR
 set -euo pipefail
 build="$(cd "$1" && pwd)"
@@ -46,6 +46,12 @@ for ranks in 4 2; do
   run_checked "$ranks" "$ranks ranks over TCP" -np "$ranks" "$epmoe" run "${small[@]}" --check \
     --option sliced,whole,hybrid,a2a
   run_checked "$ranks" "$ranks ranks over UCX" --ucx -np "$ranks" "$epmoe" run "${small[@]}" --check --option all
+done
+# a2a's exchanges across the nodes: two levels, low-latency, and both overlaps, each checked.
+for variant in "--a2a-levels two-level" "--a2a-mode low-latency" "--a2a-levels two-level --tbo --sbo" \
+  "--a2a-mode low-latency --tbo --sbo"; do
+  # shellcheck disable=SC2086
+  run_checked 4 "a2a $variant" -np 4 "$epmoe" run "${small[@]}" --check --option a2a $variant
 done
 # dwdp over TCP is refused with the reason, not aborted by MPI.
 if "$scripts/cluster" mpirun --name "$name" -np 2 "$epmoe" run "${small[@]}" --option dwdp >"$out" 2>&1; then
