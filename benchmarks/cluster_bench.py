@@ -10,8 +10,9 @@ over runs of epmoe run's own median over steps. Exposed exchange = the time a ra
 exchange: the step less its compute stages (route, pack, experts, unpack,
 shared), which with TBO counts only what neither micro-batch's compute hides. The planner's line for each run
 comes from `epmoe plan --hardware PROFILE` with the same shape and variant, where PROFILE is this
-machine's profile with its links measured on the cluster at the run's layout (`epmoe calibrate
---links --link-gbit` under scripts/cluster mpirun) unless --profile is given. Needs root (network namespaces).
+machine measured first (`epmoe calibrate --formats` of the run's weight format, unless --base gives
+it) with its links measured on the cluster at the run's layout (`epmoe calibrate --links
+--link-gbit` under scripts/cluster mpirun), unless --profile gives the whole profile. Needs root (network namespaces).
 
     benchmarks/cluster_bench.py build                 # the full table (about 15 minutes)
     benchmarks/cluster_bench.py build --gbit 1 --tokens 16 --repeats 1   # a quick look
@@ -55,22 +56,29 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each variant")
     parser.add_argument("--steps", type=int, default=6, help="steps per run")
-    parser.add_argument("--model", nargs="+", default=["--model", "qwen3-30b-a3b", "--hidden", "1024",
+    parser.add_argument("--model", nargs="+", default=["--model", "deepseek-v2-lite", "--hidden", "1024",
                                                        "--intermediate", "512", "--weight-format", "bf16",
                                                        "--layers", "2"],
                         help="epmoe run's model flags (also given to epmoe plan)")
     parser.add_argument("--profile", help="hardware profile for the planner (default: calibrated here)")
+    parser.add_argument("--base", help="profile of this machine to measure the links onto (default: `epmoe "
+                        "calibrate` of the run's weight format, about a minute)")
     parser.add_argument("--name", default="cbench", help="cluster name")
     args = parser.parse_args()
     epmoe = os.path.join(os.path.abspath(args.build), "epmoe")
     rows = []
+    base = args.base
+    if args.profile is None and base is None:
+        weight_format = args.model[args.model.index("--weight-format") + 1] if "--weight-format" in args.model else "fp32"
+        base = temporary_json("cluster_bench_machine_")
+        run([epmoe, "calibrate", "--formats", weight_format, "--out", base])
     for gbit in args.gbit:
         run([CLUSTER, "up", "--name", args.name, "--nodes", "2", "--link-gbit", str(gbit)])
         try:
             for layout in args.layouts:
                 nodes, per_node = (int(x) for x in layout.split("x"))
                 ranks = nodes * per_node
-                profile = args.profile or calibrate(epmoe, args.name, gbit, ranks)
+                profile = args.profile or calibrate(epmoe, args.name, gbit, ranks, base)
                 for tokens in args.tokens:
                     figures = {v: [] for v in args.variants}
                     for _ in range(args.repeats):
@@ -114,14 +122,18 @@ def exposed(report):
     return max(0.0, report["step_ms_median"] - compute)
 
 
-def calibrate(epmoe, name, gbit, ranks):
-    """This machine's profile with the cluster's links measured by `ranks` ranks (the run's layout:
-    the planner takes the ranks per node and each rank's share of its node's link from it); a
-    temporary file."""
-    handle, path = tempfile.mkstemp(suffix=".json", prefix="cluster_bench_")
+def temporary_json(prefix):
+    handle, path = tempfile.mkstemp(suffix=".json", prefix=prefix)
     os.close(handle)
+    return path
+
+
+def calibrate(epmoe, name, gbit, ranks, base):
+    """`base` with the cluster's links measured by `ranks` ranks (the run's layout: the planner takes
+    the ranks per node and each rank's share of its node's link from it); a temporary file."""
+    path = temporary_json("cluster_bench_links_")
     run([CLUSTER, "mpirun", "--name", name, "-np", str(ranks), epmoe, "calibrate", "--links", "--link-gbit", str(gbit),
-         "--out", path])
+         "--base", base, "--out", path])
     return path
 
 
