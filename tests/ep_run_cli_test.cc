@@ -129,7 +129,7 @@ TEST(EpRunCli, TwoLevelExchangeSendsFewerBytesBetweenNodes) {
     const auto j = nlohmann::json::parse(run.out);
     EXPECT_EQ(j["nodes"], 2);
     EXPECT_EQ(j["a2a_levels"], levels[i]);
-    EXPECT_EQ(j["a2a_levels_asked"], levels[i]);
+    EXPECT_EQ(j["a2a_levels_requested"], levels[i]);
     const auto& o = j["options"][0];
     inter_node[i] = o["inter_node_bytes_sent_per_rank_step"].get<double>();
     EXPECT_GT(o["intra_node_bytes_sent_per_rank_step"].get<double>(), 0);

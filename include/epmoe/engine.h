@@ -88,11 +88,11 @@ struct EngineOptions {
   bool check = false;
   // Two-batch overlap (a2a, data-parallel rows): each rank's rows of a step are split in two
   // micro-batches (the first half and the rest, SGLang's split by tokens) that run through every
-  // layer at once, each on its own executor lane (MoeExecutor::CreateLane: the same weights, a
-  // communicator, thread pool and half the buffer bound of its own) in a thread of its own, so one
-  // micro-batch's exchange is in flight while the other's experts run; a lane waiting on its
-  // exchange polls MPI's progress engine, which moves the other's messages too. Outputs are the
-  // same bit for bit as without.
+  // layer at once, each on its own executor lane (MoeExecutor::CreateLane: the same weights; a
+  // communicator, thread pool, half the buffer bound and half the rows bound of its own) in a
+  // thread of its own, so one micro-batch's exchange is in flight while the other's experts run; a
+  // lane waiting on its exchange polls MPI's progress engine, which moves the other's messages too.
+  // Outputs are the same bit for bit as without (partial sums: to rounding).
   bool two_batch_overlap = false;
 };
 

@@ -167,8 +167,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(Communicator& comm, const ModelCo
   }
   EPMOE_RETURN_IF_ERROR(CheckExecutorShape(model, options.executor, comm.size()));
   EngineOptions engine_options = options;
-  // Two lanes hold their exchange buffers at once: each gets half of the bound.
-  if (options.two_batch_overlap) engine_options.executor.max_buffer_bytes /= 2;
+  // Two lanes hold their exchange buffers at once: each gets half of the bound, and a lane's
+  // micro-batch holds at most half the rank's rows (rounded up), which low-latency sizes for.
+  if (options.two_batch_overlap) {
+    engine_options.executor.max_buffer_bytes /= 2;
+    engine_options.executor.max_rows_per_rank = (options.executor.max_rows_per_rank + 1) / 2;
+  }
   std::unique_ptr<Engine> engine(new Engine(comm, model, engine_options, pool));
   EPMOE_ASSIGN_OR_RETURN(engine->executor_, CreateExecutor(comm, model, engine_options.executor, pool));
   if (options.two_batch_overlap) {

@@ -370,7 +370,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"combine_format", o.combine_format},
              {"a2a_mode_requested", o.a2a_mode},
              {"a2a_levels", A2aLevelsName(ran_levels)},
-             {"a2a_levels_asked", o.a2a_levels},
+             {"a2a_levels_requested", o.a2a_levels},
              {"weight_format", o.weight_format},
              {"weights", opened.report},
              {"threads_per_rank", pool.size()},
@@ -427,7 +427,7 @@ void PrintText(const nlohmann::json& r) {
       "sent/rank: bytes a rank sends per step, inter-node: the part sent to other nodes (a2a exchange: %s, from "
       "--a2a-levels %s); copies: ranks each row is delivered to (a2a expects %.2f under uniform routing); bal.p / "
       "bal.b: mean / max picks and expert bytes per rank\n",
-      r["a2a_levels"].get<std::string>().c_str(), r["a2a_levels_asked"].get<std::string>().c_str(),
+      r["a2a_levels"].get<std::string>().c_str(), r["a2a_levels_requested"].get<std::string>().c_str(),
       r["expected_a2a_copies_per_row_uniform"].get<double>());
   if (checked) std::printf("check: every option matches the single-process layer within its tolerance\n");
 }
