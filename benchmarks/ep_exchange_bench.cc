@@ -140,8 +140,7 @@ class TimingCommunicator : public Communicator {
   Result<int64_t> AllreduceMax(int64_t value) override { return inner_.AllreduceMax(value); }
   Result<double> AllreduceSum(double value) override { return inner_.AllreduceSum(value); }
   Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override { return inner_.AllocateWindow(bytes); }
-  bool concurrent_windows() const override { return inner_.concurrent_windows(); }
-  bool concurrent_communicators() const override { return inner_.concurrent_communicators(); }
+  bool concurrent_threads() const override { return inner_.concurrent_threads(); }
   Result<std::unique_ptr<Communicator>> Split(int color, int key) override { return inner_.Split(color, key); }
   [[noreturn]] void Abort(int exit_code) override {
     inner_.Abort(exit_code);

@@ -155,12 +155,10 @@ class Communicator {
   // Allocates `bytes` (may differ per rank) exposed for one-sided reads (collective; waits, bounded
   // and naming the ranks missing, until every rank has agreed before MPI allocates).
   virtual Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) = 0;
-  // Whether one thread may read a Window while another thread runs exchanges on this communicator
-  // (the transport's thread support); without it one-sided reads cannot overlap other exchanges.
-  virtual bool concurrent_windows() const = 0;
-  // Whether two threads may run exchanges at the same time, each on a communicator of its own (the
-  // transport's thread support): two-batch overlap runs its micro-batches so.
-  virtual bool concurrent_communicators() const = 0;
+  // Whether two threads may use the transport at once (its thread support): one reading a Window
+  // while another runs exchanges on this communicator (else one-sided reads cannot overlap other
+  // exchanges), or each running exchanges on a communicator of its own (two-batch overlap).
+  virtual bool concurrent_threads() const = 0;
 
   // Ranks with the same color form a new communicator, ordered by key (collective; bounded like
   // AllocateWindow).

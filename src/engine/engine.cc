@@ -160,7 +160,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(Communicator& comm, const ModelCo
           fmt::format("two-batch overlap runs a2a's exchange beside its experts, not {}'s", EpOptionName(option)));
     if (options.executor.origin != RowOrigin::kDataParallel)
       return InvalidArgument("two-batch overlap splits each rank's own rows in two: it needs data-parallel rows");
-    if (!comm.concurrent_communicators())
+    if (!comm.concurrent_threads())
       return FailedPrecondition(
           "two-batch overlap runs its micro-batches' exchanges from two threads, which this MPI was not started "
           "for (it needs MPI_THREAD_MULTIPLE: a program that initializes MPI itself must ask for it)");

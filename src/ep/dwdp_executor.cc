@@ -140,7 +140,7 @@ class DwdpExecutor : public MoeExecutor {
     }
     EPMOE_ASSIGN_OR_RETURN(shared_, PackSharedCopies(model_, options_));
     EPMOE_ASSIGN_OR_RETURN(shared_gates_, SharedOutputGates(model_, options_));
-    threaded_ = comm_.concurrent_windows();
+    threaded_ = comm_.concurrent_threads();
     return Status::Ok();
   }
 

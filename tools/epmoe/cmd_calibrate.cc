@@ -238,7 +238,7 @@ Result<double> MeasureCopyUnderKernel(Communicator& comm, double* alone_us, doub
     return Status::Ok();
   };
   EPMOE_ASSIGN_OR_RETURN(*alone_us, TimeSlowestRank(comm, 5, kernel));
-  const bool threaded = comm.concurrent_windows();
+  const bool threaded = comm.concurrent_threads();
   Result<double> together = TimeSlowestRank(comm, 5, [&]() -> Status {
     if (!threaded) {  // reads started before the kernel and completed after it, as DWDP does then
       EPMOE_RETURN_IF_ERROR(start_reads());

@@ -540,8 +540,7 @@ class MpiCommunicator : public Communicator {
     return peers_->node_ids[rank];
   }
   int num_nodes() const override { return num_nodes_; }
-  bool concurrent_windows() const override { return thread_level_ >= MPI_THREAD_MULTIPLE; }
-  bool concurrent_communicators() const override { return thread_level_ >= MPI_THREAD_MULTIPLE; }
+  bool concurrent_threads() const override { return thread_level_ >= MPI_THREAD_MULTIPLE; }
   std::string description() const override {
     char version[MPI_MAX_LIBRARY_VERSION_STRING];
     int length = 0;
