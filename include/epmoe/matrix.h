@@ -50,6 +50,9 @@ struct Matrix {
   }
 };
 
+// A copy of rows [first, first + count) of m.
+Matrix RowSlice(const Matrix& m, int64_t first, int64_t count);
+
 // Index of the first non-finite value (NaN or Inf), or -1 when all are finite.
 int64_t FirstNonFinite(std::span<const float> values);
 

@@ -22,6 +22,12 @@ int64_t FirstNonFinite(std::span<const float> values) {
   return -1;
 }
 
+Matrix RowSlice(const Matrix& m, int64_t first, int64_t count) {
+  Matrix slice(count, m.cols);
+  std::copy(m.row(first), m.row(first) + count * m.cols, slice.data.begin());
+  return slice;
+}
+
 double Checksum(const Matrix& m) {
   double sum = 0;
   for (float v : m.data) sum += v;

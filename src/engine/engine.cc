@@ -285,13 +285,6 @@ Status Engine::RunBatch(MoeExecutor& executor, ThreadPool& pool, const Routing& 
 
 namespace {
 
-// Rows [first, first + count) of m.
-Matrix RowSlice(const Matrix& m, int64_t first, int64_t count) {
-  Matrix slice(count, m.cols);
-  std::copy(m.row(first), m.row(first) + count * m.cols, slice.data.begin());
-  return slice;
-}
-
 // a's rows, then b's.
 Matrix ConcatRows(const Matrix& a, const Matrix& b) {
   Matrix both(a.rows + b.rows, a.cols);

@@ -157,8 +157,7 @@ class A2aExecutor : public MoeExecutor {
     const int g = comm_.size(), me = comm_.rank(), k = model_.top_k;
     const int64_t h = model_.hidden, total = rows.rows;
     const int64_t first = RowBegin(total, g, me), count = RowBegin(total, g, me + 1) - first;
-    Matrix mine(count, h);
-    std::copy(rows.row(first), rows.row(first) + count * h, mine.data.begin());
+    const Matrix mine = RowSlice(rows, first, count);
     Picks my_picks{count, k, std::vector<int32_t>(picks.experts.begin() + first * k, picks.experts.begin() + (first + count) * k),
                    std::vector<float>(picks.weights.begin() + first * k, picks.weights.begin() + (first + count) * k)};
     Matrix my_out;

@@ -183,8 +183,7 @@ class DwdpExecutor : public MoeExecutor {
       const int32_t e = picks.experts[first * k + i];
       relabeled.experts[i] = e >= own_end_ ? e - owned : e >= own_begin_ ? lacking_ + (e - own_begin_) : e;
     }
-    Matrix mine(n, h);
-    std::copy(rows.row(first), rows.row(first) + n * h, mine.data.begin());
+    const Matrix mine = RowSlice(rows, first, n);
     const PermutedPicks permuted = PermuteByExpert(relabeled, e_count);
     const std::vector<int64_t>& offsets = permuted.offsets;
     Matrix gathered, expert_out(n * k, h);
