@@ -58,6 +58,15 @@ class Request {
   // data. Bounded by the timeout like Wait; exchanges that cannot tell the sides apart complete
   // wholly.
   virtual Status WaitReceived() { return Wait(); }
+  // Waits (bounded by the timeout like Wait) until at least one more peer's block has landed and
+  // returns those peers' ranks, so a caller can work on what has arrived while the rest is in
+  // flight (this rank's own block, copied at the start, and empty blocks that post no message are
+  // never listed). Returns none once the receiving side is complete: every block has landed.
+  // Exchanges that cannot tell the sides apart complete wholly and return none.
+  virtual Result<std::vector<int>> WaitSomeReceived() {
+    EPMOE_RETURN_IF_ERROR(Wait());
+    return std::vector<int>();
+  }
   // True when complete (does not block).
   virtual bool Test() = 0;
 };
@@ -132,7 +141,7 @@ class Communicator {
   // The exchange with no counts sent first (a2a's low-latency mode): rank r's
   // send[send_offsets[d] .. + send_bytes[d]) goes to rank d as one message, empty ones too, landing
   // at rank d's recv + r * capacity (recv holds size() * capacity bytes); received_bytes[s] gets
-  // the length of rank s's message once the receiving side completes (Wait or WaitReceived; this
+  // the length of rank s's message once it lands (Wait, WaitReceived, WaitSomeReceived; this
   // rank's own block is copied at once). capacity is the most bytes any rank sends one peer and
   // must be the same on every rank: a block over it is refused with OutOfRange before anything is
   // posted (the peers then time out naming this rank). Its Request tells the sides apart; a

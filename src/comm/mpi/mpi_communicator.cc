@@ -143,12 +143,14 @@ using CommPeersPtr = std::shared_ptr<CommPeers>;
 
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
 // for (-1: a collective, any rank), named in the timeout's message with its node (comm).
-// statuses: empty, or one per request, set as each completes.
+// statuses: empty, or one per request, set as each completes. some: when not null, returns as soon
+// as a poll completes at least one request, appending the indices it completed.
 Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, double timeout_seconds,
-               const std::string& what, int rank, CommPeers* comm = nullptr, std::span<MPI_Status> statuses = {}) {
+               const std::string& what, int rank, CommPeers* comm = nullptr, std::span<MPI_Status> statuses = {},
+               std::vector<int>* some = nullptr) {
   if (requests.empty()) return Status::Ok();
   const bool keep_statuses = !statuses.empty();
-  if (timeout_seconds <= 0) {
+  if (timeout_seconds <= 0 && some == nullptr) {
     return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
                                 keep_statuses ? statuses.data() : MPI_STATUSES_IGNORE),
                     what.c_str(), rank);
@@ -181,11 +183,15 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
     if (outcount == MPI_UNDEFINED) return Status::Ok();
     for (int i = 0; keep_statuses && i < outcount; ++i) statuses[completed[i]] = completed_statuses[i];
     remaining -= outcount;
+    if (some != nullptr && outcount > 0) {
+      some->insert(some->end(), completed.begin(), completed.begin() + outcount);
+      return Status::Ok();
+    }
     if (remaining == 0) return Status::Ok();
     const bool give_away = outcount == 0 && previous_empty;
     previous_empty = outcount == 0 && !give_away;
     const auto now = Clock::now();
-    if (now > deadline) {
+    if (timeout_seconds > 0 && now > deadline) {
       // Name the peers whose messages are still outstanding, when known.
       std::vector<int> waiting;
       for (size_t i = 0; i < requests.size() && i < peers.size(); ++i) {
@@ -227,6 +233,27 @@ class MpiRequest : public Request {
   Status Wait() override { return WaitFor(requests_.size()); }
   Status WaitReceived() override {
     return WaitFor(receives_ < 0 ? requests_.size() : static_cast<size_t>(receives_));
+  }
+  Result<std::vector<int>> WaitSomeReceived() override {
+    if (receives_ < 0) {
+      EPMOE_RETURN_IF_ERROR(Wait());
+      return std::vector<int>();
+    }
+    if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
+    const auto n = static_cast<size_t>(receives_);
+    std::vector<int> completed;
+    Status status = WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n),
+                            timeout_seconds_, what_, rank_, comm_.get(),
+                            lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n),
+                            &completed);
+    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    EPMOE_RETURN_IF_ERROR(status);
+    std::vector<int> ranks;
+    for (int i : completed) {
+      ranks.push_back(peers_[i]);
+      if (!lengths_.empty()) lengths_[peers_[i]] = ReceivedBytes(statuses_[i]);
+    }
+    return ranks;
   }
   bool Test() override {
     if (requests_.empty()) return true;
@@ -280,12 +307,13 @@ class MpiRequest : public Request {
   }
   void ReportLengths() {
     if (lengths_.empty() || lengths_reported_) return;
-    for (ptrdiff_t i = 0; i < receives_; ++i) {
-      int bytes = 0;
-      MPI_Get_count(&statuses_[i], MPI_BYTE, &bytes);
-      lengths_[peers_[i]] = bytes;
-    }
+    for (ptrdiff_t i = 0; i < receives_; ++i) lengths_[peers_[i]] = ReceivedBytes(statuses_[i]);
     lengths_reported_ = true;
+  }
+  static int64_t ReceivedBytes(const MPI_Status& status) {
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    return bytes;
   }
 
   bool timed_out_ = false;
