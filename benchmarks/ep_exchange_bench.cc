@@ -141,6 +141,7 @@ class TimingCommunicator : public Communicator {
   Result<double> AllreduceSum(double value) override { return inner_.AllreduceSum(value); }
   Result<std::unique_ptr<Window>> AllocateWindow(int64_t bytes) override { return inner_.AllocateWindow(bytes); }
   bool concurrent_threads() const override { return inner_.concurrent_threads(); }
+  void Progress() override { inner_.Progress(); }
   Result<std::unique_ptr<Communicator>> Split(int color, int key) override { return inner_.Split(color, key); }
   [[noreturn]] void Abort(int exit_code) override {
     inner_.Abort(exit_code);

@@ -470,6 +470,36 @@ TEST(ThreadPoolTest, ParallelForCoversEveryIndexOnce) {
   }
 }
 
+// The between-chunks hook runs on the calling thread only, after chunks it took (each chunk when
+// it runs the loop alone), and not at all once cleared.
+TEST(ThreadPoolTest, BetweenChunksHookRunsOnTheCallingThread) {
+  for (int threads : {1, 2, 4}) {
+    SCOPED_TRACE(threads);
+    ThreadPool pool(threads);
+    const std::thread::id caller = std::this_thread::get_id();
+    int calls = 0;  // written by the calling thread only
+    pool.set_between_chunks([&] {
+      EXPECT_EQ(std::this_thread::get_id(), caller);
+      ++calls;
+    });
+    std::atomic<int> chunks{0};
+    pool.ParallelFor(100, 10, [&](int64_t, int64_t) { chunks++; });
+    EXPECT_EQ(chunks.load(), 10);
+    if (threads == 1) {
+      EXPECT_EQ(calls, 10);
+    } else {
+      EXPECT_LE(calls, 10);  // only the chunks the caller took
+    }
+    const int before = calls;
+    pool.RunOnAll([&](int thread) { pool.ChunkDone(thread); });
+    EXPECT_EQ(calls, before + 1);  // thread 0 is the caller
+    const int after_run_on_all = calls;
+    pool.set_between_chunks(nullptr);
+    pool.ParallelFor(100, 10, [&](int64_t, int64_t) {});
+    EXPECT_EQ(calls, after_run_on_all);
+  }
+}
+
 TEST(ThreadPoolTest, UsableCoresAreTheAffinityMask) {
   cpu_set_t cpus;
   CPU_ZERO(&cpus);

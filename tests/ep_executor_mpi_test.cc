@@ -136,6 +136,7 @@ struct Case {
   bool shared_output_gate = false;  // TinyModel(shared) with Qwen2-MoE's gate on the shared output
   A2aLevels levels = A2aLevels::kAuto;
   bool single_batch_overlap = false;
+  A2aProgress a2a_progress = A2aProgress::kWait;
   Communicator* comm = nullptr;  // null: World()
 };
 
@@ -175,6 +176,7 @@ ExecutorOptions OptionsFor(const Case& c, int ranks) {
   o.pack.format = c.weights;
   o.a2a_levels = c.levels;
   o.single_batch_overlap = c.single_batch_overlap;
+  o.a2a_progress = c.a2a_progress;
   if (c.option == EpOption::kHybrid) o.tp_in_ep = ranks % 2 == 0 ? 2 : 1;
   return o;
 }
@@ -671,6 +673,20 @@ TEST(Executor, A2aSingleBatchOverlapRunsRecordsAsTheyLand) {
     c.partial_sums = true;
     c.combine = RowFormat::kBf16;
     RunAndCheck(c, rows, nullptr, 1);
+  }
+  // What drives the exchanges' progress while a rank computes changes no output.
+  for (const A2aProgress progress : {A2aProgress::kPoll, A2aProgress::kThread}) {
+    for (const bool overlap : {false, true}) {
+      for (const A2aMode mode : {A2aMode::kNormal, A2aMode::kLowLatency}) {
+        SCOPED_TRACE(std::string(A2aProgressName(progress)) + " " + A2aModeName(mode) + (overlap ? " sbo" : ""));
+        Case c = LowLatency(most);
+        c.a2a_mode = mode;
+        c.a2a_progress = progress;
+        c.single_batch_overlap = overlap;
+        c.weights = WeightFormat::kBf16;
+        RunAndCheck(c, rows, nullptr, 2);
+      }
+    }
   }
   Case rounds;
   rounds.single_batch_overlap = true;

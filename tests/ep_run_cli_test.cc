@@ -103,6 +103,19 @@ TEST(EpRunCli, A2aModes) {
         << a2a["description"];
     EXPECT_LE(a2a["max_normalized_error"].get<double>(), 2e-2);
   }
+  // Whatever drives the exchanges' progress, the same rows; the report says which.
+  for (const char* progress : {"poll", "thread"}) {
+    SCOPED_TRACE(progress);
+    const CommandRun run = Shell(mpirun + Binary() + " run --option a2a --check --sbo --format json --a2a-progress " +
+                                     progress + kSmall,
+                                 false);
+    ASSERT_EQ(run.exit_code, 0) << run.out;
+    const auto j = nlohmann::json::parse(run.out);
+    EXPECT_EQ(j["a2a_progress"], progress);
+    EXPECT_NE(j["options"][0]["description"].get<std::string>().find(std::string("progress: ") + progress),
+              std::string::npos);
+    EXPECT_LE(j["options"][0]["max_normalized_error"].get<double>(), 2e-2);
+  }
   const CommandRun text = Shell(mpirun + Binary() + " run --option a2a --a2a-mode low-latency" + kSmall, true);
   ASSERT_EQ(text.exit_code, 0) << text.out;
   EXPECT_NE(text.out.find("a2a (low-latency, buffers for 5 rows per rank)"), std::string::npos) << text.out;

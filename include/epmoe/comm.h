@@ -168,6 +168,9 @@ class Communicator {
   // while another runs exchanges on this communicator (else one-sided reads cannot overlap other
   // exchanges), or each running exchanges on a communicator of its own (two-batch overlap).
   virtual bool concurrent_threads() const = 0;
+  // Drives the transport's progress engine once, so exchanges in flight move on while this
+  // process computes (from a thread of its own, where concurrent_threads()).
+  virtual void Progress() = 0;
 
   // Ranks with the same color form a new communicator, ordered by key (collective; bounded like
   // AllocateWindow).

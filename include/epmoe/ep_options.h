@@ -36,6 +36,15 @@ Result<A2aMode> ParseA2aMode(std::string_view name);  // also SGLang's "low_late
 // faster up to 512 rows per rank and slower at 2,048 (docs/architecture.md, "The a2a exchange").
 inline constexpr int64_t kAutoLowLatencyMaxRows = 512;
 
+// What moves a2a's nonblocking exchanges on while a rank computes (Open MPI's TCP transport sends
+// and receives a large message only when the progress engine runs): wait: only this rank's waits
+// and polls on the exchange; poll: also the rank's own thread between chunks of its compute loops
+// (ThreadPool::set_between_chunks); thread: a thread of the rank drives it all through the layer
+// (needs MPI_THREAD_MULTIPLE).
+enum class A2aProgress { kWait, kPoll, kThread };
+const char* A2aProgressName(A2aProgress progress);                // "wait", "poll", "thread"
+Result<A2aProgress> ParseA2aProgress(std::string_view name);
+
 enum class RowOrigin { kDataParallel, kTensorParallel };
 const char* RowOriginName(RowOrigin origin);
 Result<RowOrigin> ParseRowOrigin(std::string_view name);  // also "dp", "tp"

@@ -67,6 +67,8 @@ struct ExecutorOptions {
   // a2a: single-batch overlap: the shared expert runs on this rank's rows while the dispatch is in
   // flight instead of after the combine (the same outputs bit for bit).
   bool single_batch_overlap = false;
+  // a2a: what drives its exchanges' progress while the rank computes (ep_options.h).
+  A2aProgress a2a_progress = A2aProgress::kWait;
   // a2a: how the dispatch learns what it receives (ep_options.h); resolved once, at creation
   // (ResolveA2aMode). The other options ignore it.
   A2aMode a2a_mode = A2aMode::kNormal;

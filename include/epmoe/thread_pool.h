@@ -42,6 +42,15 @@ class ThreadPool {
   // Runs body(thread_index) once on each of the size() threads.
   void RunOnAll(const std::function<void(int)>& body);
 
+  // While set, the calling thread of ParallelFor runs `between` after each chunk it takes (chunk
+  // by chunk even when it runs the loop alone), e.g. to drive a transport's progress while it
+  // computes. Set and cleared between loops; nullptr clears it.
+  void set_between_chunks(std::function<void()> between) { between_ = std::move(between); }
+  // Called by a loop on thread `thread` after each chunk: runs the hook on the calling thread (0).
+  void ChunkDone(int thread) const {
+    if (thread == 0 && between_) between_();
+  }
+
  private:
   void WorkerLoop(int index);
 
@@ -54,6 +63,7 @@ class ThreadPool {
   std::atomic<int> pending_{0};                     // workers still running the task
   bool stopping_ = false;                           // under mutex_
   bool poll_ = false;                               // threads <= cores
+  std::function<void()> between_;                   // see set_between_chunks
 };
 
 // pool->ParallelFor(n, grain, body) when a pool is given, else body(0, n) on the calling thread:

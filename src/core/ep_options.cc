@@ -11,6 +11,8 @@ constexpr EnumNames<EpOption, 5> kEpOptions("option", {{{EpOption::kSliced, "sli
                                                         {EpOption::kDwdp, "dwdp"}}});
 constexpr EnumNames<A2aMode, 3> kA2aModes(
     "a2a mode", {{{A2aMode::kNormal, "normal"}, {A2aMode::kLowLatency, "low-latency"}, {A2aMode::kAuto, "auto"}}});
+constexpr EnumNames<A2aProgress, 3> kA2aProgress(
+    "a2a progress", {{{A2aProgress::kWait, "wait"}, {A2aProgress::kPoll, "poll"}, {A2aProgress::kThread, "thread"}}});
 constexpr EnumNames<RowOrigin, 2> kRowOrigins("row origin", {{{RowOrigin::kDataParallel, "data-parallel"},
                                                               {RowOrigin::kTensorParallel, "tensor-parallel"}}});
 constexpr EnumNames<SharedMode, 3> kSharedModes("shared expert mode", {{{SharedMode::kDefault, "default"},
@@ -47,6 +49,13 @@ const char* A2aModeName(A2aMode mode) {
 }
 Result<A2aMode> ParseA2aMode(std::string_view name) {
   return kA2aModes.Parse(name, {{"low_latency", A2aMode::kLowLatency}});
+}
+
+const char* A2aProgressName(A2aProgress progress) {
+  return kA2aProgress.Name(progress);
+}
+Result<A2aProgress> ParseA2aProgress(std::string_view name) {
+  return kA2aProgress.Parse(name);
 }
 
 const char* RowOriginName(RowOrigin origin) {

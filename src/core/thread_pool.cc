@@ -117,15 +117,23 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
   if (workers_.empty() || n <= grain) {
-    body(0, n);
+    if (!between_) {
+      body(0, n);
+      return;
+    }
+    for (int64_t begin = 0; begin < n; begin += grain) {
+      body(begin, std::min(n, begin + grain));
+      ChunkDone(0);
+    }
     return;
   }
   std::atomic<int64_t> next{0};
-  RunOnAll([&](int) {
+  RunOnAll([&](int thread) {
     while (true) {
       const int64_t begin = next.fetch_add(grain, std::memory_order_relaxed);
       if (begin >= n) return;
       body(begin, std::min(n, begin + grain));
+      ChunkDone(thread);
     }
   });
 }

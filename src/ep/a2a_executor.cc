@@ -45,8 +45,11 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
+#include <thread>
 #include <memory>
 
 #include "ep/executor_internal.h"
@@ -56,6 +59,46 @@
 
 namespace epmoe::ep_internal {
 namespace {
+
+// Drives the progress of a layer's exchanges while it lives (A2aProgress): poll hooks a call to
+// the transport between the chunks of the pool's loops (at most one per kPollPeriod), thread runs
+// one on a thread of its own every kPollPeriod; wait does nothing (the exchange's own waits do).
+class DriveProgress {
+ public:
+  static constexpr auto kPollPeriod = std::chrono::microseconds(50);
+
+  DriveProgress(Communicator& comm, ThreadPool& pool, A2aProgress mode) : pool_(pool) {
+    if (mode == A2aProgress::kPoll) {
+      hooked_ = true;
+      pool.set_between_chunks([&comm, last = std::chrono::steady_clock::time_point()]() mutable {
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last < kPollPeriod) return;
+        last = now;
+        comm.Progress();
+      });
+    } else if (mode == A2aProgress::kThread) {
+      thread_ = std::thread([this, &comm] {
+        while (!stop_.load(std::memory_order_relaxed)) {
+          comm.Progress();
+          std::this_thread::sleep_for(kPollPeriod);
+        }
+      });
+    }
+  }
+  ~DriveProgress() {
+    if (hooked_) pool_.set_between_chunks(nullptr);
+    stop_.store(true, std::memory_order_relaxed);
+    if (thread_.joinable()) thread_.join();
+  }
+  DriveProgress(const DriveProgress&) = delete;
+  DriveProgress& operator=(const DriveProgress&) = delete;
+
+ private:
+  ThreadPool& pool_;
+  bool hooked_ = false;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 class A2aExecutor : public MoeExecutor {
  public:
@@ -97,6 +140,10 @@ class A2aExecutor : public MoeExecutor {
   // fixed buffers: every lane has its own, on its own communicator.
   Status InitExchange() {
     const int g = comm_.size();
+    if (options_.a2a_progress == A2aProgress::kThread && !comm_.concurrent_threads())
+      return FailedPrecondition(
+          "a2a: --a2a-progress thread drives MPI from a second thread, which needs MPI_THREAD_MULTIPLE; this MPI "
+          "was started without it (use wait or poll)");
     low_latency_ = ResolveA2aMode(model_, options_, g) == A2aMode::kLowLatency;
     two_level_ = ResolveA2aLevels(model_, options_, g, comm_.num_nodes()) == A2aLevels::kTwoLevel;
     node_members_.assign(comm_.num_nodes(), {});
@@ -134,10 +181,11 @@ class A2aExecutor : public MoeExecutor {
   std::string description() const override {
     const std::string mode =
         low_latency_ ? fmt::format("low-latency, buffers for {} rows per rank", options_.max_rows_per_rank) : "normal";
-    return fmt::format("a2a ({}): {} rows out, {} outputs back ({}), {}, shared expert copied", mode,
+    return fmt::format("a2a ({}): {} rows out, {} outputs back ({}), {}, shared expert copied, progress: {}", mode,
                        RowFormatName(options_.dispatch_format), RowFormatName(options_.combine_format),
                        options_.combine_partial_sums ? "one per row and rank" : "one per pick",
-                       two_level_ ? fmt::format("two-level over {} nodes", comm_.num_nodes()) : "flat");
+                       two_level_ ? fmt::format("two-level over {} nodes", comm_.num_nodes()) : "flat",
+                       A2aProgressName(options_.a2a_progress));
   }
   int64_t resident_weight_bytes() const override {
     int64_t bytes = 0;
@@ -152,6 +200,7 @@ class A2aExecutor : public MoeExecutor {
 
   Status Forward(int layer, const Matrix& rows, const Picks& picks, Matrix* out, StepStats* stats) override {
     EPMOE_RETURN_IF_ERROR(CheckForwardInput(model_, options_.num_layers, layer, rows, picks));
+    const DriveProgress progress(comm_, pool_, options_.a2a_progress);
     if (options_.origin == RowOrigin::kDataParallel) return ForwardRows(layer, rows, picks, out, stats);
     // Tensor-parallel rows: each rank is home for its data-parallel share, then all outputs are
     // all-gathered.

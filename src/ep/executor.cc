@@ -100,6 +100,9 @@ Status CheckExecutorShape(const ModelConfig& model, const ExecutorOptions& o, in
     return InvalidArgument(fmt::format("{}: --tp-in-ep {} applies to hybrid only", name, o.tp_in_ep));
   if (o.option != EpOption::kA2a && o.single_batch_overlap)
     return InvalidArgument(fmt::format("{}: single-batch overlap runs a2a's shared expert during its dispatch", name));
+  if (o.option != EpOption::kA2a && o.a2a_progress != A2aProgress::kWait)
+    return InvalidArgument(fmt::format("{}: --a2a-progress {} applies to a2a's exchanges", name,
+                                       A2aProgressName(o.a2a_progress)));
   const bool gathers = GathersRows(o.option);
   if (!gathers && o.shared == SharedMode::kSliced && model.num_shared_experts > 0)
     return FailedPrecondition(fmt::format("{}: the shared expert cannot be sliced (rows do not visit every rank); it is "

@@ -81,7 +81,7 @@ void ForEachItemInRuns(ThreadPool& pool, const std::vector<WorkItem>& items,
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t divisor = 2 * static_cast<int64_t>(pool.size());
   std::atomic<int64_t> next{0};
-  pool.RunOnAll([&](int) {
+  pool.RunOnAll([&](int thread) {
     int64_t begin = next.load(std::memory_order_relaxed);
     while (begin < n) {
       const int64_t limit = begin + std::max<int64_t>(1, (n - begin) / divisor);
@@ -94,6 +94,7 @@ void ForEachItemInRuns(ThreadPool& pool, const std::vector<WorkItem>& items,
       } else {
         for (int64_t i = begin; i < end; ++i) body(items[i]);
       }
+      pool.ChunkDone(thread);
       begin = next.load(std::memory_order_relaxed);
     }
   });

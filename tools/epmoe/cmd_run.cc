@@ -46,6 +46,7 @@ struct RunOptions {
   bool sbo = false;
   std::string a2a_mode = "normal";
   std::string a2a_levels = "auto";
+  std::string a2a_progress = "wait";
   std::string weight_format = "fp32";
   std::string isa = "auto";
   std::string weights;
@@ -109,6 +110,7 @@ ExecutorOptions OptionExecutorOptions(const ExecutorOptions& base, const RunOpti
   ExecutorOptions eo = base;
   eo.option = option;
   eo.single_batch_overlap = o.sbo && option == EpOption::kA2a;  // the other options have no dispatch to hide it in
+  if (option != EpOption::kA2a) eo.a2a_progress = A2aProgress::kWait;
   if (option == EpOption::kHybrid) {
     eo.tp_in_ep = o.tp_in_ep > 0 ? o.tp_in_ep : (ranks % 2 == 0 && ranks > 1 ? 2 : 1);
   } else if (o.tp_in_ep > 0) {
@@ -207,6 +209,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   base.combine_partial_sums = o.partial_sums;
   EPMOE_ASSIGN_OR_RETURN(base.a2a_mode, ParseA2aMode(o.a2a_mode));
   EPMOE_ASSIGN_OR_RETURN(base.a2a_levels, ParseA2aLevels(o.a2a_levels));
+  EPMOE_ASSIGN_OR_RETURN(base.a2a_progress, ParseA2aProgress(o.a2a_progress));
   EPMOE_ASSIGN_OR_RETURN(base.pack.format, ParseWeightFormat(o.weight_format));
   base.pack.isa = o.isa;
   EPMOE_ASSIGN_OR_RETURN(base.shared, ParseSharedMode(o.shared));
@@ -371,6 +374,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"a2a_mode_requested", o.a2a_mode},
              {"a2a_levels", A2aLevelsName(ran_levels)},
              {"a2a_levels_requested", o.a2a_levels},
+             {"a2a_progress", o.a2a_progress},
              {"weight_format", o.weight_format},
              {"weights", opened.report},
              {"threads_per_rank", pool.size()},
@@ -490,6 +494,11 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                   "and some node holds more than one rank. Low-latency mode is flat only (two-level with it is "
                   "refused; auto gives flat)")
       ->check(CLI::IsMember({"auto", "flat", "two-level"}))
+      ->capture_default_str();
+  cmd->add_option("--a2a-progress", o->a2a_progress,
+                  "a2a: what moves the exchanges on while a rank computes: wait (only its waits on them), poll (also "
+                  "its compute loops, between chunks) or thread (a thread of its own; needs MPI_THREAD_MULTIPLE)")
+      ->check(CLI::IsMember({"wait", "poll", "thread"}))
       ->capture_default_str();
   cmd->add_option("--weight-format", o->weight_format, "Expert weight format")
       ->check(CLI::IsMember({"fp32", "bf16", "int8", "nvfp4", "mxfp4"}))
