@@ -13,6 +13,10 @@
 //                                         namespace per node, shaped links between them): the
 //                                         ranks of every node share that machine, so with
 //                                         ranks_share_device each of G ranks gets 1/G of it
+//   cores (optional)                      threads the device runs at once (a CPU server: the
+//                                         threads epmoe calibrate measured with); where a device's
+//                                         ranks x two-batch-overlap lanes exceed it, the lanes
+//                                         take turns on the cores (see plan.h, TBO)
 //   memory: {capacity_gb, bandwidth_gbs, read_efficiency, copy_gbs (optional)}
 //                                         per device; read_efficiency = share of the data-sheet
 //                                         bandwidth an expert kernel reaches when reading weights;
@@ -28,7 +32,10 @@
 //   kernel_fixed_us                       fixed cost of one layer's expert kernel (launch, tail)
 //   intra_node, inter_node: {bandwidth_gbs, efficiency, latency_us}
 //                                         per rank and direction; latency_us = fixed cost of one
-//                                         collective step (launch + synchronization), not wire time
+//                                         collective step (launch + synchronization), not wire time;
+//                                         exchange_latency_us (optional) = fixed cost of one
+//                                         all-to-all step (a small alltoallv among the ranks, as
+//                                         a2a's dispatch and combine are), when measured
 //   partial_sums (optional)               "bf16" (default) or "fp32": the format of the runtime's
 //                                         expert outputs per pick and of the partial sums the
 //                                         all-gather options reduce-scatter: bf16 in GPU runtimes
@@ -60,7 +67,11 @@ struct LinkSpec {
   // Share of bandwidth_gbs reached by one-sided reads (DWDP's weight fetches), when measured
   // (`epmoe calibrate --links`); 0: as collectives.
   double one_sided_efficiency = 0;
+  // Fixed cost of one all-to-all step (every rank sends a message to every other at once), when
+  // measured (`epmoe calibrate --links`); 0: latency_us.
+  double exchange_latency_us = 0;
 
+  double exchange_step_us() const { return exchange_latency_us > 0 ? exchange_latency_us : latency_us; }
   double bytes_per_second() const { return bandwidth_gbs * 1e9 * efficiency; }
   double one_sided_bytes_per_second() const {
     return bandwidth_gbs * 1e9 * (one_sided_efficiency > 0 ? one_sided_efficiency : efficiency);
@@ -88,6 +99,7 @@ struct HardwareProfile {
   int gpus_per_node = 0;
   bool ranks_share_device = false;
   bool nodes_share_device = false;  // optional: every node of the EP group runs on one machine
+  int cores = 0;                    // optional (0: not known): threads the device runs at once
   double memory_capacity_gb = 0;
   double memory_bandwidth_gbs = 0;
   double memory_read_efficiency = 0;
@@ -109,6 +121,9 @@ struct HardwareProfile {
   // Ranks of an EP group of `gpus` ranks that share one device's memory and arithmetic: 1 on GPUs,
   // the ranks of a node on a CPU server, all of them when the nodes share one machine.
   int RanksPerDevice(int gpus) const;
+  // Whether `lanes` threads in each of the ranks sharing a device of an EP group of `gpus` ranks
+  // outnumber its cores (never when the cores are not known).
+  bool LanesOutnumberCores(int gpus, int lanes) const;
   // Peak of the arithmetic path that weights stored in `format` use: 4-bit formats fp4; 1-byte
   // weights the faster of int8 and fp8 (GPU checkpoints store 8-bit layers in FP8).
   double PeakTflopsFor(WeightFormat format) const;

@@ -124,6 +124,14 @@ double CollectiveLatencyUs(const HardwareProfile& hw, int gpus) {
   return hw.intra_node.latency_us;
 }
 
+// Fixed cost of one of a2a's all-to-all steps (dispatch, combine): the measured all-to-all step
+// of the link the group spans, as CollectiveLatencyUs picks the link.
+double ExchangeStepUs(const HardwareProfile& hw, int gpus) {
+  if (gpus <= 1) return 0;
+  if (gpus > hw.gpus_per_node) return std::max(hw.intra_node.exchange_step_us(), hw.inter_node.exchange_step_us());
+  return hw.intra_node.exchange_step_us();
+}
+
 struct Context {
   const ModelConfig& model;
   const HardwareProfile& hw;
@@ -409,7 +417,7 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
     const double direct = std::max(std::max(t.sent_intra, t.received_intra) * row_bytes / intra_rate,
                                    std::max(t.sent_inter, t.received_inter) * row_bytes / inter_rate);
     if (!two_level || on_node < 2) return direct;
-    return direct + c.hw.intra_node.latency_us + std::max(t.forwarded, t.forwarded_in) * row_bytes / intra_rate;
+    return direct + c.hw.intra_node.exchange_step_us() + std::max(t.forwarded, t.forwarded_in) * row_bytes / intra_rate;
   };
   double worst = -1;
   for (int g = 0; g < gpus; ++g) {
@@ -429,7 +437,7 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
   }
   x.inter_bytes /= gpus;
   x.intra_bytes /= gpus;
-  const double latency = CollectiveLatencyUs(c.hw, gpus);
+  const double latency = ExchangeStepUs(c.hw, gpus);
   x.dispatch += latency;
   x.combine += latency;
   if (variant.mode == A2aMode::kNormal) x.dispatch += CountStepUs(c.hw, gpus);
@@ -448,6 +456,11 @@ std::pair<LayerLoad, LayerLoad> SplitLoad(const LayerLoad& load, std::mt19937_64
     halves.second.picks[e] = load.picks[e] - first;
   }
   return halves;
+}
+
+// One batch's stages run by one thread: in order, or with SBO the shared expert beside the dispatch.
+double OneAfterOtherUs(const LayerStages& s, bool sbo) {
+  return sbo ? SingleBatchOverlapUs(s) : SequentialUs(s);
 }
 
 // Option 4 under `variant`: its stages per micro-batch, overlapped as the variant runs them.
@@ -479,12 +492,15 @@ SampleCost PriceA2aSample(const Context& c, const A2aVariant& variant, int gpus,
     cost.balancedness = Balancedness(rank_picks);
     cost.kernel = a.compute() + b.compute();
     cost.comm = a.dispatch + a.combine + b.dispatch + b.combine;
-    cost.layer = TwoBatchOverlapUs(a, b, variant.sbo);
+    // Where the rank's two lanes outnumber the cores it gets, a lane waiting on its exchange polls
+    // MPI on the core the other lane would compute on: the lanes take turns and nothing is hidden.
+    cost.layer = c.hw.LanesOutnumberCores(gpus, 2) ? OneAfterOtherUs(a, variant.sbo) + OneAfterOtherUs(b, variant.sbo)
+                                                   : TwoBatchOverlapUs(a, b, variant.sbo);
   } else {
     const LayerStages s = stages_of(load);
     cost.kernel = s.compute();
     cost.comm = s.dispatch + s.combine;
-    cost.layer = variant.sbo ? SingleBatchOverlapUs(s) : SequentialUs(s);
+    cost.layer = OneAfterOtherUs(s, variant.sbo);
   }
   return cost;
 }
