@@ -152,6 +152,7 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_GT(j["memory"]["bandwidth_gbs"].get<double>(), 0.1);
   EXPECT_GT(j["memory"]["copy_gbs"].get<double>(), 0.1);
   EXPECT_EQ(j["cores"], 1);  // the threads it measured with
+  EXPECT_GT(j["row_codec_ns"].get<double>(), 0);
   ASSERT_EQ(j["kernel_lines"].size(), 1u);
   EXPECT_EQ(j["kernel_lines"][0]["format"], "int8");
   EXPECT_GT(j["kernel_lines"][0]["us_per_gb"].get<double>(), 0);

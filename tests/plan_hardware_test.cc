@@ -241,6 +241,36 @@ TEST(PlanHardwareTest, CoresAreOptional) {
   }
 }
 
+// a2a's pack and unpack are priced only where the row codec's rate was measured.
+TEST(PlanHardwareTest, RowCodecRateIsOptionalAndMeasured) {
+  json j = B300();
+  ASSERT_FALSE(j.contains("row_codec_ns"));
+  auto plain = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_EQ(plain->row_codec_ns, 0);
+  j["row_codec_ns"] = 0.75;
+  auto measured = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(measured.ok()) << measured.status().message();
+  EXPECT_EQ(measured->row_codec_ns, 0.75);
+  EXPECT_EQ(json::parse(HardwareToJson(*measured))["row_codec_ns"], 0.75);
+  j["row_codec_ns"] = -1;
+  ExpectRefused(j, {"row_codec_ns", "must not be negative"});
+  RowCodecOptions small;
+  small.rows = 256;
+  small.cols = 64;
+  small.repetitions = 2;
+  auto ns = MeasureRowCodecNs(small);
+  ASSERT_TRUE(ns.ok()) << ns.status().message();
+  EXPECT_GT(*ns, 0);
+  EXPECT_LT(*ns, 1e3);  // a microsecond per number would be no codec
+  small.rows = 0;
+  EXPECT_FALSE(MeasureRowCodecNs(small).ok());
+  small.rows = 256;
+  small.cols = 0;  // no row to code
+  auto bad = MeasureRowCodecNs(small);
+  EXPECT_FALSE(bad.ok());
+}
+
 // The copy-rate microbenchmark behind memory.copy_gbs: a positive rate; bad sizes refused.
 TEST(PlanHardwareTest, CopyBandwidthIsMeasuredAndBadOptionsRefused) {
   ThreadPool pool(2);

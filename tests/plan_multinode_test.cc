@@ -187,6 +187,32 @@ TEST(PlanMultinodeTest, ExchangeStepsPayTheMeasuredAllToAllCost) {
   EXPECT_NEAR(saved(Variant(A2aLevels::kTwoLevel, A2aMode::kNormal)), 2 * (20 - 5) + 2 * (10 - 2), 1e-9);
 }
 
+// On a CPU server a2a's pack and unpack encode every record and output into its travel format and
+// decode it back: each rank holds 1 expert, so a row (top-2) reaches each other rank with
+// probability 1/2: 1 row per rank sends 3 x 1/2 records and receives as many, and the summed
+// outputs come back alike: 6 rows of 16 numbers at row_codec_ns each, on a thread that gets a
+// core, or a share of one where the ranks outnumber the cores.
+TEST(PlanMultinodeTest, PackAndUnpackCostTheRowCodecRate) {
+  const ExpertLoad trace = EvenTrace();
+  const PlanConfig config = A2aConfig({A2aLevels::kFlat}, {A2aMode::kLowLatency});
+  const A2aVariant flat_low = Variant(A2aLevels::kFlat, A2aMode::kLowLatency);
+  HardwareProfile hw = TwoNodeProfile();
+  const OptionCost plain = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  hw.row_codec_ns = 0.5;
+  const OptionCost coded = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  EXPECT_NEAR(coded.kernel_us - plain.kernel_us, 6 * 16 * 0.5e-3, 1e-12);
+  EXPECT_NEAR(coded.layer_us - plain.layer_us, 6 * 16 * 0.5e-3, 1e-12);
+  EXPECT_DOUBLE_EQ(coded.comm_us, plain.comm_us);
+  // 4 ranks on one machine of 2 cores: each thread gets half a core.
+  hw.ranks_share_device = true;
+  hw.nodes_share_device = true;
+  hw.cores = 2;
+  const OptionCost shared_cores = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  hw.row_codec_ns = 0;
+  const OptionCost shared_plain = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  EXPECT_NEAR(shared_cores.kernel_us - shared_plain.kernel_us, 2 * 6 * 16 * 0.5e-3, 1e-12);
+}
+
 TEST(PlanMultinodeTest, AutoResolvesAsTheRuntime) {
   const ExpertLoad trace = EvenTrace();
   PlanConfig config = A2aConfig({A2aLevels::kAuto}, {A2aMode::kAuto});

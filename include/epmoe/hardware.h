@@ -25,6 +25,10 @@
 //                                         read once and written once), measured by epmoe
 //                                         calibrate; priced where ranks_share_device (DWDP's
 //                                         fetches are such copies); absent: half the read rate
+//   row_codec_ns (optional)               ns one core takes per number to encode a row of fp32
+//                                         into bf16 and to decode and add one back (a2a's pack and
+//                                         unpack of every record and output on a CPU server),
+//                                         measured by epmoe calibrate; absent: not priced (GPUs)
 //   peak_tflops: {fp32, bf16, int8, fp8, fp4}   dense data-sheet peaks per arithmetic path
 //   arithmetic_efficiency                 share of the peak a grouped expert kernel reaches
 //   gemm_efficiency                       share of the peak a plain GEMM reaches (shared expert,
@@ -104,6 +108,7 @@ struct HardwareProfile {
   double memory_bandwidth_gbs = 0;
   double memory_read_efficiency = 0;
   double memory_copy_gbs = 0;  // optional (0: absent), see CopyBytesPerSecond
+  double row_codec_ns = 0;     // optional (0: absent): ns per number and row encoded or decoded
   PeakTflops peak_tflops;
   double arithmetic_efficiency = 0;
   double gemm_efficiency = 0;
@@ -151,5 +156,16 @@ struct CopyBandwidthOptions {
 // repetitions after a warm-up. Refuses buffers under 1 MB or no repetitions; fails (OutOfRange) when
 // the two buffers cannot be allocated.
 Result<double> MeasureCopyBandwidth(ThreadPool& pool, const CopyBandwidthOptions& options = {});
+
+struct RowCodecOptions {
+  int64_t rows = 8192;  // 32 MB of fp32 rows: beyond the caches
+  int64_t cols = 1024;
+  int repetitions = 5;
+};
+// The device's row_codec_ns on one thread (a rank's, as epmoe run runs it): every row encoded into
+// bf16 in a shuffled order (records are packed by destination), then decoded and added back into
+// its fp32 row in that order; ns per number and operation, median over the repetitions after a
+// warm-up. Refuses no rows or repetitions and a width bf16 rows cannot take.
+Result<double> MeasureRowCodecNs(const RowCodecOptions& options = {});
 
 }  // namespace epmoe

@@ -330,7 +330,8 @@ double CountStepUs(const HardwareProfile& hw, int gpus) {
 //   normal mode adds the count step (CountStepUs) before the dispatch; low-latency does not.
 struct A2aExchange {
   double dispatch = 0, combine = 0;
-  double copies = 0;  // copies of a row sent to other ranks (flat records)
+  double codec_rows = 0;  // the slowest rank's records and outputs it encodes or decodes
+  double copies = 0;      // copies of a row sent to other ranks (flat records)
   double inter_bytes = 0, intra_bytes = 0;
 };
 
@@ -430,6 +431,8 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
       worst = dispatch + combine;
       x.dispatch = dispatch;
       x.combine = combine;
+      x.codec_rows = out.sent_intra + out.sent_inter + out.received_intra + out.received_inter + back.sent_intra +
+                     back.sent_inter + back.received_intra + back.received_inter;
     }
     // What this rank sends: its records out, and the outputs of the records it received.
     x.inter_bytes += out.sent_inter * out_row + back.received_inter * back_row;
@@ -442,6 +445,14 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
   x.combine += latency;
   if (variant.mode == A2aMode::kNormal) x.dispatch += CountStepUs(c.hw, gpus);
   return x;
+}
+
+// a2a's pack and unpack on a CPU server: every number of each record sent or received and each
+// output returned or received encoded into its travel format or decoded and added back, on the
+// rank's thread, which has a core or, where the device's ranks outnumber its cores, a share of one.
+double RowCodecUs(const HardwareProfile& hw, int gpus, double rows, int64_t hidden) {
+  const double share = hw.cores > 0 ? std::max(1.0, static_cast<double>(hw.RanksPerDevice(gpus)) / hw.cores) : 1.0;
+  return rows * static_cast<double>(hidden) * hw.row_codec_ns * 1e-3 * share;
 }
 
 // A layer load split into two micro-batches (TBO): half the rows each, every pick drawn to one of
@@ -482,7 +493,7 @@ SampleCost PriceA2aSample(const Context& c, const A2aVariant& variant, int gpus,
     stages.shared = SharedExpertParts(c, EpOption::kA2a, gpus, part.rows, rates).total();
     double slowest = 0;
     for (const auto& k : per_rank) slowest = std::max(slowest, k.total());
-    stages.routed = slowest - stages.shared;
+    stages.routed = slowest - stages.shared + RowCodecUs(c.hw, gpus, x.codec_rows, c.model.hidden);
     return stages;
   };
   if (variant.tbo) {

@@ -132,6 +132,7 @@ Status ValidateHardware(const HardwareProfile& p, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Positive(source, "memory.bandwidth_gbs", p.memory_bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(Fraction(source, "memory.read_efficiency", p.memory_read_efficiency));
   EPMOE_RETURN_IF_ERROR(NonNegative(source, "memory.copy_gbs", p.memory_copy_gbs));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "row_codec_ns", p.row_codec_ns));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.fp32", p.peak_tflops.fp32));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.bf16", p.peak_tflops.bf16));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.int8", p.peak_tflops.int8));
@@ -170,8 +171,8 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(
       CheckKnownKeys(j, source, "",
                      {"name", "description", "sources", "gpus_per_node", "ranks_share_device", "nodes_share_device",
-                      "cores", "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us",
-                      "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
+                      "cores", "row_codec_ns", "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency",
+                      "kernel_fixed_us", "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
   HardwareProfile p;
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "name", &p.name));
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "description", &p.description));
@@ -212,6 +213,7 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.read_efficiency", &p.memory_read_efficiency));
   if (j["memory"].contains("copy_gbs"))
     EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.copy_gbs", &p.memory_copy_gbs));
+  if (j.contains("row_codec_ns")) EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "row_codec_ns", &p.row_codec_ns));
   EPMOE_RETURN_IF_ERROR(
       CheckKnownKeys(j["memory"], source, "memory.", {"capacity_gb", "bandwidth_gbs", "read_efficiency", "copy_gbs"}));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp32", &p.peak_tflops.fp32));
@@ -304,6 +306,7 @@ std::string HardwareToJson(const HardwareProfile& p) {
   if (p.partial_sum_bytes != 2) j["partial_sums"] = "fp32";
   if (p.nodes_share_device) j["nodes_share_device"] = true;
   if (p.cores > 0) j["cores"] = p.cores;
+  if (p.row_codec_ns > 0) j["row_codec_ns"] = p.row_codec_ns;
   return j.dump(2);
 }
 

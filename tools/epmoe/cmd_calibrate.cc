@@ -110,6 +110,8 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   const CopyBandwidthOptions copy;  // a buffer 4 x the last-level caches, at least 256 MB
   EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyBandwidth(pool, copy));
   progress(fmt::format("memory copy {:.1f} GB/s", p->memory_copy_gbs));
+  EPMOE_ASSIGN_OR_RETURN(p->row_codec_ns, MeasureRowCodecNs());
+  progress(fmt::format("row codec {:.2f} ns per number", p->row_codec_ns));
   // The peaks as priced, each with the path it was measured on (machine_limits).
   auto priced = [&](WeightFormat format) {
     return fmt::format("{:.0f} ({})", 1e3 * peak_for(format), ArithmeticPathName(path_for(format)));
@@ -117,10 +119,12 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   p->sources.push_back(fmt::format(
       "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks in G operations/s fp32 {:.0f}, bf16 {}, "
       "int8 {}, 4-bit as nvfp4's kernel with its block scales {}; fp8 priced at the bf16 rate; copy_gbs "
-      "{:.1f}: every thread memcpys its share of {} into another buffer as large (median of {})",
+      "{:.1f}: every thread memcpys its share of {} into another buffer as large (median of {}); cores {} (the "
+      "threads); row_codec_ns {:.2f}: one thread encodes 8192 fp32 rows of 1024 into bf16 and decodes and adds "
+      "them back, in a shuffled order",
       Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, priced(WeightFormat::kBf16),
       priced(WeightFormat::kInt8), priced(WeightFormat::kNvfp4), p->memory_copy_gbs, HumanBytes(copy.buffer_bytes),
-      copy.repetitions));
+      copy.repetitions, p->cores, p->row_codec_ns));
   p->kernel_lines.clear();
   double read_efficiency = 0, arithmetic_efficiency = 0;
   int lines = 0, points = 0;
