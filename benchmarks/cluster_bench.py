@@ -13,9 +13,14 @@ comes from `epmoe plan --hardware PROFILE` with the same shape and variant, wher
 machine measured first (`epmoe calibrate --formats` of the run's weight format, unless --base gives
 it) with its links measured on the cluster at the run's layout (`epmoe calibrate --links
 --link-gbit` under scripts/cluster mpirun), unless --profile gives the whole profile. Needs root (network namespaces).
+--save keeps every run's report and the profiles; --replan reprices them with the current planner
+without running anything (on the saved profiles, on --profile, or with the links measured again).
 
     benchmarks/cluster_bench.py build                 # the full table (about 15 minutes)
     benchmarks/cluster_bench.py build --gbit 1 --tokens 16 --repeats 1   # a quick look
+    benchmarks/cluster_bench.py build --base machine.json --save runs.json      # measure and keep
+    benchmarks/cluster_bench.py build --replan runs.json                        # reprice (seconds)
+    benchmarks/cluster_bench.py build --replan runs.json --relink --base new.json --save runs2.json
 """
 import argparse
 import json
