@@ -81,9 +81,12 @@ def main():
     if args.relink and not args.replan:
         parser.error("--relink reprices saved runs: give --replan FILE")
     if args.replan:
-        with open(args.replan) as f:
-            saved = json.load(f)
-        measured, profiles, model = saved["runs"], saved["profiles"], saved["model"]
+        try:
+            with open(args.replan) as f:
+                saved = json.load(f)
+            measured, profiles, model = saved["runs"], saved["profiles"], saved["model"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"cluster_bench: --replan {args.replan}: not the runs a --save wrote ({e!r})")
         if args.relink:
             profiles = measure_links(epmoe, args, sorted({(m["gbit"], m["layout"]) for m in measured}),
                                      base_profile(epmoe, args, model))
