@@ -13,9 +13,14 @@ comes from `epmoe plan --hardware PROFILE` with the same shape and variant, wher
 machine measured first (`epmoe calibrate --formats` of the run's weight format, unless --base gives
 it) with its links measured on the cluster at the run's layout (`epmoe calibrate --links
 --link-gbit` under scripts/cluster mpirun), unless --profile gives the whole profile. Needs root (network namespaces).
+--save keeps every run's report and the profiles; --replan reprices them with the current planner
+without running anything (on the saved profiles, on --profile, or with the links measured again).
 
     benchmarks/cluster_bench.py build                 # the full table (about 15 minutes)
     benchmarks/cluster_bench.py build --gbit 1 --tokens 16 --repeats 1   # a quick look
+    benchmarks/cluster_bench.py build --base machine.json --save runs.json      # measure and keep
+    benchmarks/cluster_bench.py build --replan runs.json                        # reprice (seconds)
+    benchmarks/cluster_bench.py build --replan runs.json --relink --base new.json --save runs2.json
 """
 import argparse
 import json
@@ -64,21 +69,80 @@ def main():
     parser.add_argument("--base", help="profile of this machine to measure the links onto (default: `epmoe "
                         "calibrate` of the run's weight format, about a minute)")
     parser.add_argument("--name", default="cbench", help="cluster name")
+    parser.add_argument("--save", help="write the measured runs and the profiles they are priced with to this "
+                        "JSON file (with --replan: the runs again, with the profiles now used)")
+    parser.add_argument("--replan", help="run nothing: reprice the runs a --save wrote with the current planner "
+                        "(on the profiles saved with them, --profile, or links measured again with "
+                        "--relink) and print the table")
+    parser.add_argument("--relink", action="store_true", help="with --replan: measure the links again on a "
+                        "cluster onto --base (a minute per link rate and layout; needs root)")
     args = parser.parse_args()
     epmoe = os.path.join(os.path.abspath(args.build), "epmoe")
-    rows = []
-    base = args.base
-    if args.profile is None and base is None:
-        weight_format = args.model[args.model.index("--weight-format") + 1] if "--weight-format" in args.model else "fp32"
-        base = temporary_json("cluster_bench_machine_")
-        run([epmoe, "calibrate", "--formats", weight_format, "--out", base])
+    if args.relink and not args.replan:
+        parser.error("--relink reprices saved runs: give --replan FILE")
+    if args.replan:
+        try:
+            with open(args.replan) as f:
+                saved = json.load(f)
+            measured, profiles, model = saved["runs"], saved["profiles"], saved["model"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"cluster_bench: --replan {args.replan}: not the runs a --save wrote ({e!r})")
+        if args.relink:
+            profiles = measure_links(epmoe, args, sorted({(m["gbit"], m["layout"]) for m in measured}),
+                                     base_profile(epmoe, args, model))
+    else:
+        measured, profiles, model = measure(epmoe, args)
+    if args.profile:
+        with open(args.profile) as f:
+            profiles = {key: json.load(f) for key in profiles}
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"model": model, "profiles": profiles, "runs": measured}, f)
+    print_table(epmoe, model, measured, profiles)
+
+
+def profile_key(gbit, layout):
+    return f"{gbit:g}/{layout}"
+
+
+def base_profile(epmoe, args, model):
+    """--base, or this machine calibrated now for the model's weight format."""
+    if args.base:
+        return args.base
+    weight_format = model[model.index("--weight-format") + 1] if "--weight-format" in model else "fp32"
+    base = temporary_json("cluster_bench_machine_")
+    run([epmoe, "calibrate", "--formats", weight_format, "--out", base])
+    return base
+
+
+def measure_links(epmoe, args, points, base):
+    """{profile_key: profile} with the links measured at each (gbit, layout) of `points`."""
+    profiles = {}
+    for gbit in sorted({g for g, _ in points}):
+        run([CLUSTER, "up", "--name", args.name, "--nodes", "2", "--link-gbit", str(gbit)])
+        try:
+            for layout in sorted({l for g, l in points if g == gbit}):
+                nodes, per_node = (int(x) for x in layout.split("x"))
+                with open(calibrate(epmoe, args.name, gbit, nodes * per_node, base)) as f:
+                    profiles[profile_key(gbit, layout)] = json.load(f)
+        finally:
+            run([CLUSTER, "down", "--name", args.name])
+    return profiles
+
+
+def measure(epmoe, args):
+    """Every run's `epmoe run` report, grouped by (gbit, layout, tokens, variant), with the profile of
+    each link rate and layout (its links measured on the cluster)."""
+    measured, profiles = [], {}
+    base = None if args.profile else base_profile(epmoe, args, args.model)
     for gbit in args.gbit:
         run([CLUSTER, "up", "--name", args.name, "--nodes", "2", "--link-gbit", str(gbit)])
         try:
             for layout in args.layouts:
                 nodes, per_node = (int(x) for x in layout.split("x"))
                 ranks = nodes * per_node
-                profile = args.profile or calibrate(epmoe, args.name, gbit, ranks, base)
+                with open(args.profile or calibrate(epmoe, args.name, gbit, ranks, base)) as f:
+                    profiles[profile_key(gbit, layout)] = json.load(f)
                 for tokens in args.tokens:
                     figures = {v: [] for v in args.variants}
                     for _ in range(args.repeats):
@@ -88,20 +152,39 @@ def main():
                                        "--format", "json", *args.model, *VARIANTS[variant]])
                             figures[variant].append(json.loads(out)["options"][0])
                     for variant in args.variants:
-                        runs = figures[variant]
-                        med = lambda f: statistics.median(f(r) for r in runs)
-                        plan = predict(epmoe, profile, args.model, ranks, tokens, variant)
-                        rows.append({
-                            "gbit": gbit, "layout": layout, "tokens": tokens, "variant": variant,
-                            "step_ms": med(lambda r: r["step_ms_median"]),
-                            "exposed_ms": med(exposed),
-                            "experts_ms": med(lambda r: r["stage_ms_median"]["experts"]),
-                            "inter_node_kb": med(lambda r: r["inter_node_bytes_sent_per_rank_step"]) / 1e3,
-                            "plan_step_ms": plan.get("step_ms"), "plan_exposed_ms": plan.get("exposed_ms"),
-                        })
-                        print(json.dumps(rows[-1]), file=sys.stderr)
+                        measured.append({"gbit": gbit, "layout": layout, "tokens": tokens, "variant": variant,
+                                         "runs": figures[variant]})
+                        print(json.dumps(summarize(measured[-1])), file=sys.stderr)
         finally:
             run([CLUSTER, "down", "--name", args.name])
+    return measured, profiles, args.model
+
+
+def summarize(point):
+    """One table line's measured figures: medians over runs of each run's median over steps."""
+    runs = point["runs"]
+    med = lambda f: statistics.median(f(r) for r in runs)
+    return {
+        "gbit": point["gbit"], "layout": point["layout"], "tokens": point["tokens"], "variant": point["variant"],
+        "step_ms": med(lambda r: r["step_ms_median"]),
+        "exposed_ms": med(exposed),
+        "experts_ms": med(lambda r: r["stage_ms_median"]["experts"]),
+        "inter_node_kb": med(lambda r: r["inter_node_bytes_sent_per_rank_step"]) / 1e3,
+    }
+
+
+def print_table(epmoe, model, measured, profiles):
+    rows = []
+    for point in measured:
+        row = summarize(point)
+        nodes, per_node = (int(x) for x in point["layout"].split("x"))
+        profile = temporary_json("cluster_bench_profile_")
+        with open(profile, "w") as f:
+            json.dump(profiles[profile_key(point["gbit"], point["layout"])], f)
+        plan = predict(epmoe, profile, model, nodes * per_node, point["tokens"], point["variant"])
+        os.remove(profile)
+        row["plan_step_ms"], row["plan_exposed_ms"] = plan.get("step_ms"), plan.get("exposed_ms")
+        rows.append(row)
     print("| link | nodes x ranks | T | variant | step ms | exposed exchange ms | experts ms | inter-node KB/rank/step |"
           " planner step ms | planner exposed ms | planner / measured |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -112,6 +195,11 @@ def main():
         print(f"| {r['gbit']:g} Gbit/s | {r['layout']} | {r['tokens']} | {r['variant']} | {r['step_ms']:.1f} |"
               f" {r['exposed_ms']:.1f} | {r['experts_ms']:.1f} | {r['inter_node_kb']:.0f} | {plan_step} |"
               f" {plan_exposed} | {ratio} |")
+    ratios = [r["plan_step_ms"] / r["step_ms"] for r in rows if r["plan_step_ms"]]
+    if ratios:
+        within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
+        print(f"\nplanner within 25% of the measured step in {within} of {len(rows)} lines (planner / measured "
+              f"{min(ratios):.2f} - {max(ratios):.2f}, median {statistics.median(ratios):.2f})")
 
 
 def exposed(report):

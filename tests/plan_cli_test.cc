@@ -151,6 +151,8 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_EQ(j["partial_sums"], "fp32");  // epmoe's executors sum in fp32
   EXPECT_GT(j["memory"]["bandwidth_gbs"].get<double>(), 0.1);
   EXPECT_GT(j["memory"]["copy_gbs"].get<double>(), 0.1);
+  EXPECT_EQ(j["cores"], 1);  // the threads it measured with
+  EXPECT_GT(j["row_codec_ns"].get<double>(), 0);
   ASSERT_EQ(j["kernel_lines"].size(), 1u);
   EXPECT_EQ(j["kernel_lines"][0]["format"], "int8");
   EXPECT_GT(j["kernel_lines"][0]["us_per_gb"].get<double>(), 0);
@@ -169,6 +171,8 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_EQ(l["kernel_lines"], j["kernel_lines"]);  // the machine part is kept
   EXPECT_GT(l["intra_node"]["bandwidth_gbs"].get<double>(), 0);
   EXPECT_GT(l["intra_node"]["one_sided_efficiency"].get<double>(), 0);
+  EXPECT_GT(l["intra_node"]["exchange_latency_us"].get<double>(), 0);  // a small all-to-all step
+  EXPECT_EQ(l["inter_node"]["exchange_latency_us"], l["intra_node"]["exchange_latency_us"]);
   run = Epmoe("plan --model qwen3-30b-a3b --hardware " + linked + " --gpus 2 --batch 64 --weights int8 --samples 2");
   EXPECT_EQ(run.exit_code, 0) << run.out;
   // Several nodes (modeled here, 1 rank each): the inter-node link measured between them, recorded
@@ -188,6 +192,7 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_EQ(c["inter_node"]["bandwidth_gbs"], 125);  // 1000 Gbit/s / 8 / 1 rank per node
   EXPECT_LT(c["inter_node"]["efficiency"].get<double>(), 1);
   EXPECT_EQ(c["intra_node"], l["intra_node"]);
+  EXPECT_GT(c["inter_node"]["exchange_latency_us"].get<double>(), 0);  // among both ranks, across the nodes
   run = Epmoe("plan --model qwen3-30b-a3b --hardware " + cluster +
               " --gpus 2 --batch 64 --weights int8 --samples 2 --a2a-levels flat,two-level");
   EXPECT_EQ(run.exit_code, 0) << run.out;
@@ -204,6 +209,8 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_EQ(f["gpus_per_node"], 2);
   EXPECT_GT(f["intra_node"]["bandwidth_gbs"].get<double>(), 0);
   EXPECT_GT(f["inter_node"]["bandwidth_gbs"].get<double>(), 0);
+  EXPECT_GT(f["intra_node"]["exchange_latency_us"].get<double>(), 0);
+  EXPECT_GT(f["inter_node"]["exchange_latency_us"].get<double>(), 0);
   const std::string notes = f["sources"].dump();
   EXPECT_NE(notes.find("intra_node among the ranks of each node: fixed cost"), std::string::npos) << notes;
   EXPECT_NE(notes.find("4 ranks on 2 nodes"), std::string::npos) << notes;

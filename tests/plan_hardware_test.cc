@@ -200,6 +200,77 @@ TEST(PlanHardwareTest, NodesShareDeviceIsOptional) {
   ExpectRefused(j, {"nodes_share_device"});
 }
 
+// A link's all-to-all step costs its collective fixed cost unless measured apart.
+TEST(PlanHardwareTest, ExchangeLatencyIsOptional) {
+  json j = B300();
+  ASSERT_FALSE(j["inter_node"].contains("exchange_latency_us"));
+  auto plain = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_DOUBLE_EQ(plain->inter_node.exchange_step_us(), plain->inter_node.latency_us);
+  j["inter_node"]["exchange_latency_us"] = 7.5;
+  auto measured = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(measured.ok()) << measured.status().message();
+  EXPECT_DOUBLE_EQ(measured->inter_node.exchange_step_us(), 7.5);
+  EXPECT_DOUBLE_EQ(measured->intra_node.exchange_step_us(), measured->intra_node.latency_us);
+  EXPECT_EQ(json::parse(HardwareToJson(*measured))["inter_node"]["exchange_latency_us"], 7.5);
+  j["inter_node"]["exchange_latency_us"] = -1;
+  ExpectRefused(j, {"inter_node.exchange_latency_us", "must not be negative"});
+}
+
+// The device's cores, when known, tell whether two-batch overlap's lanes outnumber them.
+TEST(PlanHardwareTest, CoresAreOptional) {
+  json j = B300();
+  ASSERT_FALSE(j.contains("cores"));
+  auto gpus = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(gpus.ok()) << gpus.status().message();
+  EXPECT_FALSE(gpus->LanesOutnumberCores(16, 2));  // not known: never
+  j["ranks_share_device"] = true;
+  j["gpus_per_node"] = 2;
+  j["nodes_share_device"] = true;
+  j["cores"] = 4;
+  auto cpus = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(cpus.ok()) << cpus.status().message();
+  EXPECT_EQ(cpus->cores, 4);
+  EXPECT_FALSE(cpus->LanesOutnumberCores(2, 2));  // 2 ranks x 2 lanes on 4 cores
+  EXPECT_TRUE(cpus->LanesOutnumberCores(4, 2));   // 4 x 2 on 4
+  EXPECT_FALSE(cpus->LanesOutnumberCores(4, 1));
+  EXPECT_EQ(json::parse(HardwareToJson(*cpus))["cores"], 4);
+  for (const json& bad : {json(0), json(2.5), json("many")}) {
+    j["cores"] = bad;
+    ExpectRefused(j, {"cores"});
+  }
+}
+
+// a2a's pack and unpack are priced only where the row codec's rate was measured.
+TEST(PlanHardwareTest, RowCodecRateIsOptionalAndMeasured) {
+  json j = B300();
+  ASSERT_FALSE(j.contains("row_codec_ns"));
+  auto plain = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_EQ(plain->row_codec_ns, 0);
+  j["row_codec_ns"] = 0.75;
+  auto measured = ParseHardware(j.dump(), "test.json");
+  ASSERT_TRUE(measured.ok()) << measured.status().message();
+  EXPECT_EQ(measured->row_codec_ns, 0.75);
+  EXPECT_EQ(json::parse(HardwareToJson(*measured))["row_codec_ns"], 0.75);
+  j["row_codec_ns"] = -1;
+  ExpectRefused(j, {"row_codec_ns", "must not be negative"});
+  RowCodecOptions small;
+  small.rows = 256;
+  small.cols = 64;
+  small.repetitions = 2;
+  auto ns = MeasureRowCodecNs(small);
+  ASSERT_TRUE(ns.ok()) << ns.status().message();
+  EXPECT_GT(*ns, 0);
+  EXPECT_LT(*ns, 1e3);  // a microsecond per number would be no codec
+  small.rows = 0;
+  EXPECT_FALSE(MeasureRowCodecNs(small).ok());
+  small.rows = 256;
+  small.cols = 0;  // no row to code
+  auto bad = MeasureRowCodecNs(small);
+  EXPECT_FALSE(bad.ok());
+}
+
 // The copy-rate microbenchmark behind memory.copy_gbs: a positive rate; bad sizes refused.
 TEST(PlanHardwareTest, CopyBandwidthIsMeasuredAndBadOptionsRefused) {
   ThreadPool pool(2);

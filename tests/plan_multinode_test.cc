@@ -167,6 +167,52 @@ TEST(PlanMultinodeTest, LowLatencySavesTheCountStep) {
   EXPECT_NE(two_low.not_applicable.find("flat only"), std::string::npos) << two_low.not_applicable;
 }
 
+// a2a's dispatch and combine are all-to-all steps: where the profile measured that step's fixed
+// cost apart (calibrate --links), they pay it instead of the collective's; the count step, an
+// all-gather, still pays the collective's.
+TEST(PlanMultinodeTest, ExchangeStepsPayTheMeasuredAllToAllCost) {
+  const ExpertLoad trace = EvenTrace();
+  const PlanConfig config =
+      A2aConfig({A2aLevels::kFlat, A2aLevels::kTwoLevel}, {A2aMode::kNormal, A2aMode::kLowLatency});
+  const PlanResult collective = Plan(TinyPlanModel(2), TwoNodeProfile(), config, &trace);
+  HardwareProfile hw = TwoNodeProfile();
+  hw.inter_node.exchange_latency_us = 5;  // against 20 for a collective step
+  hw.intra_node.exchange_latency_us = 2;  // against 10
+  const PlanResult measured = Plan(TinyPlanModel(2), hw, config, &trace);
+  auto saved = [&](const A2aVariant& v) { return Find(collective, v).comm_us - Find(measured, v).comm_us; };
+  // Flat across the nodes: dispatch and combine each pay the slower link's step, 5 instead of 20.
+  EXPECT_NEAR(saved(Variant(A2aLevels::kFlat, A2aMode::kLowLatency)), 2 * (20 - 5), 1e-9);
+  EXPECT_NEAR(saved(Variant(A2aLevels::kFlat, A2aMode::kNormal)), 2 * (20 - 5), 1e-9);
+  // Two-level also forwards inside the node in each direction: 2 instead of 10 there.
+  EXPECT_NEAR(saved(Variant(A2aLevels::kTwoLevel, A2aMode::kNormal)), 2 * (20 - 5) + 2 * (10 - 2), 1e-9);
+}
+
+// On a CPU server a2a's pack and unpack encode every record and output into its travel format and
+// decode it back: each rank holds 1 expert, so a row (top-2) reaches each other rank with
+// probability 1/2: 1 row per rank sends 3 x 1/2 records and receives as many, and the summed
+// outputs come back alike: 6 rows of 16 numbers at row_codec_ns each, on a thread that gets a
+// core, or a share of one where the ranks outnumber the cores.
+TEST(PlanMultinodeTest, PackAndUnpackCostTheRowCodecRate) {
+  const ExpertLoad trace = EvenTrace();
+  const PlanConfig config = A2aConfig({A2aLevels::kFlat}, {A2aMode::kLowLatency});
+  const A2aVariant flat_low = Variant(A2aLevels::kFlat, A2aMode::kLowLatency);
+  HardwareProfile hw = TwoNodeProfile();
+  const OptionCost plain = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  hw.row_codec_ns = 0.5;
+  const OptionCost coded = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  EXPECT_NEAR(coded.kernel_us - plain.kernel_us, 6 * 16 * 0.5e-3, 1e-12);
+  EXPECT_NEAR(coded.layer_us - plain.layer_us, 6 * 16 * 0.5e-3, 1e-12);
+  EXPECT_DOUBLE_EQ(coded.comm_us, plain.comm_us);
+  // 4 ranks on one machine of 2 cores: each thread gets half a core.
+  hw.ranks_share_device = true;
+  hw.nodes_share_device = true;
+  hw.cores = 2;
+  const OptionCost shared_cores = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  hw.row_codec_ns = 0;
+  const OptionCost shared_plain = Find(Plan(TinyPlanModel(2), hw, config, &trace), flat_low);
+  EXPECT_NEAR(shared_cores.kernel_us - shared_plain.kernel_us, 2 * 6 * 16 * 0.5e-3, 1e-12);
+}
+
 TEST(PlanMultinodeTest, AutoResolvesAsTheRuntime) {
   const ExpertLoad trace = EvenTrace();
   PlanConfig config = A2aConfig({A2aLevels::kAuto}, {A2aMode::kAuto});
@@ -248,6 +294,38 @@ TEST(PlanMultinodeTest, TwoBatchOverlapNeverAboveItsSequentialTime) {
       }
     }
   }
+}
+
+// Where a rank's two lanes outnumber the cores it gets, a lane waiting on its exchange holds the
+// core the other would compute on: the two micro-batches take turns, each with its own SBO.
+TEST(PlanMultinodeTest, TwoBatchOverlapHidesNothingWhenLanesOutnumberCores) {
+  ModelConfig m = TinyPlanModel(2);
+  m.num_shared_experts = 1;
+  m.shared_intermediate = 16;
+  ASSERT_TRUE(ValidateModel(m, "tiny").ok());
+  const ExpertLoad trace = EvenTrace();
+  PlanConfig config = A2aConfig({A2aLevels::kFlat}, {A2aMode::kNormal});
+  config.tbo = true;
+  config.sbo = true;
+  HardwareProfile hw = TwoNodeProfile();
+  hw.memory_bandwidth_gbs = 1;                      // 1,000 B/us
+  hw.peak_tflops = {1e-3, 1e-3, 1e-3, 1e-3, 1e-3};  // 1,000 flop/us
+  hw.cores = 2;                                     // one rank per device, 2 lanes: a core each
+  const PlanResult enough = Plan(m, hw, config, &trace);
+  hw.cores = 1;
+  const PlanResult too_few = Plan(m, hw, config, &trace);
+  const A2aVariant tbo = Variant(A2aLevels::kFlat, A2aMode::kNormal, true);
+  const A2aVariant tbo_sbo = Variant(A2aLevels::kFlat, A2aMode::kNormal, true, true);
+  EXPECT_LT(Find(enough, tbo).layer_us, Find(enough, tbo).kernel_us + Find(enough, tbo).comm_us - 1);
+  // Taking turns: every stage of both micro-batches, one after the other.
+  EXPECT_NEAR(Find(too_few, tbo).layer_us, Find(too_few, tbo).kernel_us + Find(too_few, tbo).comm_us, 1e-9);
+  EXPECT_DOUBLE_EQ(Find(too_few, tbo).kernel_us, Find(enough, tbo).kernel_us);
+  // With SBO each micro-batch still hides its shared expert under its own dispatch, in its own
+  // thread: each reads all of it, 3 x 16 x 16 x 4 B = 3,072 B at 1,000 B/us.
+  EXPECT_NEAR(Find(too_few, tbo).layer_us - Find(too_few, tbo_sbo).layer_us, 2 * 3.072, 1e-9);
+  // Without the cores known, the overlap is priced as on GPUs.
+  hw.cores = 0;
+  EXPECT_DOUBLE_EQ(Find(Plan(m, hw, config, &trace), tbo).layer_us, Find(enough, tbo).layer_us);
 }
 
 // SBO runs the shared expert beside the dispatch: with a dispatch longer than the shared expert, the

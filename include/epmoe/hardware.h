@@ -13,6 +13,10 @@
 //                                         namespace per node, shaped links between them): the
 //                                         ranks of every node share that machine, so with
 //                                         ranks_share_device each of G ranks gets 1/G of it
+//   cores (optional)                      threads the device runs at once (a CPU server: the
+//                                         threads epmoe calibrate measured with); where a device's
+//                                         ranks x two-batch-overlap lanes exceed it, the lanes
+//                                         take turns on the cores (see plan.h, TBO)
 //   memory: {capacity_gb, bandwidth_gbs, read_efficiency, copy_gbs (optional)}
 //                                         per device; read_efficiency = share of the data-sheet
 //                                         bandwidth an expert kernel reaches when reading weights;
@@ -21,6 +25,10 @@
 //                                         read once and written once), measured by epmoe
 //                                         calibrate; priced where ranks_share_device (DWDP's
 //                                         fetches are such copies); absent: half the read rate
+//   row_codec_ns (optional)               ns one core takes per number to encode a row of fp32
+//                                         into bf16 and to decode and add one back (a2a's pack and
+//                                         unpack of every record and output on a CPU server),
+//                                         measured by epmoe calibrate; absent: not priced (GPUs)
 //   peak_tflops: {fp32, bf16, int8, fp8, fp4}   dense data-sheet peaks per arithmetic path
 //   arithmetic_efficiency                 share of the peak a grouped expert kernel reaches
 //   gemm_efficiency                       share of the peak a plain GEMM reaches (shared expert,
@@ -28,7 +36,10 @@
 //   kernel_fixed_us                       fixed cost of one layer's expert kernel (launch, tail)
 //   intra_node, inter_node: {bandwidth_gbs, efficiency, latency_us}
 //                                         per rank and direction; latency_us = fixed cost of one
-//                                         collective step (launch + synchronization), not wire time
+//                                         collective step (launch + synchronization), not wire time;
+//                                         exchange_latency_us (optional) = fixed cost of one
+//                                         all-to-all step (a small alltoallv among the ranks, as
+//                                         a2a's dispatch and combine are), when measured
 //   partial_sums (optional)               "bf16" (default) or "fp32": the format of the runtime's
 //                                         expert outputs per pick and of the partial sums the
 //                                         all-gather options reduce-scatter: bf16 in GPU runtimes
@@ -60,7 +71,11 @@ struct LinkSpec {
   // Share of bandwidth_gbs reached by one-sided reads (DWDP's weight fetches), when measured
   // (`epmoe calibrate --links`); 0: as collectives.
   double one_sided_efficiency = 0;
+  // Fixed cost of one all-to-all step (every rank sends a message to every other at once), when
+  // measured (`epmoe calibrate --links`); 0: latency_us.
+  double exchange_latency_us = 0;
 
+  double exchange_step_us() const { return exchange_latency_us > 0 ? exchange_latency_us : latency_us; }
   double bytes_per_second() const { return bandwidth_gbs * 1e9 * efficiency; }
   double one_sided_bytes_per_second() const {
     return bandwidth_gbs * 1e9 * (one_sided_efficiency > 0 ? one_sided_efficiency : efficiency);
@@ -88,10 +103,12 @@ struct HardwareProfile {
   int gpus_per_node = 0;
   bool ranks_share_device = false;
   bool nodes_share_device = false;  // optional: every node of the EP group runs on one machine
+  int cores = 0;                    // optional (0: not known): threads the device runs at once
   double memory_capacity_gb = 0;
   double memory_bandwidth_gbs = 0;
   double memory_read_efficiency = 0;
   double memory_copy_gbs = 0;  // optional (0: absent), see CopyBytesPerSecond
+  double row_codec_ns = 0;     // optional (0: absent): ns per number and row encoded or decoded
   PeakTflops peak_tflops;
   double arithmetic_efficiency = 0;
   double gemm_efficiency = 0;
@@ -109,6 +126,9 @@ struct HardwareProfile {
   // Ranks of an EP group of `gpus` ranks that share one device's memory and arithmetic: 1 on GPUs,
   // the ranks of a node on a CPU server, all of them when the nodes share one machine.
   int RanksPerDevice(int gpus) const;
+  // Whether `lanes` threads in each of the ranks sharing a device of an EP group of `gpus` ranks
+  // outnumber its cores (never when the cores are not known).
+  bool LanesOutnumberCores(int gpus, int lanes) const;
   // Peak of the arithmetic path that weights stored in `format` use: 4-bit formats fp4; 1-byte
   // weights the faster of int8 and fp8 (GPU checkpoints store 8-bit layers in FP8).
   double PeakTflopsFor(WeightFormat format) const;
@@ -136,5 +156,16 @@ struct CopyBandwidthOptions {
 // repetitions after a warm-up. Refuses buffers under 1 MB or no repetitions; fails (OutOfRange) when
 // the two buffers cannot be allocated.
 Result<double> MeasureCopyBandwidth(ThreadPool& pool, const CopyBandwidthOptions& options = {});
+
+struct RowCodecOptions {
+  int64_t rows = 8192;  // 32 MB of fp32 rows: beyond the caches
+  int64_t cols = 1024;
+  int repetitions = 5;
+};
+// The device's row_codec_ns on one thread (a rank's, as epmoe run runs it): every row encoded into
+// bf16 in a shuffled order (records are packed by destination), then decoded and added back into
+// its fp32 row in that order; ns per number and operation, median over the repetitions after a
+// warm-up. Refuses no rows or repetitions and a width bf16 rows cannot take.
+Result<double> MeasureRowCodecNs(const RowCodecOptions& options = {});
 
 }  // namespace epmoe

@@ -16,7 +16,9 @@
 //   Option 4's variants (A2aVariant): flat or two-level (a row crosses to another node once per
 //   node, then is forwarded inside it), normal (counts all-gathered first: one more collective
 //   step) or low-latency (no count step, flat), two-batch overlap and single-batch overlap
-//   (LayerStages).
+//   (LayerStages). Dispatch and combine pay the link's all-to-all step (exchange_step_us); on a CPU
+//   server pack and unpack cost records x hidden x row_codec_ns, and TBO's lanes take turns where
+//   ranks x 2 lanes outnumber the device's cores (docs/planner.md, "Several nodes").
 // Functions are pure; the planner is thread-compatible (no shared state).
 #pragma once
 

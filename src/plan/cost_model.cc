@@ -124,6 +124,14 @@ double CollectiveLatencyUs(const HardwareProfile& hw, int gpus) {
   return hw.intra_node.latency_us;
 }
 
+// Fixed cost of one of a2a's all-to-all steps (dispatch, combine): the measured all-to-all step
+// of the link the group spans, as CollectiveLatencyUs picks the link.
+double ExchangeStepUs(const HardwareProfile& hw, int gpus) {
+  if (gpus <= 1) return 0;
+  if (gpus > hw.gpus_per_node) return std::max(hw.intra_node.exchange_step_us(), hw.inter_node.exchange_step_us());
+  return hw.intra_node.exchange_step_us();
+}
+
 struct Context {
   const ModelConfig& model;
   const HardwareProfile& hw;
@@ -322,7 +330,8 @@ double CountStepUs(const HardwareProfile& hw, int gpus) {
 //   normal mode adds the count step (CountStepUs) before the dispatch; low-latency does not.
 struct A2aExchange {
   double dispatch = 0, combine = 0;
-  double copies = 0;  // copies of a row sent to other ranks (flat records)
+  double codec_rows = 0;  // the slowest rank's records and outputs it encodes or decodes
+  double copies = 0;      // copies of a row sent to other ranks (flat records)
   double inter_bytes = 0, intra_bytes = 0;
 };
 
@@ -409,7 +418,7 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
     const double direct = std::max(std::max(t.sent_intra, t.received_intra) * row_bytes / intra_rate,
                                    std::max(t.sent_inter, t.received_inter) * row_bytes / inter_rate);
     if (!two_level || on_node < 2) return direct;
-    return direct + c.hw.intra_node.latency_us + std::max(t.forwarded, t.forwarded_in) * row_bytes / intra_rate;
+    return direct + c.hw.intra_node.exchange_step_us() + std::max(t.forwarded, t.forwarded_in) * row_bytes / intra_rate;
   };
   double worst = -1;
   for (int g = 0; g < gpus; ++g) {
@@ -422,6 +431,8 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
       worst = dispatch + combine;
       x.dispatch = dispatch;
       x.combine = combine;
+      x.codec_rows = out.sent_intra + out.sent_inter + out.received_intra + out.received_inter + back.sent_intra +
+                     back.sent_inter + back.received_intra + back.received_inter;
     }
     // What this rank sends: its records out, and the outputs of the records it received.
     x.inter_bytes += out.sent_inter * out_row + back.received_inter * back_row;
@@ -429,11 +440,19 @@ A2aExchange PriceA2aExchange(const Context& c, const A2aVariant& variant, int gp
   }
   x.inter_bytes /= gpus;
   x.intra_bytes /= gpus;
-  const double latency = CollectiveLatencyUs(c.hw, gpus);
+  const double latency = ExchangeStepUs(c.hw, gpus);
   x.dispatch += latency;
   x.combine += latency;
   if (variant.mode == A2aMode::kNormal) x.dispatch += CountStepUs(c.hw, gpus);
   return x;
+}
+
+// a2a's pack and unpack on a CPU server: every number of each record sent or received and each
+// output returned or received encoded into its travel format or decoded and added back, on the
+// rank's thread, which has a core or, where the device's ranks outnumber its cores, a share of one.
+double RowCodecUs(const HardwareProfile& hw, int gpus, double rows, int64_t hidden) {
+  const double share = hw.cores > 0 ? std::max(1.0, static_cast<double>(hw.RanksPerDevice(gpus)) / hw.cores) : 1.0;
+  return rows * static_cast<double>(hidden) * hw.row_codec_ns * 1e-3 * share;
 }
 
 // A layer load split into two micro-batches (TBO): half the rows each, every pick drawn to one of
@@ -448,6 +467,11 @@ std::pair<LayerLoad, LayerLoad> SplitLoad(const LayerLoad& load, std::mt19937_64
     halves.second.picks[e] = load.picks[e] - first;
   }
   return halves;
+}
+
+// One batch's stages run by one thread: in order, or with SBO the shared expert beside the dispatch.
+double OneAfterOtherUs(const LayerStages& s, bool sbo) {
+  return sbo ? SingleBatchOverlapUs(s) : SequentialUs(s);
 }
 
 // Option 4 under `variant`: its stages per micro-batch, overlapped as the variant runs them.
@@ -469,7 +493,7 @@ SampleCost PriceA2aSample(const Context& c, const A2aVariant& variant, int gpus,
     stages.shared = SharedExpertParts(c, EpOption::kA2a, gpus, part.rows, rates).total();
     double slowest = 0;
     for (const auto& k : per_rank) slowest = std::max(slowest, k.total());
-    stages.routed = slowest - stages.shared;
+    stages.routed = slowest - stages.shared + RowCodecUs(c.hw, gpus, x.codec_rows, c.model.hidden);
     return stages;
   };
   if (variant.tbo) {
@@ -479,12 +503,15 @@ SampleCost PriceA2aSample(const Context& c, const A2aVariant& variant, int gpus,
     cost.balancedness = Balancedness(rank_picks);
     cost.kernel = a.compute() + b.compute();
     cost.comm = a.dispatch + a.combine + b.dispatch + b.combine;
-    cost.layer = TwoBatchOverlapUs(a, b, variant.sbo);
+    // Where the rank's two lanes outnumber the cores it gets, a lane waiting on its exchange polls
+    // MPI on the core the other lane would compute on: the lanes take turns and nothing is hidden.
+    cost.layer = c.hw.LanesOutnumberCores(gpus, 2) ? OneAfterOtherUs(a, variant.sbo) + OneAfterOtherUs(b, variant.sbo)
+                                                   : TwoBatchOverlapUs(a, b, variant.sbo);
   } else {
     const LayerStages s = stages_of(load);
     cost.kernel = s.compute();
     cost.comm = s.dispatch + s.combine;
-    cost.layer = variant.sbo ? SingleBatchOverlapUs(s) : SequentialUs(s);
+    cost.layer = OneAfterOtherUs(s, variant.sbo);
   }
   return cost;
 }

@@ -65,6 +65,7 @@ Status ValidateLink(std::string_view source, const std::string& prefix, const Li
   EPMOE_RETURN_IF_ERROR(Positive(source, (prefix + ".bandwidth_gbs").c_str(), link.bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(Fraction(source, (prefix + ".efficiency").c_str(), link.efficiency));
   EPMOE_RETURN_IF_ERROR(NonNegative(source, (prefix + ".latency_us").c_str(), link.latency_us));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, (prefix + ".exchange_latency_us").c_str(), link.exchange_latency_us));
   return NonNegative(source, (prefix + ".one_sided_efficiency").c_str(), link.one_sided_efficiency);
 }
 
@@ -74,6 +75,8 @@ Status ReadLink(const json& j, std::string_view source, const std::string& prefi
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".latency_us", &link->latency_us));
   if (const auto it = j.find(prefix); it != j.end() && it->is_object() && it->contains("one_sided_efficiency"))
     EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".one_sided_efficiency", &link->one_sided_efficiency));
+  if (const auto it = j.find(prefix); it != j.end() && it->is_object() && it->contains("exchange_latency_us"))
+    EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, prefix + ".exchange_latency_us", &link->exchange_latency_us));
   return Status::Ok();
 }
 
@@ -104,6 +107,10 @@ int HardwareProfile::RanksPerDevice(int gpus) const {
   return nodes_share_device ? gpus : std::min(gpus, gpus_per_node);
 }
 
+bool HardwareProfile::LanesOutnumberCores(int gpus, int lanes) const {
+  return cores > 0 && static_cast<int64_t>(RanksPerDevice(gpus)) * lanes > cores;
+}
+
 double HardwareProfile::PeakTflopsFor(WeightFormat format) const {
   switch (format) {
     case WeightFormat::kFp32: return peak_tflops.fp32;
@@ -125,6 +132,7 @@ Status ValidateHardware(const HardwareProfile& p, std::string_view source) {
   EPMOE_RETURN_IF_ERROR(Positive(source, "memory.bandwidth_gbs", p.memory_bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(Fraction(source, "memory.read_efficiency", p.memory_read_efficiency));
   EPMOE_RETURN_IF_ERROR(NonNegative(source, "memory.copy_gbs", p.memory_copy_gbs));
+  EPMOE_RETURN_IF_ERROR(NonNegative(source, "row_codec_ns", p.row_codec_ns));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.fp32", p.peak_tflops.fp32));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.bf16", p.peak_tflops.bf16));
   EPMOE_RETURN_IF_ERROR(Positive(source, "peak_tflops.int8", p.peak_tflops.int8));
@@ -163,8 +171,8 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
   EPMOE_RETURN_IF_ERROR(
       CheckKnownKeys(j, source, "",
                      {"name", "description", "sources", "gpus_per_node", "ranks_share_device", "nodes_share_device",
-                      "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency", "kernel_fixed_us",
-                      "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
+                      "cores", "row_codec_ns", "memory", "peak_tflops", "arithmetic_efficiency", "gemm_efficiency",
+                      "kernel_fixed_us", "intra_node", "inter_node", "kernel_lines", "partial_sums"}));
   HardwareProfile p;
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "name", &p.name));
   EPMOE_RETURN_IF_ERROR(ReadString(j, source, "description", &p.description));
@@ -192,11 +200,20 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
       return InvalidArgument(fmt::format("{}: field 'nodes_share_device' must be true or false", source));
     p.nodes_share_device = nodes->get<bool>();
   }
+  if (j.contains("cores")) {
+    double cores = 0;
+    EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "cores", &cores));
+    if (cores != std::floor(cores) || cores < 1 || cores > 1 << 20)
+      return InvalidArgument(
+          fmt::format("{}: field 'cores' must be a whole number in 1..{}, got {}", source, 1 << 20, cores));
+    p.cores = static_cast<int>(cores);
+  }
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.capacity_gb", &p.memory_capacity_gb));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.bandwidth_gbs", &p.memory_bandwidth_gbs));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.read_efficiency", &p.memory_read_efficiency));
   if (j["memory"].contains("copy_gbs"))
     EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "memory.copy_gbs", &p.memory_copy_gbs));
+  if (j.contains("row_codec_ns")) EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "row_codec_ns", &p.row_codec_ns));
   EPMOE_RETURN_IF_ERROR(
       CheckKnownKeys(j["memory"], source, "memory.", {"capacity_gb", "bandwidth_gbs", "read_efficiency", "copy_gbs"}));
   EPMOE_RETURN_IF_ERROR(ReadNumber(j, source, "peak_tflops.fp32", &p.peak_tflops.fp32));
@@ -216,11 +233,13 @@ Result<HardwareProfile> ParseHardware(std::string_view text, std::string_view so
     p.partial_sum_bytes = *partial == "fp32" ? 4 : 2;
   }
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "intra_node", &p.intra_node));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["intra_node"], source, "intra_node.",
-                                       {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency"}));
+  EPMOE_RETURN_IF_ERROR(
+      CheckKnownKeys(j["intra_node"], source, "intra_node.",
+                     {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency", "exchange_latency_us"}));
   EPMOE_RETURN_IF_ERROR(ReadLink(j, source, "inter_node", &p.inter_node));
-  EPMOE_RETURN_IF_ERROR(CheckKnownKeys(j["inter_node"], source, "inter_node.",
-                                       {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency"}));
+  EPMOE_RETURN_IF_ERROR(
+      CheckKnownKeys(j["inter_node"], source, "inter_node.",
+                     {"bandwidth_gbs", "efficiency", "latency_us", "one_sided_efficiency", "exchange_latency_us"}));
   if (auto lines = j.find("kernel_lines"); lines != j.end()) {
     if (!lines->is_array()) return InvalidArgument(fmt::format("{}: field 'kernel_lines' must be an array", source));
     for (size_t i = 0; i < lines->size(); ++i) {
@@ -252,6 +271,7 @@ std::string HardwareToJson(const HardwareProfile& p) {
   auto link = [](const LinkSpec& l) {
     json out{{"bandwidth_gbs", l.bandwidth_gbs}, {"efficiency", l.efficiency}, {"latency_us", l.latency_us}};
     if (l.one_sided_efficiency > 0) out["one_sided_efficiency"] = l.one_sided_efficiency;
+    if (l.exchange_latency_us > 0) out["exchange_latency_us"] = l.exchange_latency_us;
     return out;
   };
   json memory = {{"capacity_gb", p.memory_capacity_gb},
@@ -285,6 +305,8 @@ std::string HardwareToJson(const HardwareProfile& p) {
   if (!p.kernel_lines.empty()) j["kernel_lines"] = lines;
   if (p.partial_sum_bytes != 2) j["partial_sums"] = "fp32";
   if (p.nodes_share_device) j["nodes_share_device"] = true;
+  if (p.cores > 0) j["cores"] = p.cores;
+  if (p.row_codec_ns > 0) j["row_codec_ns"] = p.row_codec_ns;
   return j.dump(2);
 }
 

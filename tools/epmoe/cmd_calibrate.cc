@@ -92,6 +92,7 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   EPMOE_ASSIGN_OR_RETURN(Isa isa, ResolveIsa("auto"));
   const MachineFigures& m = report.limits;
   p->memory_bandwidth_gbs = m.read_gbps;
+  p->cores = report.threads;
   // Each format at the peak of the path its kernel runs on here: a CPU without BF16 runs bf16 weights
   // on fp32 FMA (converted), one without VNNI (or EPMOE_ISA=avx2) int8 and the 4-bit formats on
   // AVX2's multiply-adds. With VNNI the 4-bit formats' block scales are part of their path
@@ -109,6 +110,8 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   const CopyBandwidthOptions copy;  // a buffer 4 x the last-level caches, at least 256 MB
   EPMOE_ASSIGN_OR_RETURN(p->memory_copy_gbs, MeasureCopyBandwidth(pool, copy));
   progress(fmt::format("memory copy {:.1f} GB/s", p->memory_copy_gbs));
+  EPMOE_ASSIGN_OR_RETURN(p->row_codec_ns, MeasureRowCodecNs());
+  progress(fmt::format("row codec {:.2f} ns per number", p->row_codec_ns));
   // The peaks as priced, each with the path it was measured on (machine_limits).
   auto priced = [&](WeightFormat format) {
     return fmt::format("{:.0f} ({})", 1e3 * peak_for(format), ArithmeticPathName(path_for(format)));
@@ -116,10 +119,12 @@ Status CalibrateMachine(const CalibrateFlags& f, HardwareProfile* p) {
   p->sources.push_back(fmt::format(
       "epmoe calibrate {} ({} threads, {}): memory read {:.1f} GB/s; peaks in G operations/s fp32 {:.0f}, bf16 {}, "
       "int8 {}, 4-bit as nvfp4's kernel with its block scales {}; fp8 priced at the bf16 rate; copy_gbs "
-      "{:.1f}: every thread memcpys its share of {} into another buffer as large (median of {})",
+      "{:.1f}: every thread memcpys its share of {} into another buffer as large (median of {}); cores {} (the "
+      "threads); row_codec_ns {:.2f}: one thread encodes 8192 fp32 rows of 1024 into bf16 and decodes and adds "
+      "them back, in a shuffled order",
       Today(), report.threads, report.isa, m.read_gbps, m.fp32_gflops, priced(WeightFormat::kBf16),
       priced(WeightFormat::kInt8), priced(WeightFormat::kNvfp4), p->memory_copy_gbs, HumanBytes(copy.buffer_bytes),
-      copy.repetitions));
+      copy.repetitions, p->cores, p->row_codec_ns));
   p->kernel_lines.clear();
   double read_efficiency = 0, arithmetic_efficiency = 0;
   int lines = 0, points = 0;
@@ -180,6 +185,18 @@ Result<double> TimeAllgather(Communicator& comm, int64_t bytes, int repetitions)
   return TimeSlowestRank(comm, repetitions, [&] {
     return comm.Allgatherv(send.data(), bytes, recv.data(), sizes, std::span(offsets).first(g));
   });
+}
+
+// One all-to-all step: `bytes` from every rank to every other at once (as a2a's dispatch and
+// combine exchange rows), timed as TimeSlowestRank does.
+Result<double> TimeAlltoall(Communicator& comm, int64_t bytes, int repetitions) {
+  const int g = comm.size();
+  std::vector<uint8_t> send(bytes * g, 1), recv(bytes * g);
+  const std::vector<int64_t> sizes(g, bytes);
+  const std::vector<int64_t> offsets = PrefixOffsets(sizes);
+  const auto at = std::span(offsets).first(g);
+  return TimeSlowestRank(comm, repetitions,
+                         [&] { return comm.Alltoallv(send.data(), sizes, at, recv.data(), sizes, at); });
 }
 
 // Reading `bytes` from the next rank's window (one-sided, as DWDP fetches experts), timed as
@@ -264,6 +281,9 @@ Result<double> MeasureCopyUnderKernel(Communicator& comm, double* alone_us, doub
                     *alone_us, *together_us, bytes >> 20));
   return static_cast<double>(comm.size()) * bytes / ((*together_us - *alone_us) * 1e3);  // GB/s
 }
+
+// Bytes each rank sends every peer to time the fixed cost of an all-to-all step.
+constexpr int64_t kExchangeProbeBytes = 64;
 
 // Latency and per-rank bandwidth of collectives between the ranks of one communicator.
 struct LinkMeasure {
@@ -365,6 +385,7 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
           "--ranks-per-node, or run across nodes)");
     EPMOE_ASSIGN_OR_RETURN(const LinkMeasure link, MeasureLink(comm, f));
     p->intra_node = {link.bandwidth_gbs, 1.0, link.latency_us, link.one_sided_gbs / link.bandwidth_gbs};
+    EPMOE_ASSIGN_OR_RETURN(p->intra_node.exchange_latency_us, TimeAlltoall(comm, kExchangeProbeBytes, 50));
     p->inter_node = p->intra_node;
     // On one node the reads are the ranks' own copies: what they cost beside the kernel.
     double alone_us = 0, together_us = 0;
@@ -378,10 +399,12 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
         "memcpy figure)",
         p->memory_copy_gbs, Today(), g, alone_us / 1e3, together_us / 1e3, fetched >> 20));
     p->sources.push_back(fmt::format(
-        "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), {:.2f} GB/s per rank "
-        "(median over 1 MB..{} MB per rank); one-sided window reads {:.2f} GB/s (one_sided_efficiency); "
-        "inter_node = intra_node (one host)",
-        Today(), comm.description(), link.latency_us, link.bandwidth_gbs, f.max_link_bytes >> 20, link.one_sided_gbs));
+        "epmoe calibrate --links {} over {}: all-gather fixed cost {:.1f} us (64 B per rank), all-to-all step {:.1f} "
+        "us "
+        "(64 B to every peer; exchange_latency_us), {:.2f} GB/s per rank (median over 1 MB..{} MB per rank); "
+        "one-sided window reads {:.2f} GB/s (one_sided_efficiency); inter_node = intra_node (one host)",
+        Today(), comm.description(), link.latency_us, p->intra_node.exchange_latency_us, link.bandwidth_gbs,
+        f.max_link_bytes >> 20, link.one_sided_gbs));
     return Status::Ok();
   }
   // Nodes, their sizes and this rank's index on its node.
@@ -404,11 +427,22 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   }
   EPMOE_ASSIGN_OR_RETURN(const std::optional<LinkMeasure> slowest_inter, SlowestLink(comm, across->size() > 1, inter));
   EPMOE_CHECK(slowest_inter.has_value());  // several nodes: local index 0 is on every one
+  // The all-to-all step's fixed cost: among each node's ranks (two-level's forwarding, the slowest
+  // node's), and among all ranks at once (a flat dispatch or combine across the nodes).
+  double node_exchange_us = 0;
+  if (node->size() > 1) {
+    EPMOE_ASSIGN_OR_RETURN(node_exchange_us, TimeAlltoall(*node, kExchangeProbeBytes, 50));
+  }
+  EPMOE_ASSIGN_OR_RETURN(const int64_t slowest_node_exchange_ns,
+                         comm.AllreduceMax(static_cast<int64_t>(node_exchange_us * 1e3)));
+  EPMOE_ASSIGN_OR_RETURN(const double world_exchange_us, TimeAlltoall(comm, kExchangeProbeBytes, 50));
   // --link-gbit is the rate of a node's link, shared by the node's ranks sending at once.
   const double nominal_inter = f.link_gbit / 8 / per_node;
   EPMOE_ASSIGN_OR_RETURN(p->inter_node, LinkFrom(*slowest_inter, nominal_inter, "inter-node"));
+  p->inter_node.exchange_latency_us = world_exchange_us;
   if (slowest_intra) {
     EPMOE_ASSIGN_OR_RETURN(p->intra_node, LinkFrom(*slowest_intra, 0, "intra-node"));
+    p->intra_node.exchange_latency_us = slowest_node_exchange_ns / 1e3;
   }
   std::vector<int64_t> machines(g);
   EPMOE_RETURN_IF_ERROR(comm.AllgatherInt64(std::vector<int64_t>{MachineId()}, machines));
@@ -426,9 +460,12 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   };
   p->sources.push_back(fmt::format(
       "epmoe calibrate --links {} over {}, the slowest rank of each: intra_node among the ranks of each node: {}; "
-      "inter_node among the ranks of one local index on every node, all at once: {}{}",
+      "inter_node among the ranks of one local index on every node, all at once: {}; all-to-all step (64 B to "
+      "every peer; exchange_latency_us) {:.1f} us among all ranks (inter_node){}{}",
       Today(), comm.description(), slowest_intra ? described(*slowest_intra) : "not measured (one rank per node: kept)",
-      described(*slowest_inter),
+      described(*slowest_inter), world_exchange_us,
+      slowest_intra ? fmt::format(", {:.1f} us among each node's ranks (intra_node)", slowest_node_exchange_ns / 1e3)
+                    : "",
       f.link_gbit > 0 ? fmt::format("; bandwidth_gbs {:.4f} = --link-gbit {} / 8 / {} ranks per node, efficiency the "
                                     "measured share of it",
                                     nominal_inter, f.link_gbit, per_node)
