@@ -674,6 +674,28 @@ TEST(Executor, A2aSingleBatchOverlapRunsRecordsAsTheyLand) {
     c.combine = RowFormat::kBf16;
     RunAndCheck(c, rows, nullptr, 1);
   }
+  // Records at hand run before the rest land only with enough picks per slot: 24 rows per rank that
+  // all pick experts 0..3 (rank 0's slots) give rank 0 its own records early, and its experts are
+  // read once more for the rest; a decode step (here: fewer picks for a rank than 4 per slot)
+  // runs in one group.
+  for (const A2aMode mode : {A2aMode::kNormal, A2aMode::kLowLatency}) {
+    SCOPED_TRACE(std::string("early groups, ") + A2aModeName(mode));
+    Case plain = LowLatency(24);
+    plain.a2a_mode = mode;
+    Case overlapped = plain;
+    overlapped.single_batch_overlap = true;
+    const Picks skew = SamePicksEveryRow(model, 24 * g, 1);
+    const StepStats without = RunAndCheck(plain, EvenishRows(24 * g), &skew, 1);
+    const StepStats with = RunAndCheck(overlapped, EvenishRows(24 * g), &skew, 1);
+    if (g > 1 && World().rank() == 0) {
+      EXPECT_GT(with.expert_bytes_read, without.expert_bytes_read);
+    }
+    const StepStats decode_without = RunAndCheck(plain, rows, nullptr, 1);
+    const StepStats decode_with = RunAndCheck(overlapped, rows, nullptr, 1);
+    if (decode_without.picks < 4 * (model.num_experts / g)) {
+      EXPECT_EQ(decode_with.expert_bytes_read, decode_without.expert_bytes_read);
+    }
+  }
   // What drives the exchanges' progress while a rank computes changes no output.
   for (const A2aProgress progress : {A2aProgress::kPoll, A2aProgress::kThread}) {
     for (const bool overlap : {false, true}) {

@@ -233,6 +233,10 @@ class A2aExecutor : public MoeExecutor {
   // back; two levels only: records forwarded and received from a gateway, outputs of forwarded
   // records going back to their gateways and landing there.
   static constexpr int kBuffers = kA2aBuffers;
+  // Single-batch overlap runs the records at hand early only from this many picks per local slot
+  // on average: at decode sizes (a few picks per slot) running them apart read the experts'
+  // weights once per group and made the step slower (docs/performance.md, "Several nodes").
+  static constexpr int64_t kEarlyPicksPerSlot = 4;
   static constexpr int64_t kHeaderBytes = 8;  // low-latency: the sender's row count, before its records
 
   // One block of records the expert side runs: `count` records from rank `source`.
@@ -768,51 +772,73 @@ class A2aExecutor : public MoeExecutor {
     const int g = comm_.size(), me = comm_.rank();
     back_bytes_.assign(g, 0);
     back_at_.assign(g, 0);
-    std::vector<char> done(g, 0);  // landed: this rank's own at once, and blocks known to be empty
-    done[me] = 1;
-    for (int s = 0; s < g; ++s) done[s] |= !landed && batches[s].count == 0;
-    std::vector<int> group;
+    std::vector<char> done(g, 0);  // landed and taken into a group: this rank's own at once
+    std::vector<int> group;        // landed, not run yet
+    int64_t group_picks = 0;
+    const auto take = [&](int s) -> Status {
+      if (s != me && landed) EPMOE_RETURN_IF_ERROR(landed(s));
+      done[s] = 1;
+      group.push_back(s);
+      group_picks += PicksHere(batches[s]);
+      return Status::Ok();
+    };
     if (options_.single_batch_overlap) {
-      group.push_back(me);
+      EPMOE_RETURN_IF_ERROR(take(me));
+      for (int s = 0; s < g; ++s) {  // blocks known to be empty travel as no message
+        if (!landed && batches[s].count == 0 && !done[s]) EPMOE_RETURN_IF_ERROR(take(s));
+      }
     } else {
       EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
       st->dispatch_us += watch.Lap();
-      for (int s = 0; s < g; ++s) group.push_back(s);
+      for (int s = 0; s < g; ++s) EPMOE_RETURN_IF_ERROR(take(s));
     }
     bool combine_sends_done = false;
     int64_t at = 0;
     std::vector<Batch> run;
     for (;;) {
-      for (int s : group) {
-        if (s != me && landed) EPMOE_RETURN_IF_ERROR(landed(s));
-        done[s] = 1;
+      const bool all_landed = std::find(done.begin(), done.end(), 0) == done.end();
+      // Records run before the rest land only when they give the experts enough rows to be worth
+      // reading their weights once more (a decode step's few rows wait for the rest).
+      if (all_landed || group_picks >= kEarlyPicksPerSlot * slots_) {
+        run.clear();
+        for (int s : group) run.push_back(batches[s]);
+        group.clear();
+        group_picks = 0;
+        st->pack_us += watch.Lap();
+        EPMOE_RETURN_IF_ERROR(RunBatches(store, run, st, watch));
+        if (!combine_sends_done) {  // the previous round's outputs may still be leaving back_send_
+          EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
+          combine_sends_done = true;
+        }
+        for (size_t b = 0; b < run.size(); ++b) {
+          const int s = run[b].source;
+          back_at_[s] = at;
+          back_bytes_[s] = s == me ? 0 : BatchOutputs(run, b) * return_bytes_;
+          EncodeOutputs(run, b, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + at);
+          at += back_bytes_[s];
+        }
+        st->pack_us += watch.Lap();
       }
-      run.clear();
-      for (int s : group) run.push_back(batches[s]);
-      st->pack_us += watch.Lap();
-      EPMOE_RETURN_IF_ERROR(RunBatches(store, run, st, watch));
-      if (!combine_sends_done) {  // the previous round's outputs may still be leaving back_send_
-        EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
-        combine_sends_done = true;
-      }
-      for (size_t b = 0; b < run.size(); ++b) {
-        const int s = run[b].source;
-        back_at_[s] = at;
-        back_bytes_[s] = s == me ? 0 : BatchOutputs(run, b) * return_bytes_;
-        EncodeOutputs(run, b, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + at);
-        at += back_bytes_[s];
-      }
-      st->pack_us += watch.Lap();
-      if (std::find(done.begin(), done.end(), 0) == done.end()) return Status::Ok();
+      if (all_landed) return Status::Ok();
       EPMOE_ASSIGN_OR_RETURN(const std::vector<int> arrived, dispatch_sends_->WaitSomeReceived());
       st->dispatch_us += watch.Lap();
-      group.clear();
       for (int s = 0; s < g; ++s) {  // none listed: every block has landed
         if (!done[s] && (arrived.empty() || std::find(arrived.begin(), arrived.end(), s) != arrived.end()))
-          group.push_back(s);
+          EPMOE_RETURN_IF_ERROR(take(s));
       }
     }
   }
+
+  // Picks of a batch's records for this rank's slots.
+  int64_t PicksHere(const Batch& batch) {
+    int64_t picks = 0;
+    for (int64_t i = 0; i < batch.count; ++i) {
+      std::memcpy(slot_ids_.data(), batch.records + i * record_bytes_, top_k_ * 4);
+      for (int j = 0; j < top_k_; ++j) picks += slot_ids_[j] >= 0;
+    }
+    return picks;
+  }
+
 
   // Expert side of a round: groups the picks of the batches' records by local slot (counting
   // sort), decodes each record's row once into the kernel's input format (QuantizeRows) and copies
