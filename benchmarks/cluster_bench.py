@@ -41,7 +41,13 @@ VARIANTS = {
     "flat+tbo": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--tbo"],
     "flat+sbo": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--sbo"],
     "two-level+tbo": ["--a2a-levels", "two-level", "--a2a-mode", "normal", "--tbo"],
+    # What drives the exchanges' progress while a rank computes (not in the default list).
+    "flat+poll": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--a2a-progress", "poll"],
+    "flat+thread": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--a2a-progress", "thread"],
+    "flat+sbo+poll": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--sbo", "--a2a-progress", "poll"],
+    "flat+sbo+thread": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--sbo", "--a2a-progress", "thread"],
 }
+DEFAULT_VARIANTS = ["flat", "two-level", "low-latency", "flat+tbo", "flat+sbo", "two-level+tbo"]
 
 
 def run(cmd, **kwargs):
@@ -58,7 +64,7 @@ def main():
     parser.add_argument("--gbit", type=float, nargs="+", default=[1, 5], help="link rates, Gbit/s")
     parser.add_argument("--layouts", nargs="+", default=["2x2", "2x1"], help="NODESxRANKS_PER_NODE")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024], help="rows per step")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each variant")
     parser.add_argument("--steps", type=int, default=6, help="steps per run")
     parser.add_argument("--model", nargs="+", default=["--model", "deepseek-v2-lite", "--hidden", "1024",
@@ -237,7 +243,12 @@ def predict(epmoe, profile, model_flags, ranks, tokens, variant):
             plan_model += ["--weights", value]
         else:
             plan_model += [flag, value]
-    flags = [f for f in VARIANTS[variant] if f not in ("--tbo", "--sbo")]
+    # The planner prices the exchange, not what drives its progress.
+    run_flags = VARIANTS[variant]
+    if "--a2a-progress" in run_flags:
+        at = run_flags.index("--a2a-progress")
+        run_flags = run_flags[:at] + run_flags[at + 2:]
+    flags = [f for f in run_flags if f not in ("--tbo", "--sbo")]
     want_tbo, want_sbo = "--tbo" in VARIANTS[variant], "--sbo" in VARIANTS[variant]
     out = run([epmoe, "plan", "--hardware", profile, *plan_model, "--options", "a2a", "--gpus", str(ranks),
                "--batch", str(tokens), "--a2a-combine", "per-pick", "--format", "json", *flags,

@@ -20,6 +20,12 @@
 // length. A step over the bound sends headers only, so every rank learns of it from the same
 // messages and all fail that step alike. The combine is the same as normal mode's. Low-latency
 // is flat only, as DeepEP's: it never forwards through a gateway (ResolveA2aLevels).
+// Single-batch overlap (ExecutorOptions::single_batch_overlap) runs the shared expert once the
+// dispatch is started, then (RunAsTheyLand, flat) this rank's own records and each rank's as they
+// land (Request::WaitSomeReceived), in groups, while the rest is in flight; a group runs early only
+// with enough picks per slot to be worth reading the experts' weights again (kEarlyPicksPerSlot).
+// ExecutorOptions::a2a_progress says what moves the exchanges on while the rank computes (its
+// waits only, polls between its compute loops' chunks, or a thread: DriveProgress).
 // Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
 // last need not wait for its peers to take its own records or outputs, which they do whenever
 // they next poll; those sends are finished before their buffer is written again (next round or
