@@ -128,6 +128,9 @@ class TimingCommunicator : public Communicator {
       return inner_.StartCappedAlltoallv(send, send_bytes, send_offsets, recv, capacity, received_bytes);
     });
   }
+  Result<std::unique_ptr<CappedExchange>> CreateCappedExchange(void* recv, int64_t capacity) override {
+    return inner_.CreateCappedExchange(recv, capacity);
+  }
   Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
     return inner_.ExchangeCounts(send, recv);
   }

@@ -179,6 +179,135 @@ TEST(Comm, CappedAlltoallvLearnsSizesFromTheMessages) {
   EXPECT_NE(refused.status().message().find("capacity of 12 bytes"), std::string::npos) << refused.status().message();
 }
 
+// The capped exchange with its receives posted ahead (CappedExchange), run several times into one
+// buffer: in exchange `round` rank s sends (s + d + round) % 3 values to rank d (empty messages
+// included). Odd rounds hand the buffer back with Rearm, even rounds let Start post the receives.
+int32_t CappedValue(int round, int from, int to, int i) {
+  return round * 100000 + from * 1000 + to * 10 + i;
+}
+
+// Starts exchange `round` of the pattern above on `exchange` (send and received are kept by the
+// caller until the exchange completes).
+std::unique_ptr<Request> StartCappedRound(CappedExchange& exchange, int round, int me, int g,
+                                          std::vector<int32_t>& send, std::vector<int64_t>& received) {
+  std::vector<int64_t> send_bytes(g);
+  send.clear();
+  for (int d = 0; d < g; ++d) {
+    const int n = (me + d + round) % 3;
+    send_bytes[d] = n * static_cast<int64_t>(sizeof(int32_t));
+    for (int i = 0; i < n; ++i) send.push_back(CappedValue(round, me, d, i));
+  }
+  const auto offsets = PrefixOffsets(send_bytes);
+  received.assign(g, -1);
+  auto started = exchange.Start(send.data(), send_bytes, std::span<const int64_t>(offsets.data(), g), received);
+  EPMOE_CHECK_MSG(started.ok(), started.status().ToString());
+  return std::move(started).value();
+}
+
+// Checks exchange `round`'s blocks in recv (3 values of room per peer, -1 beyond each message).
+void ExpectCappedRound(int round, int me, int g, const std::vector<int32_t>& recv,
+                       const std::vector<int64_t>& received) {
+  for (int s = 0; s < g; ++s) {
+    const int n = (s + me + round) % 3;
+    EXPECT_EQ(received[s], n * static_cast<int64_t>(sizeof(int32_t))) << "round " << round << " from rank " << s;
+    for (int i = 0; i < n; ++i) EXPECT_EQ(recv[s * 3 + i], CappedValue(round, s, me, i)) << "round " << round;
+    for (int i = n; i < 3; ++i) EXPECT_EQ(recv[s * 3 + i], -1) << "round " << round << " beyond rank " << s;
+  }
+}
+
+TEST(Comm, CappedExchangeRunsAgainIntoOneBuffer) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  constexpr int64_t kCapacity = 3 * sizeof(int32_t);
+  std::vector<int32_t> recv(g * 3, -1), send;
+  std::vector<int64_t> received;
+  auto exchange = comm->CreateCappedExchange(recv.data(), kCapacity);
+  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+  for (int round = 0; round < 6; ++round) {
+    auto request = StartCappedRound(**exchange, round, me, g, send, received);
+    // Neither a second exchange nor a re-arm before this one's receiving side completed.
+    const auto early =
+        (*exchange)->Start(send.data(), std::vector<int64_t>(g, 0), std::vector<int64_t>(g, 0), received);
+    EXPECT_EQ(early.status().code(), StatusCode::kFailedPrecondition) << early.status().ToString();
+    EXPECT_EQ((*exchange)->Rearm().code(), StatusCode::kFailedPrecondition);
+    ASSERT_TRUE(request->WaitReceived().ok());
+    ExpectCappedRound(round, me, g, recv, received);
+    std::fill(recv.begin(), recv.end(), -1);  // before the buffer is handed back
+    if (round % 2 == 1) {
+      ASSERT_TRUE((*exchange)->Rearm().ok());
+      ASSERT_TRUE((*exchange)->Rearm().ok());  // posted already: nothing more
+    }
+    ASSERT_TRUE(request->Wait().ok());  // the sends; the receives posted since are the next round's
+  }
+  // A block over the capacity is refused before anything is posted, naming it; the next exchange
+  // works.
+  const std::vector<int64_t> too_big(g, kCapacity + 1), big_offsets(g, 0);
+  std::vector<int32_t> big(4);
+  const auto refused = (*exchange)->Start(big.data(), too_big, big_offsets, received);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(refused.status().message().find("capacity of 12 bytes"), std::string::npos) << refused.status().message();
+  auto request = StartCappedRound(**exchange, 6, me, g, send, received);
+  ASSERT_TRUE(request->Wait().ok());
+  ExpectCappedRound(6, me, g, recv, received);
+}
+
+// A peer's message that arrives before this rank hands its buffer back lands in the next exchange:
+// rank 0 re-arms 0.3 s after the others, who have sent it their next message by then.
+TEST(Comm, CappedExchangeMessagesBeforeTheRearmLandInTheNextExchange) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  std::vector<int32_t> recv(g * 3, -1), send, next_send;
+  std::vector<int64_t> received, next_received;
+  auto exchange = comm->CreateCappedExchange(recv.data(), 3 * sizeof(int32_t));
+  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+  auto first = StartCappedRound(**exchange, 1, me, g, send, received);
+  ASSERT_TRUE(first->WaitReceived().ok());
+  ExpectCappedRound(1, me, g, recv, received);
+  std::fill(recv.begin(), recv.end(), -1);
+  if (me == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // The others' next messages are here, with no receive posted for them: the first exchange's
+    // receives are complete and the next ones are not posted yet.
+    EXPECT_TRUE(std::all_of(recv.begin(), recv.end(), [](int32_t v) { return v == -1; }));
+  }
+  ASSERT_TRUE((*exchange)->Rearm().ok());
+  auto second = StartCappedRound(**exchange, 2, me, g, next_send, next_received);
+  ASSERT_TRUE(second->Wait().ok());
+  ASSERT_TRUE(first->Wait().ok());
+  ExpectCappedRound(2, me, g, recv, next_received);
+}
+
+// Two exchanges on one communicator stay apart (each has a tag of its own): the second's messages
+// never land in the first's posted receives. Destroying an exchange whose receives are posted
+// cancels them promptly, and the communicator's other exchanges then still work.
+TEST(Comm, CappedExchangesStayApartAndCancelAtTeardown) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  std::vector<int32_t> recv_a(g * 3, -1), recv_b(g * 3, -1), send;
+  std::vector<int64_t> received;
+  auto a = comm->CreateCappedExchange(recv_a.data(), 3 * sizeof(int32_t));
+  auto b = comm->CreateCappedExchange(recv_b.data(), 3 * sizeof(int32_t));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE((*a)->Rearm().ok());  // a's receives posted from every peer
+  auto request = StartCappedRound(**b, 4, me, g, send, received);
+  ASSERT_TRUE(request->Wait().ok());
+  ExpectCappedRound(4, me, g, recv_b, received);
+  EXPECT_TRUE(std::all_of(recv_a.begin(), recv_a.end(), [](int32_t v) { return v == -1; }));
+  request.reset();
+  const auto start = std::chrono::steady_clock::now();
+  a->reset();  // armed, never started: its receives are cancelled
+  b->reset();  // its last exchange received: nothing posted
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.0);
+  ASSERT_TRUE(comm->Barrier().ok());
+  auto again = comm->CreateCappedExchange(recv_a.data(), 3 * sizeof(int32_t));
+  ASSERT_TRUE(again.ok());
+  request = StartCappedRound(**again, 5, me, g, send, received);
+  ASSERT_TRUE(request->Wait().ok());
+  ExpectCappedRound(5, me, g, recv_a, received);
+  // A capacity MPI's int cannot carry is refused.
+  EXPECT_EQ(comm->CreateCappedExchange(recv_a.data(), int64_t{1} << 40).status().code(), StatusCode::kOutOfRange);
+}
+
 TEST(Comm, NonblockingExchangesOverlap) {
   auto comm = World();
   const int g = comm->size();
@@ -438,6 +567,54 @@ TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
     EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": capped alltoallv"), std::string::npos)
         << status.message();
     EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+    EXPECT_LT(waited, 1.9);
+  }
+  ASSERT_TRUE(world->Barrier().ok());
+}
+
+// The pre-posted exchange names a late peer as the others do: rank 0 starts 2 s late, the others
+// give up within their 0.5 s limit naming it, and then refuse the abandoned exchange and tear it
+// down at once; rank 0's own exchange completes with every size.
+TEST(Comm, LatePeerInCappedExchangeIsNamed) {
+  auto world = World();
+  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
+  auto impatient = World(0, 0.5);
+  const int g = world->size(), me = world->rank();
+  constexpr int64_t kCapacity = 64;
+  std::vector<int64_t> bytes(g, 16);
+  const std::vector<int64_t> offsets(g, 0);
+  // Kept until the end of the program: abandoned receives may still be written when rank 0 arrives.
+  static std::vector<uint8_t> send, recv;
+  static std::vector<int64_t> received;
+  send.assign(16, static_cast<uint8_t>(me));
+  recv.assign(g * kCapacity, 255);
+  received.assign(g, -1);
+  auto exchange = impatient->CreateCappedExchange(recv.data(), kCapacity);
+  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+  ASSERT_TRUE((*exchange)->Rearm().ok());
+  const auto start = std::chrono::steady_clock::now();
+  if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+  auto request = (*exchange)->Start(send.data(), bytes, offsets, received);
+  ASSERT_TRUE(request.ok()) << request.status().ToString();
+  const Status status = (*request)->WaitReceived();
+  if (me == 0) {
+    EXPECT_TRUE(status.ok()) << status.ToString();
+    for (int s = 0; s < g; ++s) {
+      EXPECT_EQ(received[s], 16);
+      EXPECT_EQ(recv[s * kCapacity], s);
+    }
+  } else {
+    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": capped alltoallv (pre-posted receives)"),
+              std::string::npos)
+        << status.message();
+    EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+    const auto again = (*exchange)->Start(send.data(), bytes, offsets, received);
+    EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().ToString();
+    EXPECT_EQ((*exchange)->Rearm().code(), StatusCode::kUnavailable);
+    request->reset();
+    exchange->reset();  // abandoned: returns without waiting
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_LT(waited, 1.9);
   }
   ASSERT_TRUE(world->Barrier().ok());

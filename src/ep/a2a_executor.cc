@@ -111,6 +111,7 @@ class A2aExecutor : public MoeExecutor {
       const std::array<int64_t, kBuffers> needs = LowLatencyBufferBytes(model_, options_, comm_.size());
       fixed_buffer_bytes_ = Reserve(needs);
       items_cap_ = needs[5] / (int64_t{4} * model_.hidden);  // expert-ordered inputs: one per received pick
+      EPMOE_ASSIGN_OR_RETURN(dispatch_exchange_, comm_.CreateCappedExchange(recv_.data(), message_bytes_));
     }
     return Status::Ok();
   }
@@ -654,8 +655,8 @@ class A2aExecutor : public MoeExecutor {
     for (int d = 0; d < g; ++d) std::memcpy(send_.data() + message_offsets[d], &n, kHeaderBytes);
     st.pack_us += watch.Lap();
     received_bytes_.assign(g, 0);
-    EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartCappedAlltoallv(send_.data(), message_bytes, message_offsets,
-                                                                       recv_.data(), message_bytes_, received_bytes_));
+    EPMOE_ASSIGN_OR_RETURN(dispatch_sends_,
+                           dispatch_exchange_->Start(send_.data(), message_bytes, message_offsets, received_bytes_));
     ComputeSharedWhileInFlight(layer, rows, watch, st);
     EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
     st.dispatch_us += watch.Lap();
@@ -923,6 +924,9 @@ class A2aExecutor : public MoeExecutor {
                          Stopwatch& watch) {
     EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_bytes, back_at, returns_.data(),
                                                                 back_recv_bytes_, back_recv_offsets_));
+    // Low-latency: the received records are read until their outputs are encoded (just done), so
+    // the next step's receives are posted now, before this rank waits for its outputs.
+    if (low_latency_) EPMOE_RETURN_IF_ERROR(dispatch_exchange_->Rearm());
     EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
     st->combine_us += watch.Lap();
     AddExchangeBytes(comm_, back_bytes, back_recv_bytes_, st);
@@ -1150,8 +1154,11 @@ class A2aExecutor : public MoeExecutor {
   ScratchBuffer returns_, send_, recv_, decoded_, quantized_, work_in_, work_out_, back_send_;
   ScratchBuffer forward_send_, forward_recv_, forward_back_, forward_returns_;
   SharedOutputs shared_outputs_;  // this step's shared expert outputs
+  // Low-latency's dispatch into recv_, its receives posted ahead (declared after the buffers:
+  // destroyed, and so its receives cancelled, before them).
+  std::unique_ptr<CappedExchange> dispatch_exchange_;
   // The last row and output exchanges, received but maybe still sending from send_ and back_send_
-  // (declared after the buffers: destroyed, and so completed, before them).
+  // (declared after the buffers and the exchange: destroyed, and so completed, before them).
   std::unique_ptr<Request> dispatch_sends_, combine_sends_;
 };
 
