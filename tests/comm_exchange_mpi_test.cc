@@ -534,9 +534,11 @@ TEST(Comm, LateNodeIsNamedWithItsRanks) {
   if (per_node == 2) expect_names(me == 0, "rank 0 (node 0)");
 }
 
-// The capped alltoallv names a late peer the same way: rank 0 joins 2 s late, the others give up
+// The capped exchanges name a late peer the same way: rank 0 starts 2 s late, the others give up
 // within their 0.5 s limit naming it, and rank 0's own exchange then completes with every size.
-TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
+// pre_posted: through a CappedExchange whose receives were posted before, which after the timeout
+// refuses to run again and is torn down at once; otherwise StartCappedAlltoallv.
+void ExpectLatePeerInCappedExchangeNamed(bool pre_posted) {
   auto world = World();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
   auto impatient = World(0, 0.5);
@@ -545,16 +547,28 @@ TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
   std::vector<int64_t> bytes(g, 16);
   const std::vector<int64_t> offsets(g, 0);
   // Kept until the end of the program: abandoned receives may still be written when rank 0 arrives.
-  static std::vector<uint8_t> send, recv;
-  static std::vector<int64_t> received;
+  static std::vector<uint8_t> sends[2], recvs[2];
+  static std::vector<int64_t> receiveds[2];
+  std::vector<uint8_t>& send = sends[pre_posted];
+  std::vector<uint8_t>& recv = recvs[pre_posted];
+  std::vector<int64_t>& received = receiveds[pre_posted];
   send.assign(16, static_cast<uint8_t>(me));
   recv.assign(g * kCapacity, 255);
   received.assign(g, -1);
+  std::unique_ptr<CappedExchange> exchange;
+  if (pre_posted) {
+    auto made = impatient->CreateCappedExchange(recv.data(), kCapacity);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    exchange = std::move(made).value();
+    ASSERT_TRUE(exchange->Rearm().ok());
+  }
   const auto start = std::chrono::steady_clock::now();
   if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
-  auto exchange = impatient->StartCappedAlltoallv(send.data(), bytes, offsets, recv.data(), kCapacity, received);
-  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
-  const Status status = (*exchange)->Wait();
+  auto request = pre_posted
+                     ? exchange->Start(send.data(), bytes, offsets, received)
+                     : impatient->StartCappedAlltoallv(send.data(), bytes, offsets, recv.data(), kCapacity, received);
+  ASSERT_TRUE(request.ok()) << request.status().ToString();
+  const Status status = (*request)->Wait();
   if (me == 0) {
     EXPECT_TRUE(status.ok()) << status.ToString();
     for (int s = 0; s < g; ++s) {
@@ -562,62 +576,28 @@ TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
       EXPECT_EQ(recv[s * kCapacity], s);
     }
   } else {
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
-    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": capped alltoallv"), std::string::npos)
-        << status.message();
+    const std::string what = pre_posted ? "capped alltoallv (pre-posted receives)" : "capped alltoallv";
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": " + what), std::string::npos) << status.message();
     EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+    if (pre_posted) {
+      const auto again = exchange->Start(send.data(), bytes, offsets, received);
+      EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().ToString();
+      EXPECT_EQ(exchange->Rearm().code(), StatusCode::kUnavailable);
+      request->reset();
+      exchange.reset();  // abandoned: returns without waiting
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_LT(waited, 1.9);
   }
   ASSERT_TRUE(world->Barrier().ok());
 }
 
-// The pre-posted exchange names a late peer as the others do: rank 0 starts 2 s late, the others
-// give up within their 0.5 s limit naming it, and then refuse the abandoned exchange and tear it
-// down at once; rank 0's own exchange completes with every size.
+TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
+  ExpectLatePeerInCappedExchangeNamed(false);
+}
 TEST(Comm, LatePeerInCappedExchangeIsNamed) {
-  auto world = World();
-  if (world->size() < 2) GTEST_SKIP() << "needs a peer";
-  auto impatient = World(0, 0.5);
-  const int g = world->size(), me = world->rank();
-  constexpr int64_t kCapacity = 64;
-  std::vector<int64_t> bytes(g, 16);
-  const std::vector<int64_t> offsets(g, 0);
-  // Kept until the end of the program: abandoned receives may still be written when rank 0 arrives.
-  static std::vector<uint8_t> send, recv;
-  static std::vector<int64_t> received;
-  send.assign(16, static_cast<uint8_t>(me));
-  recv.assign(g * kCapacity, 255);
-  received.assign(g, -1);
-  auto exchange = impatient->CreateCappedExchange(recv.data(), kCapacity);
-  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
-  ASSERT_TRUE((*exchange)->Rearm().ok());
-  const auto start = std::chrono::steady_clock::now();
-  if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
-  auto request = (*exchange)->Start(send.data(), bytes, offsets, received);
-  ASSERT_TRUE(request.ok()) << request.status().ToString();
-  const Status status = (*request)->WaitReceived();
-  if (me == 0) {
-    EXPECT_TRUE(status.ok()) << status.ToString();
-    for (int s = 0; s < g; ++s) {
-      EXPECT_EQ(received[s], 16);
-      EXPECT_EQ(recv[s * kCapacity], s);
-    }
-  } else {
-    EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
-    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": capped alltoallv (pre-posted receives)"),
-              std::string::npos)
-        << status.message();
-    EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
-    const auto again = (*exchange)->Start(send.data(), bytes, offsets, received);
-    EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().ToString();
-    EXPECT_EQ((*exchange)->Rearm().code(), StatusCode::kUnavailable);
-    request->reset();
-    exchange->reset();  // abandoned: returns without waiting
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    EXPECT_LT(waited, 1.9);
-  }
-  ASSERT_TRUE(world->Barrier().ok());
+  ExpectLatePeerInCappedExchangeNamed(true);
 }
 
 // The count exchanges are point-to-point like alltoallv: when rank 0 never arrives, every other

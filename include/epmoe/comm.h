@@ -158,7 +158,9 @@ class Communicator {
                                                           std::span<const int64_t> recv_bytes,
                                                           std::span<const int64_t> recv_offsets) = 0;
 
-  // The exchange with no counts sent first (a2a's low-latency mode): rank r's
+  // The exchange with no counts sent first, with its receives posted by this call (a2a's
+  // low-latency mode runs it again and again into one buffer through a CappedExchange, whose
+  // receives are posted ahead; this one-off form is the baseline that was measured against): rank r's
   // send[send_offsets[d] .. + send_bytes[d]) goes to rank d as one message, empty ones too, landing
   // at rank d's recv + r * capacity (recv holds size() * capacity bytes); received_bytes[s] gets
   // the length of rank s's message once the receiving side completes (Wait or WaitReceived; this

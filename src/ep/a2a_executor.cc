@@ -15,9 +15,12 @@
 // summed where they landed. Buffers live across steps.
 // Low-latency mode (ExecutorOptions::a2a_mode, for decode) exchanges no counts: buffers are sized
 // once, at creation, for max_rows_per_rank rows per rank, and each rank sends every peer one
-// message (StartCappedAlltoallv) as soon as its records are packed: a header with the sender's row
-// count this step, then its records for that peer; the receiver learns how many from the message's
-// length. A step over the bound sends headers only, so every rank learns of it from the same
+// message as soon as its records are packed: a header with the sender's row count this step, then
+// its records for that peer; the receiver learns how many from the message's length. The messages
+// travel through a CappedExchange made at creation, whose receives are posted ahead: re-armed as
+// soon as the step's outputs are encoded (the last read of the records), before this rank waits
+// for its outputs, so a peer's next records find their receive posted (measured faster than
+// receives posted per exchange: docs/performance.md, "Low-latency's transport"). A step over the bound sends headers only, so every rank learns of it from the same
 // messages and all fail that step alike. The combine is the same as normal mode's. Low-latency
 // is flat only, as DeepEP's: it never forwards through a gateway (ResolveA2aLevels).
 // Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
