@@ -20,7 +20,8 @@
 // travel through a CappedExchange made at creation, whose receives are posted ahead: re-armed as
 // soon as the step's outputs are encoded (the last read of the records), before this rank waits
 // for its outputs, so a peer's next records find their receive posted (measured faster than
-// receives posted per exchange: docs/performance.md, "Low-latency's transport"). A step over the bound sends headers only, so every rank learns of it from the same
+// receives posted per exchange on one node: docs/performance.md, "Low-latency's transport").
+// A step over the bound sends headers only, so every rank learns of it from the same
 // messages and all fail that step alike. The combine is the same as normal mode's. Low-latency
 // is flat only, as DeepEP's: it never forwards through a gateway (ResolveA2aLevels).
 // Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
