@@ -308,6 +308,73 @@ TEST(Comm, CappedExchangesStayApartAndCancelAtTeardown) {
   EXPECT_EQ(comm->CreateCappedExchange(recv_a.data(), int64_t{1} << 40).status().code(), StatusCode::kOutOfRange);
 }
 
+// WaitSomeReceived hands over each peer's block as it lands: every peer that sends this rank
+// something is listed exactly once, its block (and, capped, its length) already in place, and then
+// none. Rank 0 starts 1 s late, so with a third rank its block is never among the first handed over.
+TEST(Comm, ExchangesHandOverBlocksAsTheyLand) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  constexpr int64_t kCapacity = 3 * sizeof(int32_t);
+  // Rank s sends (s + d) % 3 values s*1000 + d*10 + i to rank d, as in the tests above.
+  std::vector<int64_t> send_bytes(g), recv_bytes(g);
+  std::vector<int32_t> send;
+  for (int d = 0; d < g; ++d) {
+    const int n = (me + d) % 3;
+    send_bytes[d] = n * static_cast<int64_t>(sizeof(int32_t));
+    recv_bytes[d] = ((d + me) % 3) * static_cast<int64_t>(sizeof(int32_t));
+    for (int i = 0; i < n; ++i) send.push_back(me * 1000 + d * 10 + i);
+  }
+  const auto send_offsets = PrefixOffsets(send_bytes);
+  const auto recv_offsets = PrefixOffsets(recv_bytes);
+  // 0: alltoallv, 1: capped alltoallv, 2: the capped exchange with its receives posted ahead.
+  for (const int kind : {0, 1, 2}) {
+    const bool capped = kind > 0;
+    SCOPED_TRACE(kind == 2 ? "pre-posted capped exchange" : capped ? "capped alltoallv" : "alltoallv");
+    std::vector<int32_t> recv(g * 3, -1);
+    std::vector<int64_t> received(g, -1);
+    std::unique_ptr<CappedExchange> pre_posted;
+    if (kind == 2) {
+      auto made = comm->CreateCappedExchange(recv.data(), kCapacity);
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      pre_posted = std::move(made).value();
+      ASSERT_TRUE(pre_posted->Rearm().ok());
+    }
+    if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    const std::span<const int64_t> offsets(send_offsets.data(), g);
+    auto exchange = kind == 2 ? pre_posted->Start(send.data(), send_bytes, offsets, received)
+                    : capped
+                        ? comm->StartCappedAlltoallv(send.data(), send_bytes, offsets, recv.data(), kCapacity, received)
+                        : comm->StartAlltoallv(send.data(), send_bytes, offsets, recv.data(), recv_bytes,
+                                               std::span<const int64_t>(recv_offsets.data(), g));
+    ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+    // Where rank s's values land, and whether its block travels as a message at all.
+    const auto landed_at = [&](int s) { return capped ? s * 3 : static_cast<int>(recv_offsets[s] / 4); };
+    const auto sends_here = [&](int s) { return s != me && (capped || recv_bytes[s] > 0); };
+    std::vector<int> listed(g, 0);
+    for (int call = 0;; ++call) {
+      auto arrived = (*exchange)->WaitSomeReceived();
+      ASSERT_TRUE(arrived.ok()) << arrived.status().ToString();
+      if (arrived->empty()) break;
+      for (int s : *arrived) {
+        ASSERT_TRUE(s >= 0 && s < g && sends_here(s)) << "listed rank " << s;
+        ++listed[s];
+        if (call == 0 && me != 0 && g > 2) {
+          EXPECT_NE(s, 0) << "rank 0 started 1 s late";
+        }
+        for (int i = 0; i < (s + me) % 3; ++i)
+          EXPECT_EQ(recv[landed_at(s) + i], s * 1000 + me * 10 + i) << "from " << s;
+        if (capped) {
+          EXPECT_EQ(received[s], recv_bytes[s]) << "from " << s;
+        }
+      }
+    }
+    for (int s = 0; s < g; ++s) EXPECT_EQ(listed[s], sends_here(s) ? 1 : 0) << "rank " << s;
+    ASSERT_TRUE((*exchange)->Wait().ok());
+    for (int i = 0; i < (me + me) % 3; ++i) EXPECT_EQ(recv[landed_at(me) + i], me * 1000 + me * 10 + i);
+    ASSERT_TRUE(comm->Barrier().ok());
+  }
+}
+
 TEST(Comm, NonblockingExchangesOverlap) {
   auto comm = World();
   const int g = comm->size();

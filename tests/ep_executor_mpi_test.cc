@@ -135,6 +135,7 @@ struct Case {
   bool gpt_oss = false;             // TinyGptOss instead of TinyModel(shared)
   bool shared_output_gate = false;  // TinyModel(shared) with Qwen2-MoE's gate on the shared output
   A2aLevels levels = A2aLevels::kAuto;
+  bool single_batch_overlap = false;
   Communicator* comm = nullptr;  // null: World()
 };
 
@@ -173,6 +174,7 @@ ExecutorOptions OptionsFor(const Case& c, int ranks) {
   o.placement = c.placement;
   o.pack.format = c.weights;
   o.a2a_levels = c.levels;
+  o.single_batch_overlap = c.single_batch_overlap;
   if (c.option == EpOption::kHybrid) o.tp_in_ep = ranks % 2 == 0 ? 2 : 1;
   return o;
 }
@@ -581,11 +583,23 @@ TEST(Executor, A2aLowLatencyWithRedundantSlotsAndSkew) {
 
 // A step over the bound fails on every rank, naming the ranks over it, and the executor runs the
 // next steps within the bound correctly.
+void ExpectStepOverTheBoundFailsOnEveryRank(const Case& c);
+
+// With single-batch overlap too, where the records that landed first already ran.
 TEST(Executor, A2aLowLatencyStepOverTheBoundFailsOnEveryRank) {
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "single-batch overlap" : "no overlap");
+    Case c = LowLatency(2);
+    c.single_batch_overlap = overlap;
+    ExpectStepOverTheBoundFailsOnEveryRank(c);
+  }
+}
+
+void ExpectStepOverTheBoundFailsOnEveryRank(const Case& c) {
   Communicator& comm = World();
   const int g = comm.size(), me = comm.rank();
   const ModelConfig model = TinyModel(1);
-  auto executor = CreateExecutor(comm, model, OptionsFor(LowLatency(2), g), Pool());
+  auto executor = CreateExecutor(comm, model, OptionsFor(c, g), Pool());
   ASSERT_TRUE(executor.ok()) << executor.status().ToString();
   EXPECT_NE((*executor)->description().find("low-latency, buffers for 2 rows per rank"), std::string::npos)
       << (*executor)->description();
@@ -622,6 +636,52 @@ TEST(Executor, A2aLowLatencyStepOverTheBoundFailsOnEveryRank) {
     EXPECT_EQ(out.data, RowsOf(expected, first, within[me]).data) << "step " << step;
   }
   EXPECT_TRUE((*executor)->Close().ok());
+}
+
+// Single-batch overlap runs this rank's own records, then each rank's as they land, while the
+// rest of the dispatch is in flight (and the shared expert before them): bit for bit the
+// single-process layer in normal mode (in rounds too) and low-latency mode, in every weight
+// format (the kernels compute a row alike whatever rows share its expert's call), with redundant
+// slots, skew onto one rank and ranks without rows; with partial sums within the tolerance.
+TEST(Executor, A2aSingleBatchOverlapRunsRecordsAsTheyLand) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  const std::vector<int64_t> rows = EvenishRows(2 * g + 3);
+  const int64_t most = *std::max_element(rows.begin(), rows.end());
+  for (WeightFormat format : {WeightFormat::kFp32, WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kNvfp4}) {
+    for (const A2aMode mode : {A2aMode::kNormal, A2aMode::kLowLatency}) {
+      SCOPED_TRACE(std::string(WeightFormatName(format)) + " " + A2aModeName(mode));
+      Case c = LowLatency(most);
+      c.a2a_mode = mode;
+      c.weights = format;
+      c.single_batch_overlap = true;
+      RunAndCheck(c, rows, nullptr, 2);
+    }
+  }
+  auto placement = Placement::Trivial(2, model.num_experts, g, g, 1);
+  ASSERT_TRUE(placement.ok()) << placement.status().ToString();
+  for (const A2aMode mode : {A2aMode::kNormal, A2aMode::kLowLatency}) {
+    SCOPED_TRACE(A2aModeName(mode));
+    Case c = LowLatency(4 + most);
+    c.a2a_mode = mode;
+    c.single_batch_overlap = true;
+    c.dispatch = RowFormat::kBf16;
+    c.placement = std::make_shared<const Placement>(*placement);
+    RunAndCheck(c, EvenishRows(3 * g + 1), nullptr, 1);
+    c.placement = nullptr;
+    const Picks skew = SamePicksEveryRow(model, 4 * g, 1);  // every row to rank 0
+    RunAndCheck(c, EvenishRows(4 * g), &skew, 1);
+    std::vector<int64_t> last_only(g, 0);
+    last_only[g - 1] = 3;
+    RunAndCheck(c, last_only, nullptr, 1);
+    c.partial_sums = true;
+    c.combine = RowFormat::kBf16;
+    RunAndCheck(c, rows, nullptr, 1);
+  }
+  Case rounds;
+  rounds.single_batch_overlap = true;
+  rounds.max_buffer_bytes = 12 * 1024 + g * 4 * 1024;  // a few rows per rank at a time
+  ExpectRoundsWithinTheBound(rounds, SamePicksEveryRow(model, 6 * g, 1));  // one rank receives everything
 }
 
 TEST(Executor, A2aModeAutoAndLowLatencyRefusals) {

@@ -58,6 +58,15 @@ class Request {
   // data. Bounded by the timeout like Wait; exchanges that cannot tell the sides apart complete
   // wholly.
   virtual Status WaitReceived() { return Wait(); }
+  // Waits (bounded by the timeout like Wait) until at least one more peer's block has landed and
+  // returns those peers' ranks, so a caller can work on what has arrived while the rest is in
+  // flight (this rank's own block, copied at the start, and empty blocks that post no message are
+  // never listed). Returns none once the receiving side is complete: every block has landed.
+  // Exchanges that cannot tell the sides apart complete wholly and return none.
+  virtual Result<std::vector<int>> WaitSomeReceived() {
+    EPMOE_RETURN_IF_ERROR(Wait());
+    return std::vector<int>();
+  }
   // True when complete (does not block).
   virtual bool Test() = 0;
 };
@@ -110,9 +119,10 @@ class Window {
 class CappedExchange {
  public:
   virtual ~CappedExchange() = default;
-  // One exchange, as StartCappedAlltoallv (the same blocks, capacity and refusals; received_bytes
-  // gets the lengths once the receiving side completes): posts the receives first unless Rearm
-  // already did, then the sends. Fails with FailedPrecondition while the previous exchange's
+  // One exchange, as StartCappedAlltoallv (the same blocks, capacity and refusals; received_bytes[s]
+  // gets rank s's length once its message lands): posts the receives first unless Rearm already
+  // did, then the sends. Its Request tells the sides apart and hands blocks over as they land
+  // (WaitSomeReceived). Fails with FailedPrecondition while the previous exchange's
   // receiving side has not completed (wait for it first).
   virtual Result<std::unique_ptr<Request>> Start(const void* send, std::span<const int64_t> send_bytes,
                                                  std::span<const int64_t> send_offsets,
@@ -163,7 +173,7 @@ class Communicator {
   // receives are posted ahead; this one-off form is the baseline that was measured against): rank r's
   // send[send_offsets[d] .. + send_bytes[d]) goes to rank d as one message, empty ones too, landing
   // at rank d's recv + r * capacity (recv holds size() * capacity bytes); received_bytes[s] gets
-  // the length of rank s's message once the receiving side completes (Wait or WaitReceived; this
+  // the length of rank s's message once it lands (Wait, WaitReceived, WaitSomeReceived; this
   // rank's own block is copied at once). capacity is the most bytes any rank sends one peer and
   // must be the same on every rank: a block over it is refused with OutOfRange before anything is
   // posted (the peers then time out naming this rank). Its Request tells the sides apart; a

@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <memory>
 
 #include "ep/executor_internal.h"
@@ -615,17 +616,18 @@ class A2aExecutor : public MoeExecutor {
       EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartAlltoallv(send_.data(), send_bytes_, send_offsets_,
                                                                    recv_.data(), recv_bytes, recv_offsets));
       if (round == 0) ComputeSharedWhileInFlight(layer, rows, watch, st);
-      EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
-      st.dispatch_us += watch.Lap();
       AddExchangeBytes(comm_, send_bytes_, recv_bytes, &st);
       if (two_level_) {
+        EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
+        st.dispatch_us += watch.Lap();
         EPMOE_RETURN_IF_ERROR(TwoLevelRound(store, recv_n, recv_offsets, &st, watch));
         continue;
       }
       // Every source's records (this rank's own read where they were packed).
       for (int s = 0; s < g; ++s)
         batches[s] = {s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s], recv_n[s], s};
-      EPMOE_RETURN_IF_ERROR(FlatRound(store, batches, &st, watch));
+      EPMOE_RETURN_IF_ERROR(RunAsTheyLand(store, batches, nullptr, &st, watch));
+      EPMOE_RETURN_IF_ERROR(SendOutputsHome(back_bytes_, back_at_, &st, watch));
     }
     return FinishStep(layer, rows, out, watch, st, stats);
   }
@@ -662,33 +664,21 @@ class A2aExecutor : public MoeExecutor {
     EPMOE_ASSIGN_OR_RETURN(dispatch_sends_,
                            dispatch_exchange_->Start(send_.data(), message_bytes, message_offsets, received_bytes_));
     ComputeSharedWhileInFlight(layer, rows, watch, st);
-    EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
-    st.dispatch_us += watch.Lap();
 
-    // Every rank's row count from the headers: a rank over the bound fails the step on every rank.
-    std::vector<std::string> over;
-    for (int s = 0; s < g; ++s) {
-      int64_t home_rows = n;
-      if (s != me) {
-        if (received_bytes_[s] < kHeaderBytes)
-          return Internal(fmt::format("a2a low-latency: rank {} received {} bytes from rank {}, less than its header",
-                                      me, received_bytes_[s], s));
-        std::memcpy(&home_rows, recv_.data() + s * message_bytes_, kHeaderBytes);
-      }
-      if (home_rows > bound) over.push_back(fmt::format("rank {} has {}", s, home_rows));
-    }
-    if (!over.empty())
-      return OutOfRange(
-          fmt::format("a2a low-latency: {} rows this step, over the {} rows per rank its buffers were "
-                      "sized for (max_rows_per_rank; epmoe run: --tokens); use normal mode for larger "
-                      "steps",
-                      fmt::join(over, ", "), bound));
+    // Each rank's records once its message has landed, its row count from the header: a rank over
+    // the bound (it sent its header only) fails the step on every rank, once every header is in.
+    std::vector<std::pair<int, int64_t>> over;  // (rank, rows)
+    if (n > bound) over.emplace_back(me, n);
     std::vector<Batch> batches(g);
-    for (int s = 0; s < g; ++s) {
-      if (s == me) {
-        batches[s] = {send_.data() + send_offsets_[me], send_n_[me], s};
-        continue;
-      }
+    if (n <= bound) batches[me] = {send_.data() + send_offsets_[me], send_n_[me], me};
+    const auto landed = [&](int s) -> Status {
+      if (received_bytes_[s] < kHeaderBytes)
+        return Internal(fmt::format("a2a low-latency: rank {} received {} bytes from rank {}, less than its header",
+                                    me, received_bytes_[s], s));
+      int64_t home_rows = 0;
+      std::memcpy(&home_rows, recv_.data() + s * message_bytes_, kHeaderBytes);
+      if (home_rows > bound) over.emplace_back(s, home_rows);
+      if (n > bound) return Status::Ok();  // nothing of this step runs here (nor was laid out)
       const int64_t record_bytes = received_bytes_[s] - kHeaderBytes;
       if (record_bytes % record_bytes_ != 0)
         return Internal(
@@ -696,31 +686,88 @@ class A2aExecutor : public MoeExecutor {
                         "records of {} bytes",
                         me, record_bytes, s, record_bytes_));
       batches[s] = {recv_.data() + s * message_bytes_ + kHeaderBytes, record_bytes / record_bytes_, s};
+      return Status::Ok();
+    };
+    if (n > bound) {  // this step fails: this rank only learns which other ranks are over too
+      EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
+      for (int s = 0; s < g; ++s) {
+        if (s != me) EPMOE_RETURN_IF_ERROR(landed(s));
+      }
+    } else {
+      EPMOE_RETURN_IF_ERROR(RunAsTheyLand(*stores_[layer], batches, landed, &st, watch));
+    }
+    if (!over.empty()) {
+      std::sort(over.begin(), over.end());
+      std::vector<std::string> named;
+      for (const auto& [rank, home_rows] : over) named.push_back(fmt::format("rank {} has {}", rank, home_rows));
+      return OutOfRange(
+          fmt::format("a2a low-latency: {} rows this step, over the {} rows per rank its buffers were "
+                      "sized for (max_rows_per_rank; epmoe run: --tokens); use normal mode for larger "
+                      "steps",
+                      fmt::join(named, ", "), bound));
     }
     AddExchangeBytes(comm_, message_bytes, received_bytes_, &st);
-    st.pack_us += watch.Lap();
-    EPMOE_RETURN_IF_ERROR(FlatRound(*stores_[layer], batches, &st, watch));
+    EPMOE_RETURN_IF_ERROR(SendOutputsHome(back_bytes_, back_at_, &st, watch));
     return FinishStep(layer, rows, out, watch, st, stats);
   }
 
-  // One flat round once every source's records are at hand (batch s: rank s's): runs them, then
-  // sends each source its weighted outputs (this rank's own straight into returns_); returns once
-  // this rank's own returns have landed.
-  Status FlatRound(const ExpertStore& store, std::span<const Batch> batches, StepStats* st, Stopwatch& watch) {
+  // The expert side of a flat round: runs every source's records (batch s: rank s's; this rank's
+  // own are at hand) and encodes each source's weighted outputs, this rank's own straight into
+  // returns_, the others' into back_send_ (back_bytes_[s] at back_at_[s], for SendOutputsHome).
+  // landed(s), when given, is called once rank s's block of the dispatch in flight has landed and
+  // fills batches[s]. With single-batch overlap the records run as they land, in groups (this
+  // rank's own first, then whatever has landed by each wait), while the rest is in flight;
+  // without it, once all have landed, in one group. Each row's outputs are the same either way:
+  // the kernels compute a row alike whatever rows share its expert's call.
+  Status RunAsTheyLand(const ExpertStore& store, std::span<Batch> batches, const std::function<Status(int)>& landed,
+                       StepStats* st, Stopwatch& watch) {
     const int g = comm_.size(), me = comm_.rank();
-    EPMOE_RETURN_IF_ERROR(RunBatches(store, batches, st, watch));
-    std::vector<int64_t> back_bytes(g), back_at(g);
-    int64_t at = 0;
-    for (int s = 0; s < g; ++s) {
-      back_at[s] = at;
-      back_bytes[s] = s == me ? 0 : BatchOutputs(batches, s) * return_bytes_;
-      at += back_bytes[s];
+    back_bytes_.assign(g, 0);
+    back_at_.assign(g, 0);
+    std::vector<char> done(g, 0);  // landed: this rank's own at once, and blocks known to be empty
+    done[me] = 1;
+    for (int s = 0; s < g; ++s) done[s] |= !landed && batches[s].count == 0;
+    std::vector<int> group;
+    if (options_.single_batch_overlap) {
+      group.push_back(me);
+    } else {
+      EPMOE_RETURN_IF_ERROR(dispatch_sends_->WaitReceived());
+      st->dispatch_us += watch.Lap();
+      for (int s = 0; s < g; ++s) group.push_back(s);
     }
-    EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
-    for (int s = 0; s < g; ++s)
-      EncodeOutputs(batches, s, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + back_at[s]);
-    st->pack_us += watch.Lap();
-    return SendOutputsHome(back_bytes, back_at, st, watch);
+    bool combine_sends_done = false;
+    int64_t at = 0;
+    std::vector<Batch> run;
+    for (;;) {
+      for (int s : group) {
+        if (s != me && landed) EPMOE_RETURN_IF_ERROR(landed(s));
+        done[s] = 1;
+      }
+      run.clear();
+      for (int s : group) run.push_back(batches[s]);
+      st->pack_us += watch.Lap();
+      EPMOE_RETURN_IF_ERROR(RunBatches(store, run, st, watch));
+      if (!combine_sends_done) {  // the previous round's outputs may still be leaving back_send_
+        EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
+        combine_sends_done = true;
+      }
+      for (size_t b = 0; b < run.size(); ++b) {
+        const int s = run[b].source;
+        back_at_[s] = at;
+        back_bytes_[s] = s == me ? 0 : BatchOutputs(run, b) * return_bytes_;
+        EncodeOutputs(run, b, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + at);
+        at += back_bytes_[s];
+      }
+      st->pack_us += watch.Lap();
+      if (std::find(done.begin(), done.end(), 0) == done.end()) return Status::Ok();
+      EPMOE_ASSIGN_OR_RETURN(const std::vector<int> arrived, dispatch_sends_->WaitSomeReceived());
+      st->dispatch_us += watch.Lap();
+      group.clear();
+      for (int s = 0; s < g; ++s) {  // none listed: every block has landed
+        if (!done[s] && (arrived.empty() || std::find(arrived.begin(), arrived.end(), s) != arrived.end()))
+          group.push_back(s);
+      }
+    }
   }
 
   // Expert side of a round: groups the picks of the batches' records by local slot (counting
@@ -1145,6 +1192,7 @@ class A2aExecutor : public MoeExecutor {
   std::vector<int64_t> region_;                    // per destination: where its returns start
   std::vector<int64_t> send_n_, send_bytes_, send_offsets_;     // this round's records per destination
   std::vector<int64_t> back_recv_bytes_, back_recv_offsets_;    // this round's returns per destination
+  std::vector<int64_t> back_bytes_, back_at_;  // this round's outputs going back, per source (RunAsTheyLand)
   std::vector<int64_t> position_;                  // per received pick: its row in the expert-ordered input
   std::vector<int64_t> batch_first_, slot_offsets_;  // per batch: its first record; per slot: its first row
   // Two levels, per rank of this node: records forwarded there and where they start in

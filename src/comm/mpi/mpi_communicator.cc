@@ -147,12 +147,14 @@ using CommPeersPtr = std::shared_ptr<CommPeers>;
 
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
 // for (-1: a collective, any rank), named in the timeout's message with its node (comm).
-// statuses: empty, or one per request, set as each completes.
+// statuses: empty, or one per request, set as each completes. some: when not null, returns as soon
+// as a poll completes at least one request, appending the indices it completed.
 Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, double timeout_seconds,
-               const std::string& what, int rank, CommPeers* comm = nullptr, std::span<MPI_Status> statuses = {}) {
+               const std::string& what, int rank, CommPeers* comm = nullptr, std::span<MPI_Status> statuses = {},
+               std::vector<int>* some = nullptr) {
   if (requests.empty()) return Status::Ok();
   const bool keep_statuses = !statuses.empty();
-  if (timeout_seconds <= 0) {
+  if (timeout_seconds <= 0 && some == nullptr) {
     return CheckMpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
                                 keep_statuses ? statuses.data() : MPI_STATUSES_IGNORE),
                     what.c_str(), rank);
@@ -188,11 +190,15 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
     for (int i = 0; i < outcount; ++i) finished[completed[i]] = 1;
     for (int i = 0; keep_statuses && i < outcount; ++i) statuses[completed[i]] = completed_statuses[i];
     remaining -= outcount;
+    if (some != nullptr && outcount > 0) {
+      some->insert(some->end(), completed.begin(), completed.begin() + outcount);
+      return Status::Ok();
+    }
     if (remaining == 0) return Status::Ok();
     const bool give_away = outcount == 0 && previous_empty;
     previous_empty = outcount == 0 && !give_away;
     const auto now = Clock::now();
-    if (now > deadline) {
+    if (timeout_seconds > 0 && now > deadline) {
       // Name the peers whose messages are still outstanding, when known.
       std::vector<int> waiting;
       for (size_t i = 0; i < requests.size() && i < peers.size(); ++i) {
@@ -235,6 +241,27 @@ class MpiRequest : public Request {
   Status WaitReceived() override {
     return WaitFor(receives_ < 0 ? requests_.size() : static_cast<size_t>(receives_));
   }
+  Result<std::vector<int>> WaitSomeReceived() override {
+    if (receives_ < 0) {
+      EPMOE_RETURN_IF_ERROR(Wait());
+      return std::vector<int>();
+    }
+    if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
+    const auto n = static_cast<size_t>(receives_);
+    std::vector<int> completed;
+    Status status = WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n),
+                            timeout_seconds_, what_, rank_, comm_.get(),
+                            lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n),
+                            &completed);
+    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    EPMOE_RETURN_IF_ERROR(status);
+    std::vector<int> ranks;
+    for (int i : completed) {
+      ranks.push_back(peers_[i]);
+      if (!lengths_.empty()) lengths_[peers_[i]] = ReceivedBytes(statuses_[i]);
+    }
+    return ranks;
+  }
   bool Test() override {
     if (requests_.empty()) return true;
     int done = 0;
@@ -267,6 +294,13 @@ class MpiRequest : public Request {
     peers_.reserve(n);
   }
 
+  // The length of a completed receive in bytes.
+  static int64_t ReceivedBytes(const MPI_Status& status) {
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    return bytes;
+  }
+
   // Receive counts of a reduce-scatter, read by MPI until completion.
   std::vector<int> counts;
 
@@ -287,11 +321,7 @@ class MpiRequest : public Request {
   }
   void ReportLengths() {
     if (lengths_.empty() || lengths_reported_) return;
-    for (ptrdiff_t i = 0; i < receives_; ++i) {
-      int bytes = 0;
-      MPI_Get_count(&statuses_[i], MPI_BYTE, &bytes);
-      lengths_[peers_[i]] = bytes;
-    }
+    for (ptrdiff_t i = 0; i < receives_; ++i) lengths_[peers_[i]] = ReceivedBytes(statuses_[i]);
     lengths_reported_ = true;
   }
 
@@ -899,7 +929,6 @@ class MpiCappedExchange : public CappedExchange {
                                                    tag_, messages_, &receives_.back()),
                                      "MPI_Recv_init", rank_));
     }
-    statuses_.resize(receives_.size());
     return Status::Ok();
   }
 
@@ -945,6 +974,7 @@ class MpiCappedExchange : public CappedExchange {
     ExchangeRequest(MpiCappedExchange* exchange, int64_t number, std::unique_ptr<MpiRequest> sends)
         : exchange_(exchange), number_(number), sends_(std::move(sends)) {}
     Status WaitReceived() override { return exchange_->WaitReceived(number_); }
+    Result<std::vector<int>> WaitSomeReceived() override { return exchange_->WaitSomeReceived(number_); }
     Status Wait() override {
       EPMOE_RETURN_IF_ERROR(WaitReceived());
       return sends_->Wait();
@@ -971,6 +1001,7 @@ class MpiCappedExchange : public CappedExchange {
     if (!receives_.empty())
       EPMOE_RETURN_IF_ERROR(
           CheckMpi(MPI_Startall(static_cast<int>(receives_.size()), receives_.data()), "MPI_Startall", rank_));
+    waiting_peers_ = receive_peers_;
     state_ = State::kArmed;
     return Status::Ok();
   }
@@ -980,25 +1011,55 @@ class MpiCappedExchange : public CappedExchange {
     if (state_ == State::kAbandoned)
       return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
     if (number != exchange_ || state_ != State::kReceiving) return Status::Ok();
-    const Status status = WaitAll(receives_, receive_peers_, timeout_seconds_, kWhat, rank_, peers_.get(), statuses_);
+    return Land(nullptr);
+  }
+  // Waits until at least one more peer's block of exchange `number` has landed and returns those
+  // peers (none once every block has).
+  Result<std::vector<int>> WaitSomeReceived(int64_t number) {
+    if (state_ == State::kAbandoned)
+      return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+    if (number != exchange_ || state_ != State::kReceiving) return std::vector<int>();
+    std::vector<int> some;
+    EPMOE_RETURN_IF_ERROR(Land(&some));
+    std::vector<int> ranks;
+    for (int i : some) ranks.push_back(receive_peers_[i]);
+    return ranks;
+  }
+  // Waits for the receives that have not landed: all of them, or (some not null) until at least
+  // one has, appending those. Notes the length of each that lands.
+  Status Land(std::vector<int>* some) {
+    std::vector<MPI_Status> statuses(receives_.size());
+    std::vector<int> completed;
+    // The landed receives are inactive (persistent), not null: their peers are not named.
+    const Status status = WaitAll(receives_, waiting_peers_, timeout_seconds_, kWhat, rank_, peers_.get(), statuses,
+                                  some != nullptr ? &completed : nullptr);
     if (status.code() == StatusCode::kUnavailable) state_ = State::kAbandoned;
-    if (status.ok()) ReportLengths();
-    return status;
+    EPMOE_RETURN_IF_ERROR(status);
+    for (size_t i = 0; i < receives_.size(); ++i) {
+      const bool landed_now = some == nullptr || std::find(completed.begin(), completed.end(), i) != completed.end();
+      if (waiting_peers_[i] < 0 || !landed_now) continue;
+      NoteLanded(i, statuses[i]);
+      if (some != nullptr) some->push_back(static_cast<int>(i));
+    }
+    if (std::all_of(waiting_peers_.begin(), waiting_peers_.end(), [](int peer) { return peer < 0; }))
+      state_ = State::kReceived;
+    return Status::Ok();
   }
   bool TestReceived(int64_t number) {
     if (number != exchange_ || state_ != State::kReceiving) return state_ != State::kAbandoned;
+    std::vector<MPI_Status> statuses(receives_.size());
     int done = 0;
-    if (!receives_.empty()) MPI_Testall(static_cast<int>(receives_.size()), receives_.data(), &done, statuses_.data());
-    if (done || receives_.empty()) ReportLengths();
-    return state_ == State::kReceived;
-  }
-  void ReportLengths() {
+    MPI_Testall(static_cast<int>(receives_.size()), receives_.data(), &done, statuses.data());
+    if (!done) return false;
     for (size_t i = 0; i < receives_.size(); ++i) {
-      int bytes = 0;
-      MPI_Get_count(&statuses_[i], MPI_BYTE, &bytes);
-      lengths_[receive_peers_[i]] = bytes;
+      if (waiting_peers_[i] >= 0) NoteLanded(i, statuses[i]);
     }
     state_ = State::kReceived;
+    return true;
+  }
+  void NoteLanded(size_t i, const MPI_Status& status) {
+    lengths_[receive_peers_[i]] = MpiRequest::ReceivedBytes(status);
+    waiting_peers_[i] = -1;
   }
 
   // Cancels the receives still posted, waits (bounded) until they are cancelled or complete, and
@@ -1030,7 +1091,7 @@ class MpiCappedExchange : public CappedExchange {
   CommPeersPtr peers_;
   std::vector<MPI_Request> receives_;  // persistent, one per peer
   std::vector<int> receive_peers_;     // the peer of each receive
-  std::vector<MPI_Status> statuses_;   // per receive, for its length
+  std::vector<int> waiting_peers_;     // the peer of each receive not landed yet, -1 once landed
   std::span<int64_t> lengths_;         // the last Start's received_bytes
   State state_ = State::kIdle;
   int64_t exchange_ = 0;  // exchanges started so far
