@@ -225,11 +225,14 @@ TEST(Comm, CappedExchangeRunsAgainIntoOneBuffer) {
   ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
   for (int round = 0; round < 6; ++round) {
     auto request = StartCappedRound(**exchange, round, me, g, send, received);
-    // Neither a second exchange nor a re-arm before this one's receiving side completed.
-    const auto early =
-        (*exchange)->Start(send.data(), std::vector<int64_t>(g, 0), std::vector<int64_t>(g, 0), received);
-    EXPECT_EQ(early.status().code(), StatusCode::kFailedPrecondition) << early.status().ToString();
-    EXPECT_EQ((*exchange)->Rearm().code(), StatusCode::kFailedPrecondition);
+    // Neither a second exchange nor a re-arm before this one's receiving side completed (alone,
+    // there is nothing to receive: it is complete at once).
+    if (g > 1) {
+      const auto early =
+          (*exchange)->Start(send.data(), std::vector<int64_t>(g, 0), std::vector<int64_t>(g, 0), received);
+      EXPECT_EQ(early.status().code(), StatusCode::kFailedPrecondition) << early.status().ToString();
+      EXPECT_EQ((*exchange)->Rearm().code(), StatusCode::kFailedPrecondition);
+    }
     ASSERT_TRUE(request->WaitReceived().ok());
     ExpectCappedRound(round, me, g, recv, received);
     std::fill(recv.begin(), recv.end(), -1);  // before the buffer is handed back

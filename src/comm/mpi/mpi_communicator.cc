@@ -946,7 +946,7 @@ class MpiCappedExchange : public CappedExchange {
         }));
     owner_.CopyOwnCappedBlock(send, send_bytes, send_offsets, recv_, capacity_, received_bytes);
     lengths_ = received_bytes;
-    state_ = State::kReceiving;
+    state_ = receives_.empty() ? State::kReceived : State::kReceiving;  // alone: nothing to receive
     ++exchange_;
     return std::unique_ptr<Request>(new ExchangeRequest(this, exchange_, std::move(sends)));
   }
