@@ -128,6 +128,9 @@ class TimingCommunicator : public Communicator {
       return inner_.StartCappedAlltoallv(send, send_bytes, send_offsets, recv, capacity, received_bytes);
     });
   }
+  Result<std::unique_ptr<CappedExchange>> CreateCappedExchange(void* recv, int64_t capacity) override {
+    return inner_.CreateCappedExchange(recv, capacity);
+  }
   Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
     return inner_.ExchangeCounts(send, recv);
   }
@@ -495,6 +498,123 @@ BENCHMARK(BM_A2aModes)
     ->Args({1024})
     ->Args({4096})
     ->Iterations(200)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// Low-latency mode's two transports for its dispatch on the same bytes, alternating iteration by
+// iteration (which goes first alternates too): (a) StartCappedAlltoallv, a receive of the capacity
+// posted per peer and exchange, against (b) CappedExchange, receives posted ahead and re-armed as
+// the executor does (once the records are read, before the combine). Each runs kLayers layers
+// back to back after one barrier, as a decode step does: write the records (header and bf16
+// records for T uniform rows at top-8, the executor's bytes), dispatch, read what came, then the
+// combine (one bf16 output per pick, through the Communicator's alltoallv). Per layer sequence and
+// transport: the dispatch as the last rank to arrive spends it (minimum over ranks of the summed
+// dispatch waits, as exchange_ms above), the dispatch + combine likewise, and the sequence on the
+// slowest rank; medians.
+//   mpirun -np 4 build/benchmarks/ep_exchange_bench --benchmark_filter=LowLatencyTransports
+void BM_LowLatencyTransports(benchmark::State& state) {
+  constexpr int kLayers = 8;
+  Communicator& comm = World();
+  const int g = comm.size(), me = comm.rank();
+  const int64_t total = state.range(0);
+  const ModelConfig model = ExchangeModel();
+  const int64_t n = RowBegin(total, g, me + 1) - RowBegin(total, g, me), most = RowBegin(total, g, 1);
+  const Picks picks = UniformPicks(model, n, 11, RowBegin(total, g, me));
+  const int k = model.top_k, per_rank = model.num_experts / g;
+  constexpr int64_t kHeader = 8;
+  const int64_t record = k * 8 + RowBytes(RowFormat::kBf16, model.hidden);
+  const int64_t output = RowBytes(RowFormat::kBf16, model.hidden), capacity = kHeader + most * record;
+  // Bytes per peer: the header and one record per row with a pick there; one output back per pick.
+  std::vector<int64_t> message(g, kHeader), back(g, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    std::vector<bool> seen(g, false);
+    for (int j = 0; j < k; ++j) {
+      const int dest = picks.expert(r, j) / per_rank;
+      back[dest] += output;
+      if (!seen[dest]) message[dest] += record;
+      seen[dest] = true;
+    }
+  }
+  message[me] = 0;
+  back[me] = 0;
+  std::vector<int64_t> back_recv(g);
+  EPMOE_CHECK(comm.ExchangeCounts(back, back_recv).ok());
+  const std::vector<int64_t> message_at = PrefixOffsets(message), back_at = PrefixOffsets(back),
+                             back_recv_at = PrefixOffsets(back_recv);
+  std::vector<uint8_t> send(message_at[g]), back_send(back_at[g]), back_landed(back_recv_at[g]);
+  std::vector<uint8_t> recv[2] = {std::vector<uint8_t>(g * capacity), std::vector<uint8_t>(g * capacity)};
+  std::vector<int64_t> received(g);
+  auto made = comm.CreateCappedExchange(recv[1].data(), capacity);
+  EPMOE_CHECK_MSG(made.ok(), made.status().ToString());
+  std::unique_ptr<CappedExchange> pre_posted = std::move(made).value();
+  const std::span<const int64_t> offsets(message_at.data(), g), outputs_at(back_at.data(), g),
+      outputs_land(back_recv_at.data(), g);
+  std::vector<double> dispatch_us[2], exchange_us[2], sequence_us[2];
+  uint64_t checksum = 0;
+  int iteration = 0;
+  for (auto _ : state) {
+    for (int i = 0; i < 2; ++i) {
+      const int transport = (iteration + i) % 2;
+      double dispatch = 0, combine = 0;
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto sequence_start = std::chrono::steady_clock::now();
+      std::unique_ptr<Request> dispatch_sends, combine_sends;
+      for (int layer = 0; layer < kLayers; ++layer) {
+        if (dispatch_sends != nullptr) EPMOE_CHECK(dispatch_sends->Wait().ok());
+        std::fill(send.begin(), send.end(), static_cast<uint8_t>(layer));
+        const auto t0 = std::chrono::steady_clock::now();
+        auto started = transport == 0 ? comm.StartCappedAlltoallv(send.data(), message, offsets, recv[0].data(),
+                                                                  capacity, received)
+                                      : pre_posted->Start(send.data(), message, offsets, received);
+        EPMOE_CHECK_MSG(started.ok(), started.status().ToString());
+        dispatch_sends = std::move(started).value();
+        EPMOE_CHECK(dispatch_sends->WaitReceived().ok());
+        dispatch += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        for (int s = 0; s < g; ++s) checksum += recv[transport][s * capacity + received[s] / 2];
+        if (combine_sends != nullptr) EPMOE_CHECK(combine_sends->Wait().ok());
+        std::fill(back_send.begin(), back_send.end(), static_cast<uint8_t>(layer));
+        const auto t1 = std::chrono::steady_clock::now();
+        auto outputs =
+            comm.StartAlltoallv(back_send.data(), back, outputs_at, back_landed.data(), back_recv, outputs_land);
+        EPMOE_CHECK(outputs.ok());
+        combine_sends = std::move(outputs).value();
+        if (transport == 1) EPMOE_CHECK(pre_posted->Rearm().ok());
+        EPMOE_CHECK(combine_sends->WaitReceived().ok());
+        combine += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t1).count();
+      }
+      EPMOE_CHECK(dispatch_sends->Wait().ok());
+      EPMOE_CHECK(combine_sends->Wait().ok());
+      const double wall =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - sequence_start).count();
+      dispatch_us[transport].push_back(MinOverRanks(dispatch));
+      exchange_us[transport].push_back(MinOverRanks(dispatch) + MinOverRanks(combine));
+      sequence_us[transport].push_back(MaxOverRanks(wall));
+    }
+    state.SetIterationTime(dispatch_us[1].back() * 1e-6);
+    ++iteration;
+  }
+  benchmark::DoNotOptimize(checksum);
+  const auto pct = [](const std::vector<double>& posted, const std::vector<double>& ahead) {
+    const double a = Median(posted), b = Median(ahead);
+    return a > 0 ? 100.0 * (b / a - 1.0) : 0.0;
+  };
+  state.counters["ranks"] = g;
+  state.counters["per_exchange_dispatch_ms"] = Median(dispatch_us[0]) / kLayers / 1000;
+  state.counters["pre_posted_dispatch_ms"] = Median(dispatch_us[1]) / kLayers / 1000;
+  state.counters["dispatch_pct"] = pct(dispatch_us[0], dispatch_us[1]);
+  state.counters["per_exchange_exchange_ms"] = Median(exchange_us[0]) / kLayers / 1000;
+  state.counters["pre_posted_exchange_ms"] = Median(exchange_us[1]) / kLayers / 1000;
+  state.counters["exchange_pct"] = pct(exchange_us[0], exchange_us[1]);
+  state.counters["per_exchange_layer_ms"] = Median(sequence_us[0]) / kLayers / 1000;
+  state.counters["pre_posted_layer_ms"] = Median(sequence_us[1]) / kLayers / 1000;
+  state.counters["layer_pct"] = pct(sequence_us[0], sequence_us[1]);
+}
+
+BENCHMARK(BM_LowLatencyTransports)
+    ->ArgNames({"T"})
+    ->Args({16})
+    ->Args({64})
+    ->Iterations(300)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -179,6 +179,138 @@ TEST(Comm, CappedAlltoallvLearnsSizesFromTheMessages) {
   EXPECT_NE(refused.status().message().find("capacity of 12 bytes"), std::string::npos) << refused.status().message();
 }
 
+// The capped exchange with its receives posted ahead (CappedExchange), run several times into one
+// buffer: in exchange `round` rank s sends (s + d + round) % 3 values to rank d (empty messages
+// included). Odd rounds hand the buffer back with Rearm, even rounds let Start post the receives.
+int32_t CappedValue(int round, int from, int to, int i) {
+  return round * 100000 + from * 1000 + to * 10 + i;
+}
+
+// Starts exchange `round` of the pattern above on `exchange` (send and received are kept by the
+// caller until the exchange completes).
+std::unique_ptr<Request> StartCappedRound(CappedExchange& exchange, int round, int me, int g,
+                                          std::vector<int32_t>& send, std::vector<int64_t>& received) {
+  std::vector<int64_t> send_bytes(g);
+  send.clear();
+  for (int d = 0; d < g; ++d) {
+    const int n = (me + d + round) % 3;
+    send_bytes[d] = n * static_cast<int64_t>(sizeof(int32_t));
+    for (int i = 0; i < n; ++i) send.push_back(CappedValue(round, me, d, i));
+  }
+  const auto offsets = PrefixOffsets(send_bytes);
+  received.assign(g, -1);
+  auto started = exchange.Start(send.data(), send_bytes, std::span<const int64_t>(offsets.data(), g), received);
+  EPMOE_CHECK_MSG(started.ok(), started.status().ToString());
+  return std::move(started).value();
+}
+
+// Checks exchange `round`'s blocks in recv (3 values of room per peer, -1 beyond each message).
+void ExpectCappedRound(int round, int me, int g, const std::vector<int32_t>& recv,
+                       const std::vector<int64_t>& received) {
+  for (int s = 0; s < g; ++s) {
+    const int n = (s + me + round) % 3;
+    EXPECT_EQ(received[s], n * static_cast<int64_t>(sizeof(int32_t))) << "round " << round << " from rank " << s;
+    for (int i = 0; i < n; ++i) EXPECT_EQ(recv[s * 3 + i], CappedValue(round, s, me, i)) << "round " << round;
+    for (int i = n; i < 3; ++i) EXPECT_EQ(recv[s * 3 + i], -1) << "round " << round << " beyond rank " << s;
+  }
+}
+
+TEST(Comm, CappedExchangeRunsAgainIntoOneBuffer) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  constexpr int64_t kCapacity = 3 * sizeof(int32_t);
+  std::vector<int32_t> recv(g * 3, -1), send;
+  std::vector<int64_t> received;
+  auto exchange = comm->CreateCappedExchange(recv.data(), kCapacity);
+  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+  for (int round = 0; round < 6; ++round) {
+    auto request = StartCappedRound(**exchange, round, me, g, send, received);
+    // Neither a second exchange nor a re-arm before this one's receiving side completed (alone,
+    // there is nothing to receive: it is complete at once).
+    if (g > 1) {
+      const auto early =
+          (*exchange)->Start(send.data(), std::vector<int64_t>(g, 0), std::vector<int64_t>(g, 0), received);
+      EXPECT_EQ(early.status().code(), StatusCode::kFailedPrecondition) << early.status().ToString();
+      EXPECT_EQ((*exchange)->Rearm().code(), StatusCode::kFailedPrecondition);
+    }
+    ASSERT_TRUE(request->WaitReceived().ok());
+    ExpectCappedRound(round, me, g, recv, received);
+    std::fill(recv.begin(), recv.end(), -1);  // before the buffer is handed back
+    if (round % 2 == 1) {
+      ASSERT_TRUE((*exchange)->Rearm().ok());
+      ASSERT_TRUE((*exchange)->Rearm().ok());  // posted already: nothing more
+    }
+    ASSERT_TRUE(request->Wait().ok());  // the sends; the receives posted since are the next round's
+  }
+  // A block over the capacity is refused before anything is posted, naming it; the next exchange
+  // works.
+  const std::vector<int64_t> too_big(g, kCapacity + 1), big_offsets(g, 0);
+  std::vector<int32_t> big(4);
+  const auto refused = (*exchange)->Start(big.data(), too_big, big_offsets, received);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(refused.status().message().find("capacity of 12 bytes"), std::string::npos) << refused.status().message();
+  auto request = StartCappedRound(**exchange, 6, me, g, send, received);
+  ASSERT_TRUE(request->Wait().ok());
+  ExpectCappedRound(6, me, g, recv, received);
+}
+
+// A peer's message that arrives before this rank hands its buffer back lands in the next exchange:
+// rank 0 re-arms 0.3 s after the others, who have sent it their next message by then.
+TEST(Comm, CappedExchangeMessagesBeforeTheRearmLandInTheNextExchange) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  std::vector<int32_t> recv(g * 3, -1), send, next_send;
+  std::vector<int64_t> received, next_received;
+  auto exchange = comm->CreateCappedExchange(recv.data(), 3 * sizeof(int32_t));
+  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
+  auto first = StartCappedRound(**exchange, 1, me, g, send, received);
+  ASSERT_TRUE(first->WaitReceived().ok());
+  ExpectCappedRound(1, me, g, recv, received);
+  std::fill(recv.begin(), recv.end(), -1);
+  if (me == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // The others' next messages are here, with no receive posted for them: the first exchange's
+    // receives are complete and the next ones are not posted yet.
+    EXPECT_TRUE(std::all_of(recv.begin(), recv.end(), [](int32_t v) { return v == -1; }));
+  }
+  ASSERT_TRUE((*exchange)->Rearm().ok());
+  auto second = StartCappedRound(**exchange, 2, me, g, next_send, next_received);
+  ASSERT_TRUE(second->Wait().ok());
+  ASSERT_TRUE(first->Wait().ok());
+  ExpectCappedRound(2, me, g, recv, next_received);
+}
+
+// Two exchanges on one communicator stay apart (each has a tag of its own): the second's messages
+// never land in the first's posted receives. Destroying an exchange whose receives are posted
+// cancels them promptly, and the communicator's other exchanges then still work.
+TEST(Comm, CappedExchangesStayApartAndCancelAtTeardown) {
+  auto comm = World();
+  const int g = comm->size(), me = comm->rank();
+  std::vector<int32_t> recv_a(g * 3, -1), recv_b(g * 3, -1), send;
+  std::vector<int64_t> received;
+  auto a = comm->CreateCappedExchange(recv_a.data(), 3 * sizeof(int32_t));
+  auto b = comm->CreateCappedExchange(recv_b.data(), 3 * sizeof(int32_t));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE((*a)->Rearm().ok());  // a's receives posted from every peer
+  auto request = StartCappedRound(**b, 4, me, g, send, received);
+  ASSERT_TRUE(request->Wait().ok());
+  ExpectCappedRound(4, me, g, recv_b, received);
+  EXPECT_TRUE(std::all_of(recv_a.begin(), recv_a.end(), [](int32_t v) { return v == -1; }));
+  request.reset();
+  const auto start = std::chrono::steady_clock::now();
+  a->reset();  // armed, never started: its receives are cancelled
+  b->reset();  // its last exchange received: nothing posted
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.0);
+  ASSERT_TRUE(comm->Barrier().ok());
+  auto again = comm->CreateCappedExchange(recv_a.data(), 3 * sizeof(int32_t));
+  ASSERT_TRUE(again.ok());
+  request = StartCappedRound(**again, 5, me, g, send, received);
+  ASSERT_TRUE(request->Wait().ok());
+  ExpectCappedRound(5, me, g, recv_a, received);
+  // A capacity MPI's int cannot carry is refused.
+  EXPECT_EQ(comm->CreateCappedExchange(recv_a.data(), int64_t{1} << 40).status().code(), StatusCode::kOutOfRange);
+}
+
 // WaitSomeReceived hands over each peer's block as it lands: every peer that sends this rank
 // something is listed exactly once, its block (and, capped, its length) already in place, and then
 // none. Rank 0 starts 1 s late, so with a third rank its block is never among the first handed over.
@@ -197,16 +329,26 @@ TEST(Comm, ExchangesHandOverBlocksAsTheyLand) {
   }
   const auto send_offsets = PrefixOffsets(send_bytes);
   const auto recv_offsets = PrefixOffsets(recv_bytes);
-  for (const bool capped : {false, true}) {
-    SCOPED_TRACE(capped ? "capped alltoallv" : "alltoallv");
+  // 0: alltoallv, 1: capped alltoallv, 2: the capped exchange with its receives posted ahead.
+  for (const int kind : {0, 1, 2}) {
+    const bool capped = kind > 0;
+    SCOPED_TRACE(kind == 2 ? "pre-posted capped exchange" : capped ? "capped alltoallv" : "alltoallv");
     std::vector<int32_t> recv(g * 3, -1);
     std::vector<int64_t> received(g, -1);
+    std::unique_ptr<CappedExchange> pre_posted;
+    if (kind == 2) {
+      auto made = comm->CreateCappedExchange(recv.data(), kCapacity);
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      pre_posted = std::move(made).value();
+      ASSERT_TRUE(pre_posted->Rearm().ok());
+    }
     if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
-    auto exchange =
-        capped ? comm->StartCappedAlltoallv(send.data(), send_bytes, std::span<const int64_t>(send_offsets.data(), g),
-                                            recv.data(), kCapacity, received)
-               : comm->StartAlltoallv(send.data(), send_bytes, std::span<const int64_t>(send_offsets.data(), g),
-                                      recv.data(), recv_bytes, std::span<const int64_t>(recv_offsets.data(), g));
+    const std::span<const int64_t> offsets(send_offsets.data(), g);
+    auto exchange = kind == 2 ? pre_posted->Start(send.data(), send_bytes, offsets, received)
+                    : capped
+                        ? comm->StartCappedAlltoallv(send.data(), send_bytes, offsets, recv.data(), kCapacity, received)
+                        : comm->StartAlltoallv(send.data(), send_bytes, offsets, recv.data(), recv_bytes,
+                                               std::span<const int64_t>(recv_offsets.data(), g));
     ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
     // Where rank s's values land, and whether its block travels as a message at all.
     const auto landed_at = [&](int s) { return capped ? s * 3 : static_cast<int>(recv_offsets[s] / 4); };
@@ -222,7 +364,8 @@ TEST(Comm, ExchangesHandOverBlocksAsTheyLand) {
         if (call == 0 && me != 0 && g > 2) {
           EXPECT_NE(s, 0) << "rank 0 started 1 s late";
         }
-        for (int i = 0; i < (s + me) % 3; ++i) EXPECT_EQ(recv[landed_at(s) + i], s * 1000 + me * 10 + i) << "from " << s;
+        for (int i = 0; i < (s + me) % 3; ++i)
+          EXPECT_EQ(recv[landed_at(s) + i], s * 1000 + me * 10 + i) << "from " << s;
         if (capped) {
           EXPECT_EQ(received[s], recv_bytes[s]) << "from " << s;
         }
@@ -461,9 +604,11 @@ TEST(Comm, LateNodeIsNamedWithItsRanks) {
   if (per_node == 2) expect_names(me == 0, "rank 0 (node 0)");
 }
 
-// The capped alltoallv names a late peer the same way: rank 0 joins 2 s late, the others give up
+// The capped exchanges name a late peer the same way: rank 0 starts 2 s late, the others give up
 // within their 0.5 s limit naming it, and rank 0's own exchange then completes with every size.
-TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
+// pre_posted: through a CappedExchange whose receives were posted before, which after the timeout
+// refuses to run again and is torn down at once; otherwise StartCappedAlltoallv.
+void ExpectLatePeerInCappedExchangeNamed(bool pre_posted) {
   auto world = World();
   if (world->size() < 2) GTEST_SKIP() << "needs a peer";
   auto impatient = World(0, 0.5);
@@ -472,16 +617,28 @@ TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
   std::vector<int64_t> bytes(g, 16);
   const std::vector<int64_t> offsets(g, 0);
   // Kept until the end of the program: abandoned receives may still be written when rank 0 arrives.
-  static std::vector<uint8_t> send, recv;
-  static std::vector<int64_t> received;
+  static std::vector<uint8_t> sends[2], recvs[2];
+  static std::vector<int64_t> receiveds[2];
+  std::vector<uint8_t>& send = sends[pre_posted];
+  std::vector<uint8_t>& recv = recvs[pre_posted];
+  std::vector<int64_t>& received = receiveds[pre_posted];
   send.assign(16, static_cast<uint8_t>(me));
   recv.assign(g * kCapacity, 255);
   received.assign(g, -1);
+  std::unique_ptr<CappedExchange> exchange;
+  if (pre_posted) {
+    auto made = impatient->CreateCappedExchange(recv.data(), kCapacity);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    exchange = std::move(made).value();
+    ASSERT_TRUE(exchange->Rearm().ok());
+  }
   const auto start = std::chrono::steady_clock::now();
   if (me == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
-  auto exchange = impatient->StartCappedAlltoallv(send.data(), bytes, offsets, recv.data(), kCapacity, received);
-  ASSERT_TRUE(exchange.ok()) << exchange.status().ToString();
-  const Status status = (*exchange)->Wait();
+  auto request = pre_posted
+                     ? exchange->Start(send.data(), bytes, offsets, received)
+                     : impatient->StartCappedAlltoallv(send.data(), bytes, offsets, recv.data(), kCapacity, received);
+  ASSERT_TRUE(request.ok()) << request.status().ToString();
+  const Status status = (*request)->Wait();
   if (me == 0) {
     EXPECT_TRUE(status.ok()) << status.ToString();
     for (int s = 0; s < g; ++s) {
@@ -489,14 +646,28 @@ TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
       EXPECT_EQ(recv[s * kCapacity], s);
     }
   } else {
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
-    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": capped alltoallv"), std::string::npos)
-        << status.message();
+    const std::string what = pre_posted ? "capped alltoallv (pre-posted receives)" : "capped alltoallv";
+    EXPECT_NE(status.message().find("rank " + std::to_string(me) + ": " + what), std::string::npos) << status.message();
     EXPECT_TRUE(NamesRankZeroFirst(status.message())) << status.message();
+    if (pre_posted) {
+      const auto again = exchange->Start(send.data(), bytes, offsets, received);
+      EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().ToString();
+      EXPECT_EQ(exchange->Rearm().code(), StatusCode::kUnavailable);
+      request->reset();
+      exchange.reset();  // abandoned: returns without waiting
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_LT(waited, 1.9);
   }
   ASSERT_TRUE(world->Barrier().ok());
+}
+
+TEST(Comm, LatePeerInCappedAlltoallvIsNamed) {
+  ExpectLatePeerInCappedExchangeNamed(false);
+}
+TEST(Comm, LatePeerInCappedExchangeIsNamed) {
+  ExpectLatePeerInCappedExchangeNamed(true);
 }
 
 // The count exchanges are point-to-point like alltoallv: when rank 0 never arrives, every other

@@ -584,7 +584,7 @@ TEST(Executor, A2aLowLatencyWithRedundantSlotsAndSkew) {
 }
 
 // A step over the bound fails on every rank, naming the ranks over it, and the executor runs the
-// next step within the bound correctly.
+// next steps within the bound correctly.
 void ExpectStepOverTheBoundFailsOnEveryRank(const Case& c);
 
 // With single-batch overlap too, where the records that landed first already ran.
@@ -616,21 +616,27 @@ void ExpectStepOverTheBoundFailsOnEveryRank(const Case& c) {
   const Matrix all_rows = SyntheticRows(kSeed, model, 0, 0, total);
   const Picks all_picks = UniformPicks(model, total, kSeed);
   Matrix out;
-  const Status over = (*executor)->Forward(0, RowsOf(all_rows, first, counts[me]),
-                                           PicksOf(all_picks, first, counts[me]), &out, nullptr);
-  EXPECT_EQ(over.code(), StatusCode::kOutOfRange) << over.ToString();
-  EXPECT_NE(over.message().find("rank " + std::to_string(g - 1) + " has 3 rows this step, over the 2 rows per rank"),
-            std::string::npos)
-      << over.message();
-  // Within the bound again: right, bit for bit.
+  // Twice in a row: the dispatch's receives, posted ahead, are posted again by the next step.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const Status over = (*executor)->Forward(0, RowsOf(all_rows, first, counts[me]),
+                                             PicksOf(all_picks, first, counts[me]), &out, nullptr);
+    EXPECT_EQ(over.code(), StatusCode::kOutOfRange) << over.ToString();
+    EXPECT_NE(over.message().find("rank " + std::to_string(g - 1) + " has 3 rows this step, over the 2 rows per rank"),
+              std::string::npos)
+        << over.message();
+  }
+  // Within the bound again, for two steps: right, bit for bit.
   const std::vector<int64_t> within = EvenishRows(g);
   first = RowBegin(g, g, me);
-  const Matrix rows = SyntheticRows(kSeed, model, 1, 0, g);
-  const Picks picks = UniformPicks(model, g, kSeed + 1);
-  ASSERT_TRUE(
-      (*executor)->Forward(0, RowsOf(rows, first, within[me]), PicksOf(picks, first, within[me]), &out, nullptr).ok());
-  const Matrix expected = Expected(model, 0, rows, picks, RowFormat::kFp32, false);
-  EXPECT_EQ(out.data, RowsOf(expected, first, within[me]).data);
+  for (int step = 1; step <= 2; ++step) {
+    const Matrix rows = SyntheticRows(kSeed, model, step, 0, g);
+    const Picks picks = UniformPicks(model, g, kSeed + step);
+    ASSERT_TRUE((*executor)
+                    ->Forward(0, RowsOf(rows, first, within[me]), PicksOf(picks, first, within[me]), &out, nullptr)
+                    .ok());
+    const Matrix expected = Expected(model, 0, rows, picks, RowFormat::kFp32, false);
+    EXPECT_EQ(out.data, RowsOf(expected, first, within[me]).data) << "step " << step;
+  }
   EXPECT_TRUE((*executor)->Close().ok());
 }
 

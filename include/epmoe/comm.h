@@ -103,6 +103,36 @@ class Window {
   virtual Status Close() = 0;
 };
 
+// StartCappedAlltoallv's exchange run again and again into one receive buffer, with its receives
+// posted ahead of the data (persistent requests): a2a's low-latency mode, whose peers' records then
+// land straight in place instead of in the transport's queue of messages no receive was posted for.
+// Made once per buffer (Communicator::CreateCappedExchange) and in the same order on every rank
+// (each exchange's messages carry a tag of its own, numbered in creation order, so several on one
+// communicator stay apart). Start sends one exchange; once the receiving side has completed and the
+// received blocks are no longer read, Rearm hands the buffer back and posts the receives of the next
+// exchange at once, so a peer's next messages land in place. A peer's messages that arrive before
+// the re-arm are kept by the transport and still land in the next exchange, in the order they were
+// sent. Destroying it cancels the receives still posted (bounded by the timeout; after a timeout of
+// its own or of its communicator they are abandoned: the buffer must then stay allocated until the
+// job ends). Thread-compatible; its Requests must not outlive it, and it must not outlive its
+// communicator.
+class CappedExchange {
+ public:
+  virtual ~CappedExchange() = default;
+  // One exchange, as StartCappedAlltoallv (the same blocks, capacity and refusals; received_bytes[s]
+  // gets rank s's length once its message lands): posts the receives first unless Rearm already
+  // did, then the sends. Its Request tells the sides apart and hands blocks over as they land
+  // (WaitSomeReceived). Fails with FailedPrecondition while the previous exchange's
+  // receiving side has not completed (wait for it first).
+  virtual Result<std::unique_ptr<Request>> Start(const void* send, std::span<const int64_t> send_bytes,
+                                                 std::span<const int64_t> send_offsets,
+                                                 std::span<int64_t> received_bytes) = 0;
+  // Hands the receive buffer back: posts the receives of the next exchange now (nothing when they
+  // are posted already). Call once the last exchange's received blocks are no longer read; fails
+  // with FailedPrecondition when its receiving side has not completed.
+  virtual Status Rearm() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -138,7 +168,9 @@ class Communicator {
                                                           std::span<const int64_t> recv_bytes,
                                                           std::span<const int64_t> recv_offsets) = 0;
 
-  // The exchange with no counts sent first (a2a's low-latency mode): rank r's
+  // The exchange with no counts sent first, with its receives posted by this call (a2a's
+  // low-latency mode runs it again and again into one buffer through a CappedExchange, whose
+  // receives are posted ahead; this one-off form is the baseline that was measured against): rank r's
   // send[send_offsets[d] .. + send_bytes[d]) goes to rank d as one message, empty ones too, landing
   // at rank d's recv + r * capacity (recv holds size() * capacity bytes); received_bytes[s] gets
   // the length of rank s's message once it lands (Wait, WaitReceived, WaitSomeReceived; this
@@ -150,6 +182,11 @@ class Communicator {
                                                                 std::span<const int64_t> send_offsets, void* recv,
                                                                 int64_t capacity,
                                                                 std::span<int64_t> received_bytes) = 0;
+
+  // The capped exchange into `recv` (size() * capacity bytes, kept allocated and unmoved while the
+  // exchange lives) with its receives posted ahead; see CappedExchange. capacity must be the same on
+  // every rank.
+  virtual Result<std::unique_ptr<CappedExchange>> CreateCappedExchange(void* recv, int64_t capacity) = 0;
 
   // One int64 to and from every rank: recv[s] = the send[r] that rank s addressed to this rank.
   // Used to exchange counts before an alltoallv so receive buffers are sized exactly.

@@ -15,9 +15,13 @@
 // summed where they landed. Buffers live across steps.
 // Low-latency mode (ExecutorOptions::a2a_mode, for decode) exchanges no counts: buffers are sized
 // once, at creation, for max_rows_per_rank rows per rank, and each rank sends every peer one
-// message (StartCappedAlltoallv) as soon as its records are packed: a header with the sender's row
-// count this step, then its records for that peer; the receiver learns how many from the message's
-// length. A step over the bound sends headers only, so every rank learns of it from the same
+// message as soon as its records are packed: a header with the sender's row count this step, then
+// its records for that peer; the receiver learns how many from the message's length. The messages
+// travel through a CappedExchange made at creation, whose receives are posted ahead: re-armed as
+// soon as the step's outputs are encoded (the last read of the records), before this rank waits
+// for its outputs, so a peer's next records find their receive posted (measured faster than
+// receives posted per exchange on one node: docs/performance.md, "Low-latency's transport").
+// A step over the bound sends headers only, so every rank learns of it from the same
 // messages and all fail that step alike. The combine is the same as normal mode's. Low-latency
 // is flat only, as DeepEP's: it never forwards through a gateway (ResolveA2aLevels).
 // Single-batch overlap (ExecutorOptions::single_batch_overlap) runs the shared expert once the
@@ -165,6 +169,7 @@ class A2aExecutor : public MoeExecutor {
       const std::array<int64_t, kBuffers> needs = LowLatencyBufferBytes(model_, options_, comm_.size());
       fixed_buffer_bytes_ = Reserve(needs);
       items_cap_ = needs[5] / (int64_t{4} * model_.hidden);  // expert-ordered inputs: one per received pick
+      EPMOE_ASSIGN_OR_RETURN(dispatch_exchange_, comm_.CreateCappedExchange(recv_.data(), message_bytes_));
     }
     return Status::Ok();
   }
@@ -715,8 +720,8 @@ class A2aExecutor : public MoeExecutor {
     for (int d = 0; d < g; ++d) std::memcpy(send_.data() + message_offsets[d], &n, kHeaderBytes);
     st.pack_us += watch.Lap();
     received_bytes_.assign(g, 0);
-    EPMOE_ASSIGN_OR_RETURN(dispatch_sends_, comm_.StartCappedAlltoallv(send_.data(), message_bytes, message_offsets,
-                                                                       recv_.data(), message_bytes_, received_bytes_));
+    EPMOE_ASSIGN_OR_RETURN(dispatch_sends_,
+                           dispatch_exchange_->Start(send_.data(), message_bytes, message_offsets, received_bytes_));
     ComputeSharedWhileInFlight(layer, rows, watch, st);
 
     // Each rank's records once its message has landed, its row count from the header: a rank over
@@ -1051,6 +1056,9 @@ class A2aExecutor : public MoeExecutor {
                          Stopwatch& watch) {
     EPMOE_ASSIGN_OR_RETURN(combine_sends_, comm_.StartAlltoallv(back_send_.data(), back_bytes, back_at, returns_.data(),
                                                                 back_recv_bytes_, back_recv_offsets_));
+    // Low-latency: the received records are read until their outputs are encoded (just done), so
+    // the next step's receives are posted now, before this rank waits for its outputs.
+    if (low_latency_) EPMOE_RETURN_IF_ERROR(dispatch_exchange_->Rearm());
     EPMOE_RETURN_IF_ERROR(combine_sends_->WaitReceived());
     st->combine_us += watch.Lap();
     AddExchangeBytes(comm_, back_bytes, back_recv_bytes_, st);
@@ -1279,8 +1287,11 @@ class A2aExecutor : public MoeExecutor {
   ScratchBuffer returns_, send_, recv_, decoded_, quantized_, work_in_, work_out_, back_send_;
   ScratchBuffer forward_send_, forward_recv_, forward_back_, forward_returns_;
   SharedOutputs shared_outputs_;  // this step's shared expert outputs
+  // Low-latency's dispatch into recv_, its receives posted ahead (declared after the buffers:
+  // destroyed, and so its receives cancelled, before them).
+  std::unique_ptr<CappedExchange> dispatch_exchange_;
   // The last row and output exchanges, received but maybe still sending from send_ and back_send_
-  // (declared after the buffers: destroyed, and so completed, before them).
+  // (declared after the buffers and the exchange: destroyed, and so completed, before them).
   std::unique_ptr<Request> dispatch_sends_, combine_sends_;
 };
 

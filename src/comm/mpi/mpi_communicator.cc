@@ -52,6 +52,10 @@ constexpr int kWindowCloseTag = 5;  // and 6
 constexpr int kWindowOpenTag = 7;   // and 8
 constexpr int kSplitTag = 9;        // and 10
 constexpr int kCappedAlltoallvTag = 11;
+// Each CappedExchange of a communicator takes a tag of its own, from this one on in creation order
+// (its receives stay posted between exchanges, so another exchange's messages must never match them).
+constexpr int kFirstCappedExchangeTag = 64;
+constexpr int kLastCappedExchangeTag = 32763;
 // The agreement before the world communicator's own creation has no private communicator yet: it
 // runs on MPI_COMM_WORLD with these two tags (the MPI standard guarantees tags up to 32767), named
 // in comm.h.
@@ -163,6 +167,8 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
   int remaining = 0;
   for (const MPI_Request& r : requests) remaining += r != MPI_REQUEST_NULL;
   std::vector<int> completed(requests.size());
+  // A persistent request stays non-null once complete (inactive), so completion is noted here.
+  std::vector<char> finished(requests.size(), 0);
   std::vector<MPI_Status> completed_statuses(keep_statuses ? requests.size() : 0);
   // Open MPI's MPI_Testsome first collects the requests already complete and, only when there are
   // none, runs the progress engine once, which is where messages land (a large receive's single
@@ -181,6 +187,7 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
                                                 keep_statuses ? completed_statuses.data() : MPI_STATUSES_IGNORE),
                                    what.c_str(), rank));
     if (outcount == MPI_UNDEFINED) return Status::Ok();
+    for (int i = 0; i < outcount; ++i) finished[completed[i]] = 1;
     for (int i = 0; keep_statuses && i < outcount; ++i) statuses[completed[i]] = completed_statuses[i];
     remaining -= outcount;
     if (some != nullptr && outcount > 0) {
@@ -195,7 +202,7 @@ Status WaitAll(std::span<MPI_Request> requests, std::span<const int> peers, doub
       // Name the peers whose messages are still outstanding, when known.
       std::vector<int> waiting;
       for (size_t i = 0; i < requests.size() && i < peers.size(); ++i) {
-        if (requests[i] != MPI_REQUEST_NULL && peers[i] >= 0 &&
+        if (requests[i] != MPI_REQUEST_NULL && !finished[i] && peers[i] >= 0 &&
             std::find(waiting.begin(), waiting.end(), peers[i]) == waiting.end())
           waiting.push_back(peers[i]);
       }
@@ -287,6 +294,13 @@ class MpiRequest : public Request {
     peers_.reserve(n);
   }
 
+  // The length of a completed receive in bytes.
+  static int64_t ReceivedBytes(const MPI_Status& status) {
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    return bytes;
+  }
+
   // Receive counts of a reduce-scatter, read by MPI until completion.
   std::vector<int> counts;
 
@@ -309,11 +323,6 @@ class MpiRequest : public Request {
     if (lengths_.empty() || lengths_reported_) return;
     for (ptrdiff_t i = 0; i < receives_; ++i) lengths_[peers_[i]] = ReceivedBytes(statuses_[i]);
     lengths_reported_ = true;
-  }
-  static int64_t ReceivedBytes(const MPI_Status& status) {
-    int bytes = 0;
-    MPI_Get_count(&status, MPI_BYTE, &bytes);
-    return bytes;
   }
 
   bool timed_out_ = false;
@@ -676,18 +685,7 @@ class MpiCommunicator : public Communicator {
   Result<std::unique_ptr<Request>> StartCappedAlltoallv(const void* send, std::span<const int64_t> send_bytes,
                                                         std::span<const int64_t> send_offsets, void* recv,
                                                         int64_t capacity, std::span<int64_t> received_bytes) override {
-    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_bytes.size(), "capped alltoallv send sizes"));
-    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_offsets.size(), "capped alltoallv send offsets"));
-    EPMOE_RETURN_IF_ERROR(CheckRankCount(received_bytes.size(), "capped alltoallv received sizes"));
-    EPMOE_ASSIGN_OR_RETURN(const int cap, ToInt(capacity, "capped alltoallv capacity", rank_));
-    EPMOE_RETURN_IF_ERROR(CheckOffsets(send_offsets, "capped alltoallv send offset"));
-    for (int d = 0; d < size_; ++d) {
-      if (send_bytes[d] < 0 || send_bytes[d] > capacity)
-        return OutOfRange(
-            fmt::format("rank {}: capped alltoallv block of {} bytes for rank {} is outside the capacity "
-                        "of {} bytes per rank",
-                        rank_, send_bytes[d], d, capacity));
-    }
+    EPMOE_ASSIGN_OR_RETURN(const int cap, CheckCappedBlocks(send_bytes, send_offsets, received_bytes, capacity));
     auto request = NewRequest("capped alltoallv");
     char* const into = static_cast<char*>(recv);
     char* const from = const_cast<char*>(static_cast<const char*>(send));
@@ -702,11 +700,36 @@ class MpiCommunicator : public Communicator {
           return Block{from + send_offsets[peer], static_cast<int>(send_bytes[peer]), true};
         }));
     request->ReportReceivedBytes(received_bytes);
-    if (send_bytes[rank_] > 0)
-      std::memcpy(into + static_cast<int64_t>(rank_) * capacity, from + send_offsets[rank_],
-                  static_cast<size_t>(send_bytes[rank_]));
-    received_bytes[rank_] = send_bytes[rank_];
+    CopyOwnCappedBlock(send, send_bytes, send_offsets, recv, capacity, received_bytes);
     return std::unique_ptr<Request>(std::move(request));
+  }
+
+  Result<std::unique_ptr<CappedExchange>> CreateCappedExchange(void* recv, int64_t capacity) override;
+
+  // A capped exchange's blocks, one per rank, each within the capacity: the capacity as MPI's int.
+  Result<int> CheckCappedBlocks(std::span<const int64_t> send_bytes, std::span<const int64_t> send_offsets,
+                                std::span<const int64_t> received_bytes, int64_t capacity) const {
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_bytes.size(), "capped alltoallv send sizes"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(send_offsets.size(), "capped alltoallv send offsets"));
+    EPMOE_RETURN_IF_ERROR(CheckRankCount(received_bytes.size(), "capped alltoallv received sizes"));
+    EPMOE_ASSIGN_OR_RETURN(const int cap, ToInt(capacity, "capped alltoallv capacity", rank_));
+    EPMOE_RETURN_IF_ERROR(CheckOffsets(send_offsets, "capped alltoallv send offset"));
+    for (int d = 0; d < size_; ++d) {
+      if (send_bytes[d] < 0 || send_bytes[d] > capacity)
+        return OutOfRange(
+            fmt::format("rank {}: capped alltoallv block of {} bytes for rank {} is outside the capacity "
+                        "of {} bytes per rank",
+                        rank_, send_bytes[d], d, capacity));
+    }
+    return cap;
+  }
+  // This rank's own block of a capped exchange, copied (it never passes through MPI).
+  void CopyOwnCappedBlock(const void* send, std::span<const int64_t> send_bytes, std::span<const int64_t> send_offsets,
+                          void* recv, int64_t capacity, std::span<int64_t> received_bytes) const {
+    if (send_bytes[rank_] > 0)
+      std::memcpy(static_cast<char*>(recv) + static_cast<int64_t>(rank_) * capacity,
+                  static_cast<const char*>(send) + send_offsets[rank_], static_cast<size_t>(send_bytes[rank_]));
+    received_bytes[rank_] = send_bytes[rank_];
   }
 
   Status ExchangeCounts(std::span<const int64_t> send, std::span<int64_t> recv) override {
@@ -877,7 +900,222 @@ class MpiCommunicator : public Communicator {
   // Every rank's value of AllreduceMax / AllreduceSum. A member, not a local: the receives of an
   // exchange that timed out are abandoned, and a late peer's value may still land here.
   std::vector<int64_t> reduce_values_;
+  int next_capped_exchange_tag_ = kFirstCappedExchangeTag;  // CreateCappedExchange's next tag
 };
+
+// CappedExchange over MPI: one persistent receive (MPI_Recv_init) per peer into its block of the
+// buffer, started (MPI_Startall) by Rearm or the next Start; the sends are posted per exchange
+// (MPI_Send_init would fix a message's size, and a step's sizes vary). Receives started once per
+// exchange instead of posted per exchange: the receives of the next exchange are posted while this
+// rank still computes, so a peer's message finds its receive waiting.
+class MpiCappedExchange : public CappedExchange {
+ public:
+  MpiCappedExchange(const MpiCommunicator& owner, MPI_Comm messages, int tag, char* recv, int64_t capacity,
+                    double timeout_seconds, CommPeersPtr peers)
+      : owner_(owner),
+        messages_(messages),
+        rank_(owner.rank()),
+        size_(owner.size()),
+        tag_(tag),
+        recv_(recv),
+        capacity_(capacity),
+        timeout_seconds_(timeout_seconds),
+        peers_(std::move(peers)) {}
+  ~MpiCappedExchange() override { Release(); }
+
+  // Makes the persistent receives (none started).
+  Status Init(int cap) {
+    receives_.reserve(size_ - 1);
+    for (int i = 1; i < size_; ++i) {
+      const int peer = (rank_ + i) % size_;
+      receive_peers_.push_back(peer);
+      receives_.push_back(MPI_REQUEST_NULL);
+      EPMOE_RETURN_IF_ERROR(CheckMpi(MPI_Recv_init(recv_ + static_cast<int64_t>(peer) * capacity_, cap, MPI_BYTE, peer,
+                                                   tag_, messages_, &receives_.back()),
+                                     "MPI_Recv_init", rank_));
+    }
+    return Status::Ok();
+  }
+
+  Result<std::unique_ptr<Request>> Start(const void* send, std::span<const int64_t> send_bytes,
+                                         std::span<const int64_t> send_offsets,
+                                         std::span<int64_t> received_bytes) override {
+    EPMOE_RETURN_IF_ERROR(owner_.CheckCappedBlocks(send_bytes, send_offsets, received_bytes, capacity_).status());
+    EPMOE_RETURN_IF_ERROR(Arm());
+    auto sends = std::make_unique<MpiRequest>(kWhat, rank_, timeout_seconds_, peers_);
+    char* const from = const_cast<char*>(static_cast<const char*>(send));
+    EPMOE_RETURN_IF_ERROR(PostMessages(
+        messages_, rank_, size_, tag_, *sends, [](int) { return Block{}; },
+        [&](int peer) {
+          return Block{from + send_offsets[peer], static_cast<int>(send_bytes[peer]), true};
+        }));
+    owner_.CopyOwnCappedBlock(send, send_bytes, send_offsets, recv_, capacity_, received_bytes);
+    lengths_ = received_bytes;
+    state_ = receives_.empty() ? State::kReceived : State::kReceiving;  // alone: nothing to receive
+    ++exchange_;
+    return std::unique_ptr<Request>(new ExchangeRequest(this, exchange_, std::move(sends)));
+  }
+
+  Status Rearm() override {
+    if (state_ == State::kReceiving)
+      return FailedPrecondition(
+          fmt::format("rank {}: {}: re-armed before the last exchange's receiving side completed", rank_, kWhat));
+    return Arm();
+  }
+
+ private:
+  static constexpr const char* kWhat = "capped alltoallv (pre-posted receives)";
+  enum class State {
+    kIdle,       // receives not started
+    kArmed,      // receives started, no exchange yet
+    kReceiving,  // an exchange started, its receiving side not complete
+    kReceived,   // its receiving side complete, the buffer not handed back yet
+    kAbandoned,  // a wait timed out: the receives are left to the transport
+  };
+
+  // One exchange's request: its sends, and the exchange's receives while they are this exchange's.
+  class ExchangeRequest : public Request {
+   public:
+    ExchangeRequest(MpiCappedExchange* exchange, int64_t number, std::unique_ptr<MpiRequest> sends)
+        : exchange_(exchange), number_(number), sends_(std::move(sends)) {}
+    Status WaitReceived() override { return exchange_->WaitReceived(number_); }
+    Result<std::vector<int>> WaitSomeReceived() override { return exchange_->WaitSomeReceived(number_); }
+    Status Wait() override {
+      EPMOE_RETURN_IF_ERROR(WaitReceived());
+      return sends_->Wait();
+    }
+    bool Test() override { return exchange_->TestReceived(number_) && sends_->Test(); }
+
+   private:
+    MpiCappedExchange* exchange_;
+    int64_t number_;  // which of the exchange's exchanges this is
+    std::unique_ptr<MpiRequest> sends_;
+  };
+
+  Status Arm() {
+    switch (state_) {
+      case State::kArmed: return Status::Ok();
+      case State::kReceiving:
+        return FailedPrecondition(
+            fmt::format("rank {}: {} started before the last exchange's receiving side completed", rank_, kWhat));
+      case State::kAbandoned:
+        return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+      case State::kIdle:
+      case State::kReceived: break;
+    }
+    if (!receives_.empty())
+      EPMOE_RETURN_IF_ERROR(
+          CheckMpi(MPI_Startall(static_cast<int>(receives_.size()), receives_.data()), "MPI_Startall", rank_));
+    waiting_peers_ = receive_peers_;
+    state_ = State::kArmed;
+    return Status::Ok();
+  }
+
+  // Completes the receiving side of exchange `number` (a later exchange's receives are not its).
+  Status WaitReceived(int64_t number) {
+    if (state_ == State::kAbandoned)
+      return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+    if (number != exchange_ || state_ != State::kReceiving) return Status::Ok();
+    return Land(nullptr);
+  }
+  // Waits until at least one more peer's block of exchange `number` has landed and returns those
+  // peers (none once every block has).
+  Result<std::vector<int>> WaitSomeReceived(int64_t number) {
+    if (state_ == State::kAbandoned)
+      return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+    if (number != exchange_ || state_ != State::kReceiving) return std::vector<int>();
+    std::vector<int> some;
+    EPMOE_RETURN_IF_ERROR(Land(&some));
+    std::vector<int> ranks;
+    for (int i : some) ranks.push_back(receive_peers_[i]);
+    return ranks;
+  }
+  // Waits for the receives that have not landed: all of them, or (some not null) until at least
+  // one has, appending those. Notes the length of each that lands.
+  Status Land(std::vector<int>* some) {
+    std::vector<MPI_Status> statuses(receives_.size());
+    std::vector<int> completed;
+    // The landed receives are inactive (persistent), not null: their peers are not named.
+    const Status status = WaitAll(receives_, waiting_peers_, timeout_seconds_, kWhat, rank_, peers_.get(), statuses,
+                                  some != nullptr ? &completed : nullptr);
+    if (status.code() == StatusCode::kUnavailable) state_ = State::kAbandoned;
+    EPMOE_RETURN_IF_ERROR(status);
+    for (size_t i = 0; i < receives_.size(); ++i) {
+      const bool landed_now = some == nullptr || std::find(completed.begin(), completed.end(), i) != completed.end();
+      if (waiting_peers_[i] < 0 || !landed_now) continue;
+      NoteLanded(i, statuses[i]);
+      if (some != nullptr) some->push_back(static_cast<int>(i));
+    }
+    if (std::all_of(waiting_peers_.begin(), waiting_peers_.end(), [](int peer) { return peer < 0; }))
+      state_ = State::kReceived;
+    return Status::Ok();
+  }
+  bool TestReceived(int64_t number) {
+    if (number != exchange_ || state_ != State::kReceiving) return state_ != State::kAbandoned;
+    std::vector<MPI_Status> statuses(receives_.size());
+    int done = 0;
+    MPI_Testall(static_cast<int>(receives_.size()), receives_.data(), &done, statuses.data());
+    if (!done) return false;
+    for (size_t i = 0; i < receives_.size(); ++i) {
+      if (waiting_peers_[i] >= 0) NoteLanded(i, statuses[i]);
+    }
+    state_ = State::kReceived;
+    return true;
+  }
+  void NoteLanded(size_t i, const MPI_Status& status) {
+    lengths_[receive_peers_[i]] = MpiRequest::ReceivedBytes(status);
+    waiting_peers_[i] = -1;
+  }
+
+  // Cancels the receives still posted, waits (bounded) until they are cancelled or complete, and
+  // frees them; after a timeout they are abandoned (the buffer stays the transport's).
+  void Release() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized || state_ == State::kAbandoned || peers_->timed_out.load(std::memory_order_relaxed)) return;
+    if (state_ == State::kArmed || state_ == State::kReceiving) {
+      for (MPI_Request& receive : receives_) {
+        // A receive that completed is inactive (persistent) and must not be cancelled.
+        int complete = 0;
+        MPI_Request_get_status(receive, &complete, MPI_STATUS_IGNORE);
+        if (!complete) MPI_Cancel(&receive);
+      }
+      if (!WaitAll(receives_, receive_peers_, timeout_seconds_, kWhat, rank_, peers_.get()).ok()) return;
+    }
+    for (MPI_Request& receive : receives_) {
+      if (receive != MPI_REQUEST_NULL) MPI_Request_free(&receive);
+    }
+  }
+
+  const MpiCommunicator& owner_;
+  MPI_Comm messages_;
+  int rank_, size_, tag_;
+  char* recv_;
+  int64_t capacity_;
+  double timeout_seconds_;
+  CommPeersPtr peers_;
+  std::vector<MPI_Request> receives_;  // persistent, one per peer
+  std::vector<int> receive_peers_;     // the peer of each receive
+  std::vector<int> waiting_peers_;     // the peer of each receive not landed yet, -1 once landed
+  std::span<int64_t> lengths_;         // the last Start's received_bytes
+  State state_ = State::kIdle;
+  int64_t exchange_ = 0;  // exchanges started so far
+};
+
+Result<std::unique_ptr<CappedExchange>> MpiCommunicator::CreateCappedExchange(void* recv, int64_t capacity) {
+  EPMOE_ASSIGN_OR_RETURN(const int cap, ToInt(capacity, "capped exchange capacity", rank_));
+  if (recv == nullptr && capacity > 0)
+    return InvalidArgument(
+        fmt::format("rank {}: capped exchange of {} bytes per rank has no receive buffer", rank_, capacity));
+  if (next_capped_exchange_tag_ > kLastCappedExchangeTag)
+    return OutOfRange(fmt::format("rank {}: more than {} capped exchanges made on one communicator", rank_,
+                                  kLastCappedExchangeTag - kFirstCappedExchangeTag + 1));
+  auto exchange =
+      std::make_unique<MpiCappedExchange>(*this, messages_, next_capped_exchange_tag_++, static_cast<char*>(recv),
+                                          capacity, options_.timeout_seconds, peers_);
+  EPMOE_RETURN_IF_ERROR(exchange->Init(cap));
+  return std::unique_ptr<CappedExchange>(std::move(exchange));
+}
 
 void FinalizeMpiAtExit() {
   int finalized = 0;
