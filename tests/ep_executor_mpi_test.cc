@@ -902,6 +902,42 @@ TEST(Executor, A2aTwoLevelMatchesTheSingleProcessLayer) {
 
 // Redundant copies (the dispatch table deals picks over them), and skew under a small bound: the
 // step runs in rounds, gateways' forwarding buffers within the bound too.
+// Two levels with single-batch overlap: the direct records run while the forwarded ones travel
+// when they hold enough picks (24 rows per rank that all pick experts 0..3, rank 0's: its node's
+// ranks send it direct records), bit for bit the single-process layer, with and without partial
+// sums and in rounds; with several nodes the experts of rank 0 are then read once more than
+// without overlap.
+TEST(Executor, A2aTwoLevelSingleBatchOverlapRunsDirectRecordsFirst) {
+  const int g = World().size();
+  const ModelConfig model = TinyModel(1);
+  const Picks skew = SamePicksEveryRow(model, 24 * g, 1);
+  for (int ranks_per_node : {1, 2, 4}) {
+    Communicator& nodes = Nodes(ranks_per_node);
+    for (bool partial : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} ranks per node{}", ranks_per_node, partial ? ", partial sums" : ""));
+      Case plain;
+      plain.levels = A2aLevels::kTwoLevel;
+      plain.comm = &nodes;
+      plain.partial_sums = partial;
+      Case overlapped = plain;
+      overlapped.single_batch_overlap = true;
+      const StepStats without = RunAndCheck(plain, EvenishRows(24 * g), &skew, 1);
+      const StepStats with = RunAndCheck(overlapped, EvenishRows(24 * g), &skew, 1);
+      RunAndCheck(overlapped, EvenishRows(3 * g + 1), nullptr, 1);
+      if (World().rank() == 0 && nodes.num_nodes() > 1) {  // on one node nothing is forwarded
+        EXPECT_GT(with.expert_bytes_read, without.expert_bytes_read);
+      }
+    }
+  }
+  if (g == 1) return;  // nothing travels: one round
+  Case rounds;
+  rounds.levels = A2aLevels::kTwoLevel;
+  rounds.comm = &Nodes(2);
+  rounds.single_batch_overlap = true;
+  rounds.max_buffer_bytes = 64 * 1024 + g * 8 * 1024;
+  ExpectRoundsWithinTheBound(rounds, skew);
+}
+
 TEST(Executor, A2aTwoLevelRedundantSlotsAndRounds) {
   const int g = World().size();
   const ModelConfig model = TinyModel(1);

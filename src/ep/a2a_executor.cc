@@ -26,8 +26,9 @@
 // is flat only, as DeepEP's: it never forwards through a gateway (ResolveA2aLevels).
 // Single-batch overlap (ExecutorOptions::single_batch_overlap) runs the shared expert once the
 // dispatch is started, then (RunAsTheyLand, flat) this rank's own records and each rank's as they
-// land (Request::WaitSomeReceived), in groups, while the rest is in flight; a group runs early only
-// with enough picks per slot to be worth reading the experts' weights again (kEarlyPicksPerSlot).
+// land (Request::WaitSomeReceived), in groups, while the rest is in flight; with two levels the
+// direct records run while the forwarded ones travel (TwoLevelRound). A group runs early only with
+// enough picks per slot to be worth reading the experts' weights again (kEarlyPicksPerSlot).
 // ExecutorOptions::a2a_progress says what moves the exchanges on while the rank computes (its
 // waits only, polls between its compute loops' chunks, or a thread: DriveProgress).
 // Each exchange waits only for what this rank receives (Request::WaitReceived): a rank that arrives
@@ -986,21 +987,61 @@ class A2aExecutor : public MoeExecutor {
       at += recv_bytes[s];
     }
     EPMOE_CHECK(at <= forward_recv_.capacity());
-    EPMOE_RETURN_IF_ERROR(
-        comm_.Alltoallv(forward_send_.data(), send_bytes, forward_offsets_, forward_recv_.data(), recv_bytes, recv_at));
-    st->dispatch_us += watch.Lap();
+    EPMOE_ASSIGN_OR_RETURN(std::unique_ptr<Request> forwarding,
+                           comm_.StartAlltoallv(forward_send_.data(), send_bytes, forward_offsets_,
+                                                forward_recv_.data(), recv_bytes, recv_at));
     AddExchangeBytes(comm_, send_bytes, recv_bytes, st);
 
     // Expert side: the direct records of each rank of this node, then the records each gateway of
-    // this node forwarded (this rank's own read where they were packed).
+    // this node forwarded (this rank's own read where they were packed). With single-batch overlap
+    // the direct records run while the forwarded ones travel, when they hold enough picks to be
+    // worth reading the experts' weights twice (as RunAsTheyLand's groups).
     std::vector<Batch> batches(2 * m);
+    int64_t direct_picks = 0;
     for (size_t i = 0; i < m; ++i) {
       const int s = members[i];
       batches[i] = {s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s], recv_n[s], s};
       batches[m + i] = {s == me ? forward_send_.data() + forward_offsets_[me] : forward_recv_.data() + recv_at[s],
                         forward_in[s], s};
+      direct_picks += PicksHere(batches[i]);
     }
-    EPMOE_RETURN_IF_ERROR(RunBatches(store, batches, st, watch));
+    // Home: direct outputs to the ranks of this node (batch first + i of `run`, the last records
+    // run), gateway outputs to the ranks whose node records came here (one per pick of this node,
+    // unchanged, or one summed row per record, packed by PackGatewayOutputs).
+    std::vector<int64_t> home_bytes(g, 0), home_at(g, 0);
+    const auto encode_direct = [&](std::span<const Batch> run, size_t first) -> Status {
+      int64_t home = 0;
+      for (int s = 0; s < g; ++s) {
+        home_at[s] = home;
+        home_bytes[s] = 0;
+        if (comm_.node_of(s) != node) {
+          home_bytes[s] = gateway_outputs_[s] * return_bytes_;
+        } else if (s != me) {
+          home_bytes[s] = BatchOutputs(run, first + node_index_[s]) * return_bytes_;
+        }
+        home += home_bytes[s];
+      }
+      EPMOE_CHECK(home <= back_send_.capacity());
+      EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
+      for (size_t i = 0; i < m; ++i) {
+        const int s = members[i];
+        EncodeOutputs(run, first + i, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + home_at[s]);
+      }
+      st->pack_us += watch.Lap();
+      return Status::Ok();
+    };
+    const std::span<const Batch> all(batches);
+    const bool early = options_.single_batch_overlap && direct_picks >= kEarlyPicksPerSlot * slots_;
+    if (early) {
+      EPMOE_RETURN_IF_ERROR(RunBatches(store, all.first(m), st, watch));
+      EPMOE_RETURN_IF_ERROR(encode_direct(all.first(m), 0));
+    }
+    EPMOE_RETURN_IF_ERROR(forwarding->Wait());
+    st->dispatch_us += watch.Lap();
+    // The forwarded records are batch forwarded_first + i of `forwarded_run`.
+    const std::span<const Batch> forwarded_run = early ? all.subspan(m) : all;
+    const size_t forwarded_first = early ? 0 : m;
+    EPMOE_RETURN_IF_ERROR(RunBatches(store, forwarded_run, st, watch));
 
     // Forwarded records' outputs back to their gateways (this rank's own straight where they land).
     std::vector<int64_t> back_bytes(g, 0), back_at(g, 0), returned_bytes(g, 0);
@@ -1008,15 +1049,15 @@ class A2aExecutor : public MoeExecutor {
     for (size_t i = 0; i < m; ++i) {
       const int gw = members[i];
       back_at[gw] = at;
-      if (gw != me) back_bytes[gw] = BatchOutputs(batches, m + i) * return_bytes_;
+      if (gw != me) back_bytes[gw] = BatchOutputs(forwarded_run, forwarded_first + i) * return_bytes_;
       if (gw != me) returned_bytes[gw] = forward_outputs_[gw] * return_bytes_;
       at += back_bytes[gw];
     }
-    EPMOE_CHECK(BatchOutputs(batches, m + node_index_[me]) == forward_outputs_[me]);
+    EPMOE_CHECK(BatchOutputs(forwarded_run, forwarded_first + node_index_[me]) == forward_outputs_[me]);
     for (size_t i = 0; i < m; ++i) {
       const int gw = members[i];
       EncodeOutputs(
-          batches, m + i,
+          forwarded_run, forwarded_first + i,
           gw == me ? forward_returns_.data() + forward_return_region_[me] : forward_back_.data() + back_at[gw]);
     }
     st->pack_us += watch.Lap();
@@ -1025,28 +1066,12 @@ class A2aExecutor : public MoeExecutor {
     st->combine_us += watch.Lap();
     AddExchangeBytes(comm_, back_bytes, returned_bytes, st);
 
-    // Home: direct outputs to the ranks of this node, gateway outputs to the ranks whose node
-    // records came here (one per pick of this node, unchanged, or one summed row per record).
-    at = 0;
-    for (int s = 0; s < g; ++s) {
-      back_at[s] = at;
-      back_bytes[s] = 0;
-      if (comm_.node_of(s) != node) {
-        back_bytes[s] = gateway_outputs_[s] * return_bytes_;
-      } else if (s != me) {
-        back_bytes[s] = BatchOutputs(batches, node_index_[s]) * return_bytes_;
-      }
-      at += back_bytes[s];
+    if (!early) {
+      EPMOE_RETURN_IF_ERROR(encode_direct(all, 0));
     }
-    EPMOE_CHECK(at <= back_send_.capacity());
-    EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
-    for (size_t i = 0; i < m; ++i) {
-      const int s = members[i];
-      EncodeOutputs(batches, i, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + back_at[s]);
-    }
-    PackGatewayOutputs(node_records, back_at);
+    PackGatewayOutputs(node_records, home_at);
     st->pack_us += watch.Lap();
-    return SendOutputsHome(back_bytes, back_at, st, watch);
+    return SendOutputsHome(home_bytes, home_at, st, watch);
   }
 
   // The round's last exchange: the outputs encoded in back_send_ (back_bytes[s] at back_at[s] for
