@@ -41,7 +41,8 @@ VARIANTS = {
     "flat+tbo": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--tbo"],
     "flat+sbo": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--sbo"],
     "two-level+tbo": ["--a2a-levels", "two-level", "--a2a-mode", "normal", "--tbo"],
-    # What drives the exchanges' progress while a rank computes (not in the default list).
+    # Not in the default list: SBO with two levels, and what drives the exchanges' progress.
+    "two-level+sbo": ["--a2a-levels", "two-level", "--a2a-mode", "normal", "--sbo"],
     "flat+poll": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--a2a-progress", "poll"],
     "flat+thread": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--a2a-progress", "thread"],
     "flat+sbo+poll": ["--a2a-levels", "flat", "--a2a-mode", "normal", "--sbo", "--a2a-progress", "poll"],

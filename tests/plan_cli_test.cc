@@ -160,10 +160,12 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
               " --gpus 2 --batch 64 --weights int8 --samples 2 --format json");
   ASSERT_EQ(run.exit_code, 0) << run.out;
 
+  // Two large sizes (1 and 4 MB), so that a small all-gather stalled on loaded cores does not
+  // leave every large one looking no slower (calibrate refuses that measurement).
   run = epmoe::testing::RunCommand(
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
       "mpirun --oversubscribe --bind-to none -np 2 " +
-      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --base " + machine + " --out " +
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 4194304 --base " + machine + " --out " +
       linked);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   std::ifstream linked_in(linked);
@@ -181,7 +183,7 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   const std::string mpirun =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
       "mpirun --oversubscribe --bind-to none -np 2 " +
-      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --base " + linked;
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 4194304 --base " + linked;
   run = epmoe::testing::RunCommand(mpirun + " --ranks-per-node 1 --link-gbit 1000 --out " + cluster);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   std::ifstream cluster_in(cluster);
@@ -201,7 +203,7 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   run = epmoe::testing::RunCommand(
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 "
       "mpirun --oversubscribe --bind-to none -np 4 " +
-      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 1048576 --ranks-per-node 2 --base " +
+      epmoe::testing::EpmoeBinary() + " calibrate --links --max-link-bytes 4194304 --ranks-per-node 2 --base " +
       linked + " --out " + four);
   ASSERT_EQ(run.exit_code, 0) << run.out;
   std::ifstream four_in(four);
