@@ -718,7 +718,7 @@ TEST(Executor, A2aSingleBatchOverlapRunsRecordsAsTheyLand) {
   }
   Case rounds;
   rounds.single_batch_overlap = true;
-  rounds.max_buffer_bytes = 12 * 1024 + g * 4 * 1024;  // a few rows per rank at a time
+  rounds.max_buffer_bytes = 12 * 1024 + g * 4 * 1024;                      // a few rows per rank at a time
   ExpectRoundsWithinTheBound(rounds, SamePicksEveryRow(model, 6 * g, 1));  // one rank receives everything
 }
 

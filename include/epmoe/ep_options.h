@@ -42,7 +42,7 @@ inline constexpr int64_t kAutoLowLatencyMaxRows = 512;
 // (ThreadPool::set_between_chunks); thread: a thread of the rank drives it all through the layer
 // (needs MPI_THREAD_MULTIPLE).
 enum class A2aProgress { kWait, kPoll, kThread };
-const char* A2aProgressName(A2aProgress progress);                // "wait", "poll", "thread"
+const char* A2aProgressName(A2aProgress progress);  // "wait", "poll", "thread"
 Result<A2aProgress> ParseA2aProgress(std::string_view name);
 
 enum class RowOrigin { kDataParallel, kTensorParallel };

@@ -60,8 +60,8 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
-#include <thread>
 #include <memory>
+#include <thread>
 
 #include "ep/executor_internal.h"
 #include "ep/scratch_buffer.h"
@@ -733,8 +733,8 @@ class A2aExecutor : public MoeExecutor {
     if (n <= bound) batches[me] = {send_.data() + send_offsets_[me], send_n_[me], me};
     const auto landed = [&](int s) -> Status {
       if (received_bytes_[s] < kHeaderBytes)
-        return Internal(fmt::format("a2a low-latency: rank {} received {} bytes from rank {}, less than its header",
-                                    me, received_bytes_[s], s));
+        return Internal(fmt::format("a2a low-latency: rank {} received {} bytes from rank {}, less than its header", me,
+                                    received_bytes_[s], s));
       int64_t home_rows = 0;
       std::memcpy(&home_rows, recv_.data() + s * message_bytes_, kHeaderBytes);
       if (home_rows > bound) over.emplace_back(s, home_rows);
@@ -850,7 +850,6 @@ class A2aExecutor : public MoeExecutor {
     }
     return picks;
   }
-
 
   // Expert side of a round: groups the picks of the batches' records by local slot (counting
   // sort), decodes each record's row once into the kernel's input format (QuantizeRows) and copies
@@ -1025,7 +1024,8 @@ class A2aExecutor : public MoeExecutor {
       EPMOE_RETURN_IF_ERROR(FinishCombineSends(st, watch));
       for (size_t i = 0; i < m; ++i) {
         const int s = members[i];
-        EncodeOutputs(run, first + i, s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + home_at[s]);
+        EncodeOutputs(run, first + i,
+                      s == me ? returns_.data() + back_recv_offsets_[me] : back_send_.data() + home_at[s]);
       }
       st->pack_us += watch.Lap();
       return Status::Ok();
@@ -1298,7 +1298,7 @@ class A2aExecutor : public MoeExecutor {
   std::vector<int64_t> region_;                    // per destination: where its returns start
   std::vector<int64_t> send_n_, send_bytes_, send_offsets_;     // this round's records per destination
   std::vector<int64_t> back_recv_bytes_, back_recv_offsets_;    // this round's returns per destination
-  std::vector<int64_t> back_bytes_, back_at_;  // this round's outputs going back, per source (RunAsTheyLand)
+  std::vector<int64_t> back_bytes_, back_at_;      // this round's outputs going back, per source (RunAsTheyLand)
   std::vector<int64_t> position_;                  // per received pick: its row in the expert-ordered input
   std::vector<int64_t> batch_first_, slot_offsets_;  // per batch: its first record; per slot: its first row
   // Two levels, per rank of this node: records forwarded there and where they start in

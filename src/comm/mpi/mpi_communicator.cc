@@ -249,10 +249,10 @@ class MpiRequest : public Request {
     if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
     const auto n = static_cast<size_t>(receives_);
     std::vector<int> completed;
-    Status status = WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n),
-                            timeout_seconds_, what_, rank_, comm_.get(),
-                            lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n),
-                            &completed);
+    Status status =
+        WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n), timeout_seconds_,
+                what_, rank_, comm_.get(),
+                lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n), &completed);
     if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
     EPMOE_RETURN_IF_ERROR(status);
     std::vector<int> ranks;
