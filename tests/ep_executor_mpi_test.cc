@@ -107,12 +107,6 @@ Matrix Expected(const ModelConfig& model, int layer, const Matrix& rows, const P
   return out;
 }
 
-Matrix RowsOf(const Matrix& all, int64_t first, int64_t count) {
-  Matrix m(count, all.cols);
-  std::copy(all.row(first), all.row(first) + count * all.cols, m.data.begin());
-  return m;
-}
-
 Picks PicksOf(const Picks& all, int64_t first, int64_t count) {
   const int k = all.k;
   return Picks{count, k, std::vector<int32_t>(all.experts.begin() + first * k, all.experts.begin() + (first + count) * k),
@@ -213,11 +207,11 @@ StepStats RunAndCheck(const Case& c, const std::vector<int64_t>& row_counts, con
       if (tensor_parallel) {
         status = (*executor)->Forward(layer, all_rows, all_picks, &out, &stats);
       } else {
-        status = (*executor)->Forward(layer, RowsOf(all_rows, first, row_counts[me]), PicksOf(all_picks, first, row_counts[me]),
+        status = (*executor)->Forward(layer, RowSlice(all_rows, first, row_counts[me]), PicksOf(all_picks, first, row_counts[me]),
                                       &out, &stats);
       }
       EXPECT_TRUE(status.ok()) << status.ToString();
-      const Matrix want = tensor_parallel ? expected : RowsOf(expected, first, row_counts[me]);
+      const Matrix want = tensor_parallel ? expected : RowSlice(expected, first, row_counts[me]);
       EXPECT_EQ(out.rows, want.rows);
       if (out.rows != want.rows) continue;
       if (Exact(c)) {
@@ -618,7 +612,7 @@ void ExpectStepOverTheBoundFailsOnEveryRank(const Case& c) {
   Matrix out;
   // Twice in a row: the dispatch's receives, posted ahead, are posted again by the next step.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    const Status over = (*executor)->Forward(0, RowsOf(all_rows, first, counts[me]),
+    const Status over = (*executor)->Forward(0, RowSlice(all_rows, first, counts[me]),
                                              PicksOf(all_picks, first, counts[me]), &out, nullptr);
     EXPECT_EQ(over.code(), StatusCode::kOutOfRange) << over.ToString();
     EXPECT_NE(over.message().find("rank " + std::to_string(g - 1) + " has 3 rows this step, over the 2 rows per rank"),
@@ -632,10 +626,10 @@ void ExpectStepOverTheBoundFailsOnEveryRank(const Case& c) {
     const Matrix rows = SyntheticRows(kSeed, model, step, 0, g);
     const Picks picks = UniformPicks(model, g, kSeed + step);
     ASSERT_TRUE((*executor)
-                    ->Forward(0, RowsOf(rows, first, within[me]), PicksOf(picks, first, within[me]), &out, nullptr)
+                    ->Forward(0, RowSlice(rows, first, within[me]), PicksOf(picks, first, within[me]), &out, nullptr)
                     .ok());
     const Matrix expected = Expected(model, 0, rows, picks, RowFormat::kFp32, false);
-    EXPECT_EQ(out.data, RowsOf(expected, first, within[me]).data) << "step " << step;
+    EXPECT_EQ(out.data, RowSlice(expected, first, within[me]).data) << "step " << step;
   }
   EXPECT_TRUE((*executor)->Close().ok());
 }
@@ -841,10 +835,10 @@ TEST(Executor, A2aLaneRunsItsExecutorsExchange) {
     const Picks all_picks = UniformPicks(model, 3 * g + 1, kSeed);
     Matrix out;
     const Status status =
-        (*lane)->Forward(1, RowsOf(all_rows, first, rows[me]), PicksOf(all_picks, first, rows[me]), &out, nullptr);
+        (*lane)->Forward(1, RowSlice(all_rows, first, rows[me]), PicksOf(all_picks, first, rows[me]), &out, nullptr);
     ASSERT_TRUE(status.ok()) << status.ToString();
     const Matrix expected = Expected(model, 1, all_rows, all_picks, RowFormat::kFp32, false);
-    EXPECT_EQ(out.data, RowsOf(expected, first, rows[me]).data);
+    EXPECT_EQ(out.data, RowSlice(expected, first, rows[me]).data);
     EXPECT_TRUE((*lane)->Close().ok());
     EXPECT_TRUE((*executor)->Close().ok());
   }
@@ -1125,7 +1119,7 @@ TEST(Executor, MemoryEstimateMatchesWhatTheExecutorHolds) {
       Matrix out;
       StepStats stats;
       const Status status =
-          (*executor)->Forward(0, RowsOf(all_rows, first, rows), PicksOf(all_picks, first, rows), &out, &stats);
+          (*executor)->Forward(0, RowSlice(all_rows, first, rows), PicksOf(all_picks, first, rows), &out, &stats);
       ASSERT_TRUE(status.ok()) << status.ToString();
       if (option == EpOption::kDwdp) {
         EXPECT_EQ(estimate.exchange, 0);  // rows stay; its double buffer is among the weights
