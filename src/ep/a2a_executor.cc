@@ -791,7 +791,7 @@ class A2aExecutor : public MoeExecutor {
       if (s != me && landed) EPMOE_RETURN_IF_ERROR(landed(s));
       done[s] = 1;
       group.push_back(s);
-      group_picks += PicksHere(batches[s]);
+      if (options_.single_batch_overlap) group_picks += PicksHere(batches[s]);  // only overlap runs groups early
       return Status::Ok();
     };
     if (options_.single_batch_overlap) {
@@ -1002,7 +1002,7 @@ class A2aExecutor : public MoeExecutor {
       batches[i] = {s == me ? send_.data() + send_offsets_[me] : recv_.data() + recv_offsets[s], recv_n[s], s};
       batches[m + i] = {s == me ? forward_send_.data() + forward_offsets_[me] : forward_recv_.data() + recv_at[s],
                         forward_in[s], s};
-      direct_picks += PicksHere(batches[i]);
+      if (options_.single_batch_overlap) direct_picks += PicksHere(batches[i]);
     }
     // Home: direct outputs to the ranks of this node (batch first + i of `run`, the last records
     // run), gateway outputs to the ranks whose node records came here (one per pick of this node,
