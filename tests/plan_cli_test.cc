@@ -215,6 +215,8 @@ TEST(PlanCliTest, CalibrateWritesAProfileThePlannerLoads) {
   EXPECT_GT(f["inter_node"]["exchange_latency_us"].get<double>(), 0);
   const std::string notes = f["sources"].dump();
   EXPECT_NE(notes.find("intra_node among the ranks of each node: fixed cost"), std::string::npos) << notes;
+  // Between nodes the bandwidth comes from every rank sending to every rank of the other nodes at once.
+  EXPECT_NE(notes.find("of the other nodes at once, an alltoallv"), std::string::npos) << notes;
   EXPECT_NE(notes.find("4 ranks on 2 nodes"), std::string::npos) << notes;
   // A link measured faster than --link-gbit is not that link; --link-gbit on one node has no link.
   run = epmoe::testing::RunCommand(mpirun + " --ranks-per-node 1 --link-gbit 0.001");

@@ -293,20 +293,22 @@ struct LinkMeasure {
 };
 
 // A small all-gather gives the fixed cost, large ones the bandwidth of the bytes each rank sends to
-// its peers; one-sided reads (DWDP's fetches) of the next rank's window at the same sizes can run
-// at another rate.
-Result<LinkMeasure> MeasureLink(Communicator& comm, const CalibrateFlags& f) {
+// its peers (unless `all_gather_bandwidth` is false: the caller measures it another way); one-sided
+// reads (DWDP's fetches) of the next rank's window at the same sizes can run at another rate.
+Result<LinkMeasure> MeasureLink(Communicator& comm, const CalibrateFlags& f, bool all_gather_bandwidth = true) {
   const int g = comm.size();
   LinkMeasure link;
   EPMOE_ASSIGN_OR_RETURN(link.latency_us, TimeAllgather(comm, 64, 50));
-  std::vector<double> rates;
-  for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
-    EPMOE_ASSIGN_OR_RETURN(double us, TimeAllgather(comm, bytes, 5));
-    const double moved = static_cast<double>(bytes) * (g - 1);
-    if (us > link.latency_us) rates.push_back(moved / ((us - link.latency_us) * 1e3));  // GB/s
+  if (all_gather_bandwidth) {
+    std::vector<double> rates;
+    for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
+      EPMOE_ASSIGN_OR_RETURN(double us, TimeAllgather(comm, bytes, 5));
+      const double moved = static_cast<double>(bytes) * (g - 1);
+      if (us > link.latency_us) rates.push_back(moved / ((us - link.latency_us) * 1e3));  // GB/s
+    }
+    if (rates.empty()) return Internal("calibrate: the large all-gathers were not slower than the small one");
+    link.bandwidth_gbs = Median(rates);
   }
-  if (rates.empty()) return Internal("calibrate: the large all-gathers were not slower than the small one");
-  link.bandwidth_gbs = Median(rates);
   std::vector<double> read_rates;
   for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
     Result<double> us = TimeWindowRead(comm, bytes, 5);
@@ -342,6 +344,39 @@ Result<std::optional<LinkMeasure>> SlowestLink(Communicator& world, bool measure
     slowest->one_sided_gbs = std::min(slowest->one_sided_gbs, m.one_sided_gbs);
   }
   return slowest;
+}
+
+// Per-rank bandwidth between nodes as a flat dispatch uses it: every rank sends `bytes` to every
+// rank on the other nodes, all at once (one alltoallv over all ranks, no bytes inside a node), so
+// a node's ranks share its link with as many flows as a step has. Median over 1 MB..--max-link-bytes
+// per peer of the bytes a rank sends / (the slowest rank's time - the step's fixed cost
+// `exchange_us`), in GB/s. (All-gathers among the ranks of one local index, one flow per node pair,
+// reached 0.55 of a 1 Gbit/s link shared by 2 ranks per node where this pattern and a2a's steps
+// reached about 0.8.)
+Result<double> InterNodeExchangeBandwidth(Communicator& comm, const CalibrateFlags& f, int largest_node,
+                                          double exchange_us) {
+  const int g = comm.size();
+  const int my_node = comm.node_of(comm.rank());
+  int remote_ranks = 0;
+  for (int r = 0; r < g; ++r) remote_ranks += comm.node_of(r) != my_node;
+  std::vector<double> rates;
+  for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
+    std::vector<int64_t> sizes(g, 0);
+    for (int r = 0; r < g; ++r)
+      if (comm.node_of(r) != my_node) sizes[r] = bytes;
+    const std::vector<int64_t> offsets = PrefixOffsets(sizes);
+    const auto at = std::span(offsets).first(g);
+    std::vector<uint8_t> send(bytes * remote_ranks, 1), recv(bytes * remote_ranks);
+    EPMOE_ASSIGN_OR_RETURN(double us, TimeSlowestRank(comm, 5, [&] {
+                             return comm.Alltoallv(send.data(), sizes, at, recv.data(), sizes, at);
+                           }));
+    // With unequal nodes, the slowest rank's time over the fewest bytes a rank sends (a rank of
+    // the largest node's) keeps the figure a lower bound.
+    const double sent = static_cast<double>(bytes) * (g - largest_node);
+    if (us > exchange_us) rates.push_back(sent / ((us - exchange_us) * 1e3));
+  }
+  if (rates.empty()) return Internal("calibrate: the large exchanges between nodes were not slower than the small one");
+  return Median(rates);
 }
 
 // This machine's identity (the kernel's boot id, else the host name) as a number: ranks with the
@@ -423,9 +458,9 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   }
   EPMOE_ASSIGN_OR_RETURN(const std::optional<LinkMeasure> slowest_intra, SlowestLink(comm, node->size() > 1, intra));
   if (across->size() > 1) {
-    EPMOE_ASSIGN_OR_RETURN(inter, MeasureLink(*across, f));
+    EPMOE_ASSIGN_OR_RETURN(inter, MeasureLink(*across, f, /*all_gather_bandwidth=*/false));
   }
-  EPMOE_ASSIGN_OR_RETURN(const std::optional<LinkMeasure> slowest_inter, SlowestLink(comm, across->size() > 1, inter));
+  EPMOE_ASSIGN_OR_RETURN(std::optional<LinkMeasure> slowest_inter, SlowestLink(comm, across->size() > 1, inter));
   EPMOE_CHECK(slowest_inter.has_value());  // several nodes: local index 0 is on every one
   // The all-to-all step's fixed cost: among each node's ranks (two-level's forwarding, the slowest
   // node's), and among all ranks at once (a flat dispatch or combine across the nodes).
@@ -436,6 +471,8 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   EPMOE_ASSIGN_OR_RETURN(const int64_t slowest_node_exchange_ns,
                          comm.AllreduceMax(static_cast<int64_t>(node_exchange_us * 1e3)));
   EPMOE_ASSIGN_OR_RETURN(const double world_exchange_us, TimeAlltoall(comm, kExchangeProbeBytes, 50));
+  EPMOE_ASSIGN_OR_RETURN(slowest_inter->bandwidth_gbs,
+                         InterNodeExchangeBandwidth(comm, f, per_node, world_exchange_us));
   // --link-gbit is the rate of a node's link, shared by the node's ranks sending at once.
   const double nominal_inter = f.link_gbit / 8 / per_node;
   EPMOE_ASSIGN_OR_RETURN(p->inter_node, LinkFrom(*slowest_inter, nominal_inter, "inter-node"));
@@ -452,18 +489,20 @@ Status CalibrateLinks(const CalibrateFlags& f, HardwareProfile* p, Communicator&
   p->description =
       fmt::format("{} nodes of up to {} ranks{}, measured by epmoe calibrate --links", comm.num_nodes(), per_node,
                   p->nodes_share_device ? " on this one machine (their ranks share its CPU and memory)" : "");
-  auto described = [&](const LinkMeasure& m) {
+  auto described = [&](const LinkMeasure& m, const char* bandwidth_by) {
     return fmt::format(
-        "fixed cost {:.1f} us (64 B all-gather), {:.3f} GB/s per rank (median over 1 MB..{} MB per "
-        "rank), one-sided window reads {:.3f} GB/s",
-        m.latency_us, m.bandwidth_gbs, f.max_link_bytes >> 20, m.one_sided_gbs);
+        "fixed cost {:.1f} us (64 B all-gather), {:.3f} GB/s per rank ({}, median over 1 MB..{} MB per "
+        "rank and peer), one-sided window reads {:.3f} GB/s",
+        m.latency_us, m.bandwidth_gbs, bandwidth_by, f.max_link_bytes >> 20, m.one_sided_gbs);
   };
   p->sources.push_back(fmt::format(
       "epmoe calibrate --links {} over {}, the slowest rank of each: intra_node among the ranks of each node: {}; "
       "inter_node among the ranks of one local index on every node, all at once: {}; all-to-all step (64 B to "
       "every peer; exchange_latency_us) {:.1f} us among all ranks (inter_node){}{}",
-      Today(), comm.description(), slowest_intra ? described(*slowest_intra) : "not measured (one rank per node: kept)",
-      described(*slowest_inter), world_exchange_us,
+      Today(), comm.description(),
+      slowest_intra ? described(*slowest_intra, "all-gathers") : "not measured (one rank per node: kept)",
+      described(*slowest_inter, "every rank sending to every rank of the other nodes at once, an alltoallv"),
+      world_exchange_us,
       slowest_intra ? fmt::format(", {:.1f} us among each node's ranks (intra_node)", slowest_node_exchange_ns / 1e3)
                     : "",
       f.link_gbit > 0 ? fmt::format("; bandwidth_gbs {:.4f} = --link-gbit {} / 8 / {} ranks per node, efficiency the "
