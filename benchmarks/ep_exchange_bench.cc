@@ -48,8 +48,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -501,10 +503,93 @@ BENCHMARK(BM_A2aModes)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
-// Low-latency mode's two transports for its dispatch on the same bytes, alternating iteration by
-// iteration (which goes first alternates too): (a) StartCappedAlltoallv, a receive of the capacity
-// posted per peer and exchange, against (b) CappedExchange, receives posted ahead and re-armed as
-// the executor does (once the records are read, before the combine). Each runs kLayers layers
+// Low-latency's dispatch as one-sided puts (DeepEP's low-latency kernels write each record
+// straight into the receiver's buffer and then set a flag there): every rank exposes a window of
+// one capacity-sized slot per sender and a flag per sender; a sender puts each peer's block (its
+// 8-byte header holding the block's size) into its slot on that peer, completes the puts
+// (MPI_Win_flush_all), then writes the exchange's sequence number into its flag there; a receiver
+// polls its flags until every peer's shows this exchange. A sender puts into a slot again only
+// after its receiver has sent back that exchange's outputs (the combine), so one slot per sender
+// suffices. Raw MPI here because it is measured
+// against the Communicator's transports, not yet one of them. Null when MPI has no one-sided
+// transport between these ranks (Open MPI's TCP transport under MPI_THREAD_MULTIPLE).
+class OneSidedDispatch {
+ public:
+  static std::unique_ptr<OneSidedDispatch> Create(int64_t capacity) {
+    int g = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &g);
+    const int64_t bytes = g * capacity + g * static_cast<int64_t>(sizeof(int64_t));
+    void* base = nullptr;
+    MPI_Win window = MPI_WIN_NULL;
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    const int code = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, MPI_INFO_NULL, MPI_COMM_WORLD, &base, &window);
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+    // Every rank is refused alike (the transports are the job's), so no window is left to free.
+    if (code != MPI_SUCCESS) return nullptr;
+    std::memset(base, 0, bytes);
+    MPI_Win_lock_all(MPI_MODE_NOCHECK, window);
+    MPI_Barrier(MPI_COMM_WORLD);  // every flag zeroed before any peer writes one
+    return std::unique_ptr<OneSidedDispatch>(new OneSidedDispatch(g, capacity, base, window));
+  }
+  ~OneSidedDispatch() {
+    MPI_Win_unlock_all(window_);
+    MPI_Win_free(&window_);
+  }
+  OneSidedDispatch(const OneSidedDispatch&) = delete;
+  OneSidedDispatch& operator=(const OneSidedDispatch&) = delete;
+
+  // Puts `send`'s block for each peer (sizes `bytes`, at `offsets`; this rank's own skipped), then
+  // the flags. The blocks' first 8 bytes must hold their sizes.
+  void Start(const uint8_t* send, std::span<const int64_t> bytes, std::span<const int64_t> offsets) {
+    ++sequence_;
+    for (int s = 0; s < g_; ++s)
+      if (s != me_ && bytes[s] > 0)
+        MPI_Put(send + offsets[s], static_cast<int>(bytes[s]), MPI_BYTE, s, static_cast<MPI_Aint>(me_ * capacity_),
+                static_cast<int>(bytes[s]), MPI_BYTE, window_);
+    MPI_Win_flush_all(window_);  // the records are in place before the flag says so
+    for (int s = 0; s < g_; ++s)
+      if (s != me_)
+        MPI_Accumulate(&sequence_, 1, MPI_INT64_T, s, static_cast<MPI_Aint>(g_ * capacity_ + me_ * sizeof(int64_t)),
+                       1, MPI_INT64_T, MPI_REPLACE, window_);
+    MPI_Win_flush_all(window_);  // sequence_ may change once the flags have landed
+  }
+
+  // Waits for every peer's flag of the last Start; `received[s]` gets the size of s's block.
+  void WaitReceived(std::span<int64_t> received) {
+    const auto* flags = reinterpret_cast<const int64_t*>(static_cast<uint8_t*>(base_) + g_ * capacity_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (int s = 0; s < g_; ++s) {
+      if (s == me_) continue;
+      while (__atomic_load_n(&flags[s], __ATOMIC_ACQUIRE) != sequence_) {
+        int arrived = 0;  // drives MPI's progress, which a transport without remote memory access needs
+        MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &arrived, MPI_STATUS_IGNORE);
+        MPI_Win_sync(window_);
+        EPMOE_CHECK_MSG(std::chrono::steady_clock::now() < deadline, "one-sided dispatch: no flag from a peer in 60 s");
+      }
+      std::memcpy(&received[s], slot(s), sizeof(int64_t));
+    }
+    received[me_] = 0;
+  }
+
+  const uint8_t* slot(int sender) const { return static_cast<const uint8_t*>(base_) + sender * capacity_; }
+
+ private:
+  OneSidedDispatch(int g, int64_t capacity, void* base, MPI_Win window)
+      : g_(g), capacity_(capacity), base_(base), window_(window) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &me_);
+  }
+  int g_ = 0, me_ = 0;
+  int64_t capacity_ = 0;
+  int64_t sequence_ = 0;
+  void* base_ = nullptr;
+  MPI_Win window_ = MPI_WIN_NULL;
+};
+
+// Low-latency mode's transports for its dispatch on the same bytes, in turn iteration by iteration
+// (which goes first rotates too): (a) StartCappedAlltoallv, a receive of the capacity posted per
+// peer and exchange, (b) CappedExchange, receives posted ahead and re-armed as the executor does
+// (once the records are read, before the combine), and (c) OneSidedDispatch's puts, where MPI has
+// a one-sided transport between the ranks (one_sided 1). Each runs kLayers layers
 // back to back after one barrier, as a decode step does: write the records (header and bf16
 // records for T uniform rows at top-8, the executor's bytes), dispatch, read what came, then the
 // combine (one bf16 output per pick, through the Communicator's alltoallv). Per layer sequence and
@@ -547,14 +632,20 @@ void BM_LowLatencyTransports(benchmark::State& state) {
   auto made = comm.CreateCappedExchange(recv[1].data(), capacity);
   EPMOE_CHECK_MSG(made.ok(), made.status().ToString());
   std::unique_ptr<CappedExchange> pre_posted = std::move(made).value();
+  const std::unique_ptr<OneSidedDispatch> one_sided = OneSidedDispatch::Create(capacity);
+  const int transports = one_sided != nullptr ? 3 : 2;
+  // Where each transport's blocks land: one slot of the capacity per sender.
+  auto landed = [&](int transport, int sender) {
+    return transport == 2 ? one_sided->slot(sender) : recv[transport].data() + sender * capacity;
+  };
   const std::span<const int64_t> offsets(message_at.data(), g), outputs_at(back_at.data(), g),
       outputs_land(back_recv_at.data(), g);
-  std::vector<double> dispatch_us[2], exchange_us[2], sequence_us[2];
+  std::vector<double> dispatch_us[3], exchange_us[3], sequence_us[3];
   uint64_t checksum = 0;
   int iteration = 0;
   for (auto _ : state) {
-    for (int i = 0; i < 2; ++i) {
-      const int transport = (iteration + i) % 2;
+    for (int i = 0; i < transports; ++i) {
+      const int transport = (iteration + i) % transports;
       double dispatch = 0, combine = 0;
       MPI_Barrier(MPI_COMM_WORLD);
       const auto sequence_start = std::chrono::steady_clock::now();
@@ -562,15 +653,22 @@ void BM_LowLatencyTransports(benchmark::State& state) {
       for (int layer = 0; layer < kLayers; ++layer) {
         if (dispatch_sends != nullptr) EPMOE_CHECK(dispatch_sends->Wait().ok());
         std::fill(send.begin(), send.end(), static_cast<uint8_t>(layer));
+        for (int s = 0; s < g; ++s)  // the header: the block's size (one-sided receivers read it)
+          if (message[s] > 0) std::memcpy(send.data() + message_at[s], &message[s], kHeader);
         const auto t0 = std::chrono::steady_clock::now();
-        auto started = transport == 0 ? comm.StartCappedAlltoallv(send.data(), message, offsets, recv[0].data(),
-                                                                  capacity, received)
-                                      : pre_posted->Start(send.data(), message, offsets, received);
-        EPMOE_CHECK_MSG(started.ok(), started.status().ToString());
-        dispatch_sends = std::move(started).value();
-        EPMOE_CHECK(dispatch_sends->WaitReceived().ok());
+        if (transport == 2) {
+          one_sided->Start(send.data(), message, offsets);
+          one_sided->WaitReceived(received);
+        } else {
+          auto started = transport == 0 ? comm.StartCappedAlltoallv(send.data(), message, offsets, recv[0].data(),
+                                                                    capacity, received)
+                                        : pre_posted->Start(send.data(), message, offsets, received);
+          EPMOE_CHECK_MSG(started.ok(), started.status().ToString());
+          dispatch_sends = std::move(started).value();
+          EPMOE_CHECK(dispatch_sends->WaitReceived().ok());
+        }
         dispatch += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-        for (int s = 0; s < g; ++s) checksum += recv[transport][s * capacity + received[s] / 2];
+        for (int s = 0; s < g; ++s) checksum += landed(transport, s)[received[s] / 2];
         if (combine_sends != nullptr) EPMOE_CHECK(combine_sends->Wait().ok());
         std::fill(back_send.begin(), back_send.end(), static_cast<uint8_t>(layer));
         const auto t1 = std::chrono::steady_clock::now();
@@ -582,7 +680,7 @@ void BM_LowLatencyTransports(benchmark::State& state) {
         EPMOE_CHECK(combine_sends->WaitReceived().ok());
         combine += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t1).count();
       }
-      EPMOE_CHECK(dispatch_sends->Wait().ok());
+      if (dispatch_sends != nullptr) EPMOE_CHECK(dispatch_sends->Wait().ok());
       EPMOE_CHECK(combine_sends->Wait().ok());
       const double wall =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - sequence_start).count();
@@ -608,6 +706,14 @@ void BM_LowLatencyTransports(benchmark::State& state) {
   state.counters["per_exchange_layer_ms"] = Median(sequence_us[0]) / kLayers / 1000;
   state.counters["pre_posted_layer_ms"] = Median(sequence_us[1]) / kLayers / 1000;
   state.counters["layer_pct"] = pct(sequence_us[0], sequence_us[1]);
+  state.counters["one_sided"] = one_sided != nullptr;
+  if (one_sided != nullptr) {
+    state.counters["one_sided_dispatch_ms"] = Median(dispatch_us[2]) / kLayers / 1000;
+    state.counters["one_sided_dispatch_pct"] = pct(dispatch_us[1], dispatch_us[2]);  // against pre-posted
+    state.counters["one_sided_exchange_ms"] = Median(exchange_us[2]) / kLayers / 1000;
+    state.counters["one_sided_layer_ms"] = Median(sequence_us[2]) / kLayers / 1000;
+    state.counters["one_sided_layer_pct"] = pct(sequence_us[1], sequence_us[2]);
+  }
 }
 
 BENCHMARK(BM_LowLatencyTransports)
