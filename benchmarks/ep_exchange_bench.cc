@@ -549,8 +549,8 @@ class OneSidedDispatch {
     MPI_Win_flush_all(window_);  // the records are in place before the flag says so
     for (int s = 0; s < g_; ++s)
       if (s != me_)
-        MPI_Accumulate(&sequence_, 1, MPI_INT64_T, s, static_cast<MPI_Aint>(g_ * capacity_ + me_ * sizeof(int64_t)),
-                       1, MPI_INT64_T, MPI_REPLACE, window_);
+        MPI_Accumulate(&sequence_, 1, MPI_INT64_T, s, static_cast<MPI_Aint>(g_ * capacity_ + me_ * sizeof(int64_t)), 1,
+                       MPI_INT64_T, MPI_REPLACE, window_);
     MPI_Win_flush_all(window_);  // sequence_ may change once the flags have landed
   }
 
