@@ -6,7 +6,8 @@ For every link rate (--gbit), a 2-node cluster is made; on it, 2 nodes x 2 ranks
 rank run `epmoe run --option a2a` at each batch (--tokens, rows per step over all ranks) for every
 variant (--variants: flat and two-level exchange, normal and low-latency mode, with TBO or SBO).
 The variants' runs are interleaved (one run of each, --repeats times) and each figure is the median
-over runs of epmoe run's own median over steps. Exposed exchange = the time a rank waits on the
+over runs of epmoe run's own median over its timed steps, which follow --warmup steps left out
+(the first steps pay one-time costs: at T = 1024 on 2 x 1 the first was 2 - 4 times the rest). Exposed exchange = the time a rank waits on the
 exchange: the step less its compute stages (route, pack, experts, unpack,
 shared), which with TBO counts only what neither micro-batch's compute hides. The planner's line for each run
 comes from `epmoe plan --hardware PROFILE` with the same shape and variant, where PROFILE is this
@@ -67,7 +68,8 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024], help="rows per step")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each variant")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps per run before the timed ones, left out")
     parser.add_argument("--model", nargs="+", default=["--model", "deepseek-v2-lite", "--hidden", "1024",
                                                        "--intermediate", "512", "--weight-format", "bf16",
                                                        "--layers", "2"],
@@ -156,7 +158,8 @@ def measure(epmoe, args):
                         for variant in args.variants:
                             out = run([CLUSTER, "mpirun", "--name", args.name, "-np", str(ranks), epmoe, "run",
                                        "--option", "a2a", "--tokens", str(tokens), "--steps", str(args.steps),
-                                       "--format", "json", *args.model, *VARIANTS[variant]])
+                                       "--warmup", str(args.warmup), "--format", "json", *args.model,
+                                       *VARIANTS[variant]])
                             figures[variant].append(json.loads(out)["options"][0])
                     for variant in args.variants:
                         measured.append({"gbit": gbit, "layout": layout, "tokens": tokens, "variant": variant,

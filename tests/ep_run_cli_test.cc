@@ -360,4 +360,37 @@ TEST(EpRunCli, AShortTraceIsReplayedForEveryStep) {
   EXPECT_EQ(j["options"][0]["step_ms"].size(), 5u);
 }
 
+// --warmup runs steps before the timed ones and leaves them out of every figure, interleaved or
+// not; they replay the first steps (of a trace shorter than them too).
+TEST(EpRunCli, WarmupStepsAreLeftOutOfTheFigures) {
+  for (const char* interleave : {"", " --interleave"}) {
+    SCOPED_TRACE(interleave);
+    const CommandRun run = Shell(Binary() + " run --option a2a,whole --check --format json --warmup 3" + kSmall +
+                                     interleave,
+                                 false);
+    ASSERT_EQ(run.exit_code, 0) << run.out;
+    const auto j = nlohmann::json::parse(run.out);
+    EXPECT_EQ(j["steps"], 2);
+    EXPECT_EQ(j["warmup_steps"], 3);
+    for (const auto& o : j["options"]) {
+      EXPECT_EQ(o["step_ms"].size(), 2u);
+      EXPECT_LE(o["max_normalized_error"].get<double>(), 2e-2);
+    }
+  }
+  CommandRun run = Shell(Binary() + " run --warmup 1" + std::string(kSmall), false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find("2 steps x 2 layers after 1 warm-up,"), std::string::npos) << run.out;
+  const std::string trace = ::testing::TempDir() + "/epmoe_run_warmup_trace.bin";
+  run = Shell(Binary() + " trace gen " + trace + " --model qwen3-30b-a3b --layers 2 --steps 2 --batch 9", true);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  run = Shell(Binary() + " run --trace " + trace +
+                  " --format json --hidden 64 --intermediate 32 --steps 2 --warmup 5 --layers 2 --no-progress --check",
+              false);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  EXPECT_EQ(nlohmann::json::parse(run.out)["options"][0]["step_ms"].size(), 2u);
+  run = Shell(Binary() + " run --warmup -1" + std::string(kSmall), true);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("--warmup"), std::string::npos) << run.out;
+}
+
 }  // namespace

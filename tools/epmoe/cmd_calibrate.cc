@@ -346,13 +346,18 @@ Result<std::optional<LinkMeasure>> SlowestLink(Communicator& world, bool measure
   return slowest;
 }
 
+// Passes over the sizes of InterNodeExchangeBandwidth: on ranks that share cores, one pass ran at
+// 0.55 - 0.79 of a shaped 1 Gbit/s link and the next at another rate, while the median of four
+// passes stayed within 0.67 - 0.71 over three runs.
+constexpr int kInterNodePasses = 4;
+
 // Per-rank bandwidth between nodes as a flat dispatch uses it: every rank sends `bytes` to every
 // rank on the other nodes, all at once (one alltoallv over all ranks, no bytes inside a node), so
-// a node's ranks share its link with as many flows as a step has. Median over 1 MB..--max-link-bytes
-// per peer of the bytes a rank sends / (the slowest rank's time - the step's fixed cost
-// `exchange_us`), in GB/s. (All-gathers among the ranks of one local index, one flow per node pair,
-// reached 0.55 of a 1 Gbit/s link shared by 2 ranks per node where this pattern and a2a's steps
-// reached about 0.8.)
+// a node's ranks share its link with as many flows as a step has. Median over kInterNodePasses
+// passes over 1 MB..--max-link-bytes per peer of the bytes a rank sends / (the slowest rank's time
+// - the step's fixed cost `exchange_us`), in GB/s. (All-gathers among the ranks of one local index,
+// one flow per node pair, reached 0.55 of a 1 Gbit/s link shared by 2 ranks per node where this
+// pattern and a2a's steps reached about 0.7 - 0.8.)
 Result<double> InterNodeExchangeBandwidth(Communicator& comm, const CalibrateFlags& f, int largest_node,
                                           double exchange_us) {
   const int g = comm.size();
@@ -360,20 +365,22 @@ Result<double> InterNodeExchangeBandwidth(Communicator& comm, const CalibrateFla
   int remote_ranks = 0;
   for (int r = 0; r < g; ++r) remote_ranks += comm.node_of(r) != my_node;
   std::vector<double> rates;
-  for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
-    std::vector<int64_t> sizes(g, 0);
-    for (int r = 0; r < g; ++r)
-      if (comm.node_of(r) != my_node) sizes[r] = bytes;
-    const std::vector<int64_t> offsets = PrefixOffsets(sizes);
-    const auto at = std::span(offsets).first(g);
-    std::vector<uint8_t> send(bytes * remote_ranks, 1), recv(bytes * remote_ranks);
-    EPMOE_ASSIGN_OR_RETURN(double us, TimeSlowestRank(comm, 5, [&] {
-                             return comm.Alltoallv(send.data(), sizes, at, recv.data(), sizes, at);
-                           }));
-    // With unequal nodes, the slowest rank's time over the fewest bytes a rank sends (a rank of
-    // the largest node's) keeps the figure a lower bound.
-    const double sent = static_cast<double>(bytes) * (g - largest_node);
-    if (us > exchange_us) rates.push_back(sent / ((us - exchange_us) * 1e3));
+  for (int pass = 0; pass < kInterNodePasses; ++pass) {
+    for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
+      std::vector<int64_t> sizes(g, 0);
+      for (int r = 0; r < g; ++r)
+        if (comm.node_of(r) != my_node) sizes[r] = bytes;
+      const std::vector<int64_t> offsets = PrefixOffsets(sizes);
+      const auto at = std::span(offsets).first(g);
+      std::vector<uint8_t> send(bytes * remote_ranks, 1), recv(bytes * remote_ranks);
+      EPMOE_ASSIGN_OR_RETURN(double us, TimeSlowestRank(comm, 5, [&] {
+                               return comm.Alltoallv(send.data(), sizes, at, recv.data(), sizes, at);
+                             }));
+      // With unequal nodes, the slowest rank's time over the fewest bytes a rank sends (a rank of
+      // the largest node's) keeps the figure a lower bound.
+      const double sent = static_cast<double>(bytes) * (g - largest_node);
+      if (us > exchange_us) rates.push_back(sent / ((us - exchange_us) * 1e3));
+    }
   }
   if (rates.empty()) return Internal("calibrate: the large exchanges between nodes were not slower than the small one");
   return Median(rates);

@@ -34,6 +34,7 @@ struct RunOptions {
   std::vector<std::string> options = {"a2a"};  // in the order given; "all" alone for every option
   int64_t tokens = 64;
   int steps = 5;
+  int warmup = 0;  // steps run first, left out of every figure
   int layers = 2;
   std::string routing = "uniform";
   std::string trace;
@@ -138,12 +139,12 @@ class OptionRun {
     return run;
   }
 
+  // A step left out of every figure (--warmup): it pays the one-time costs (first touches of the
+  // buffers, connections opening) that would otherwise weigh on the first timed steps.
+  Status Warm(int step, const Routing& routing, int64_t tokens) { return RunStep(step, routing, tokens).status(); }
+
   Status Step(int step, const Routing& routing, int64_t tokens) {
-    const int g = comm_.size(), me = comm_.rank();
-    const int64_t first = tensor_parallel_ ? 0 : RowBegin(tokens, g, me);
-    const int64_t count = tensor_parallel_ ? tokens : RowBegin(tokens, g, me + 1) - first;
-    Matrix x = SyntheticRows(o_.seed, model_, step, first, count);
-    EPMOE_ASSIGN_OR_RETURN(const StepReport report, engine_->Step(&x, first, routing));
+    EPMOE_ASSIGN_OR_RETURN(const StepReport report, RunStep(step, routing, tokens));
     result_->step_ms.push_back(report.seconds * 1e3);
     for (int s = 0; s < kNumStages; ++s) result_->stage_ms[s].push_back(report.stage_seconds[s] * 1e3);
     rows_ += static_cast<double>(report.rows);
@@ -178,6 +179,14 @@ class OptionRun {
  private:
   OptionRun(Communicator& comm, const RunOptions& o, const ModelConfig& model, OptionResult* result)
       : comm_(comm), o_(o), model_(model), result_(result) {}
+
+  Result<StepReport> RunStep(int step, const Routing& routing, int64_t tokens) {
+    const int g = comm_.size(), me = comm_.rank();
+    const int64_t first = tensor_parallel_ ? 0 : RowBegin(tokens, g, me);
+    const int64_t count = tensor_parallel_ ? tokens : RowBegin(tokens, g, me + 1) - first;
+    Matrix x = SyntheticRows(o_.seed, model_, step, first, count);
+    return engine_->Step(&x, first, routing);
+  }
 
   Communicator& comm_;
   const RunOptions& o_;
@@ -279,7 +288,8 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   }
   const Routing& picks = trace ? static_cast<const Routing&>(*trace) : *routing;
 
-  ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * steps);
+  ProgressBar progress(!o.no_progress && comm->rank() == 0,
+                       static_cast<int64_t>(options.size()) * (o.warmup + steps));
   int64_t done = 0;
   auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
     EngineOptions eo = engine_options;
@@ -287,10 +297,17 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     eo.two_batch_overlap = o.tbo && options[i] == EpOption::kA2a;  // the other options run one batch
     return OptionRun::Start(*comm, o, model, eo, pool, &results[i]);
   };
+  // Step s of option i; the warm-up steps come first, replaying the first steps' rows and routing.
   auto step = [&](size_t i, OptionRun& run, int s) -> Status {
-    EPMOE_RETURN_IF_ERROR(run.Step(s, picks, tokens(s)));
+    if (s < o.warmup) {
+      EPMOE_RETURN_IF_ERROR(run.Warm(s % steps, picks, tokens(s % steps)));
+    } else {
+      EPMOE_RETURN_IF_ERROR(run.Step(s - o.warmup, picks, tokens(s - o.warmup)));
+    }
     ++done;
-    if (comm->rank() == 0) progress.Update(done, fmt::format("{} step {}/{}", results[i].name, s + 1, steps));
+    if (comm->rank() == 0)
+      progress.Update(done, s < o.warmup ? fmt::format("{} warm-up step {}/{}", results[i].name, s + 1, o.warmup)
+                                         : fmt::format("{} step {}/{}", results[i].name, s - o.warmup + 1, steps));
     return Status::Ok();
   };
   if (o.interleave) {
@@ -302,7 +319,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(runs[i], start(i));
     }
-    for (int s = 0; s < steps; ++s)
+    for (int s = 0; s < o.warmup + steps; ++s)
       for (size_t j = 0; j < options.size(); ++j) {
         const size_t i = (static_cast<size_t>(s) + j) % options.size();
         if (runs[i]) EPMOE_RETURN_IF_ERROR(step(i, *runs[i], s));
@@ -314,7 +331,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     for (size_t i = 0; i < options.size(); ++i) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(auto run, start(i));
-      for (int s = 0; s < steps; ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
+      for (int s = 0; s < o.warmup + steps; ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
       EPMOE_RETURN_IF_ERROR(run->Finish());
     }
   }
@@ -365,6 +382,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
              {"communicator", comm->description()},
              {"tokens", tokens(0)},
              {"steps", steps},
+             {"warmup_steps", o.warmup},
              {"interleaved", o.interleave},
              {"layers", o.layers},
              {"routing", o.trace.empty() ? o.routing : "trace " + o.trace},
@@ -390,9 +408,10 @@ void PrintText(const nlohmann::json& r) {
               r["num_experts"].get<int>(), r["top_k"].get<int>(), r["ranks"].get<int>(), r["nodes"].get<int>(),
               r["communicator"].get<std::string>().c_str());
   std::printf(
-      "T = %lld rows per step, %d steps x %d layers, routing %s, %s rows, %s weights, rows travel %s, "
+      "T = %lld rows per step, %d steps x %d layers%s, routing %s, %s rows, %s weights, rows travel %s, "
       "outputs return %s, %d thread(s) per rank\n",
       static_cast<long long>(r["tokens"].get<int64_t>()), r["steps"].get<int>(), r["layers"].get<int>(),
+      r["warmup_steps"].get<int>() > 0 ? fmt::format(" after {} warm-up", r["warmup_steps"].get<int>()).c_str() : "",
       r["routing"].get<std::string>().c_str(), r["row_origin"].get<std::string>().c_str(),
       r["weight_format"].get<std::string>().c_str(), r["dispatch_format"].get<std::string>().c_str(),
       r["combine_format"].get<std::string>().c_str(), r["threads_per_rank"].get<int>());
@@ -453,6 +472,11 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--steps", o->steps, "Steps (new rows each); times are medians over steps")
       ->check(kPositive)
+      ->capture_default_str();
+  cmd->add_option("--warmup", o->warmup,
+                  "Steps run before the timed ones and left out of every figure (they replay the first steps' "
+                  "rows and routing; live EPLB still sees them)")
+      ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--layers", o->layers, "MoE layers per step")->check(kPositive)->capture_default_str();
   cmd->add_option("--routing", o->routing, "How picks are made")
