@@ -365,9 +365,8 @@ TEST(EpRunCli, AShortTraceIsReplayedForEveryStep) {
 TEST(EpRunCli, WarmupStepsAreLeftOutOfTheFigures) {
   for (const char* interleave : {"", " --interleave"}) {
     SCOPED_TRACE(interleave);
-    const CommandRun run = Shell(Binary() + " run --option a2a,whole --check --format json --warmup 3" + kSmall +
-                                     interleave,
-                                 false);
+    const CommandRun run =
+        Shell(Binary() + " run --option a2a,whole --check --format json --warmup 3" + kSmall + interleave, false);
     ASSERT_EQ(run.exit_code, 0) << run.out;
     const auto j = nlohmann::json::parse(run.out);
     EXPECT_EQ(j["steps"], 2);

@@ -288,8 +288,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   }
   const Routing& picks = trace ? static_cast<const Routing&>(*trace) : *routing;
 
-  ProgressBar progress(!o.no_progress && comm->rank() == 0,
-                       static_cast<int64_t>(options.size()) * (o.warmup + steps));
+  ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * (o.warmup + steps));
   int64_t done = 0;
   auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
     EngineOptions eo = engine_options;
