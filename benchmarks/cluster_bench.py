@@ -17,7 +17,7 @@ it) with its links measured on the cluster at the run's layout (`epmoe calibrate
 --save keeps every run's report and the profiles; --replan reprices them with the current planner
 without running anything (on the saved profiles, on --profile, or with the links measured again).
 
-    benchmarks/cluster_bench.py build                 # the full table (about 10 minutes, calibration included)
+    benchmarks/cluster_bench.py build                 # the full table (about 8 minutes, calibration included)
     benchmarks/cluster_bench.py build --gbit 1 --tokens 16 --repeats 1   # a quick look
     benchmarks/cluster_bench.py build --base machine.json --save runs.json      # measure and keep
     benchmarks/cluster_bench.py build --replan runs.json                        # reprice (seconds)

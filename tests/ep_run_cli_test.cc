@@ -360,8 +360,8 @@ TEST(EpRunCli, AShortTraceIsReplayedForEveryStep) {
   EXPECT_EQ(j["options"][0]["step_ms"].size(), 5u);
 }
 
-// --warmup runs steps before the timed ones and leaves them out of every figure, interleaved or
-// not; they replay the first steps (of a trace shorter than them too).
+// --warmup runs the first steps as any other and leaves them out of every figure, interleaved or
+// not; a trace shorter than the warm-up and timed steps together is replayed.
 TEST(EpRunCli, WarmupStepsAreLeftOutOfTheFigures) {
   for (const char* interleave : {"", " --interleave"}) {
     SCOPED_TRACE(interleave);

@@ -34,7 +34,7 @@ struct RunOptions {
   std::vector<std::string> options = {"a2a"};  // in the order given; "all" alone for every option
   int64_t tokens = 64;
   int steps = 5;
-  int warmup = 0;  // steps run first, left out of every figure
+  int warmup = 0;  // the first steps, left out of every figure
   int layers = 2;
   std::string routing = "uniform";
   std::string trace;
@@ -140,7 +140,7 @@ class OptionRun {
   }
 
   // A step left out of every figure (--warmup): it pays the one-time costs (first touches of the
-  // buffers, connections opening) that would otherwise weigh on the first timed steps.
+  // buffers, connections opening) that would otherwise weigh on the timed steps.
   Status Warm(int step, const Routing& routing, int64_t tokens) { return RunStep(step, routing, tokens).status(); }
 
   Status Step(int step, const Routing& routing, int64_t tokens) {
@@ -227,15 +227,16 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   EPMOE_ASSIGN_OR_RETURN(const OpenedWeights opened, OpenWeights(o.weights, model, o.layers, o.seed));
   base.weights = opened.source;
   std::unique_ptr<TraceRouting> trace;
-  const int steps = o.steps;  // a shorter trace is replayed from its start
+  const int steps = o.steps;                 // timed
+  const int all_steps = o.warmup + o.steps;  // a shorter trace is replayed from its start
   if (!o.trace.empty()) {
-    EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, o.steps));
+    EPMOE_ASSIGN_OR_RETURN(trace, TraceRouting::Open(o.trace, model, o.layers, all_steps));
   }
   auto tokens = [&](int step) { return trace ? trace->rows(step) : o.tokens; };
   // Low-latency a2a sizes its buffers once for the most rows a rank holds in any step (the first
   // rank's share of the largest step).
   int64_t most_tokens = 0;
-  for (int step = 0; step < (trace ? steps : 1); ++step) most_tokens = std::max(most_tokens, tokens(step));
+  for (int step = 0; step < (trace ? all_steps : 1); ++step) most_tokens = std::max(most_tokens, tokens(step));
   base.max_rows_per_rank = std::max<int64_t>(1, RowBegin(most_tokens, g, 1));
 
   std::vector<EpOption> options;
@@ -288,7 +289,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
   }
   const Routing& picks = trace ? static_cast<const Routing&>(*trace) : *routing;
 
-  ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * (o.warmup + steps));
+  ProgressBar progress(!o.no_progress && comm->rank() == 0, static_cast<int64_t>(options.size()) * all_steps);
   int64_t done = 0;
   auto start = [&](size_t i) -> Result<std::unique_ptr<OptionRun>> {
     EngineOptions eo = engine_options;
@@ -296,12 +297,12 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     eo.two_batch_overlap = o.tbo && options[i] == EpOption::kA2a;  // the other options run one batch
     return OptionRun::Start(*comm, o, model, eo, pool, &results[i]);
   };
-  // Step s of option i; the warm-up steps come first, replaying the first steps' rows and routing.
+  // Step s of option i; the first o.warmup steps are left out of the figures.
   auto step = [&](size_t i, OptionRun& run, int s) -> Status {
     if (s < o.warmup) {
-      EPMOE_RETURN_IF_ERROR(run.Warm(s % steps, picks, tokens(s % steps)));
+      EPMOE_RETURN_IF_ERROR(run.Warm(s, picks, tokens(s)));
     } else {
-      EPMOE_RETURN_IF_ERROR(run.Step(s - o.warmup, picks, tokens(s - o.warmup)));
+      EPMOE_RETURN_IF_ERROR(run.Step(s, picks, tokens(s)));
     }
     ++done;
     if (comm->rank() == 0)
@@ -318,7 +319,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(runs[i], start(i));
     }
-    for (int s = 0; s < o.warmup + steps; ++s)
+    for (int s = 0; s < all_steps; ++s)
       for (size_t j = 0; j < options.size(); ++j) {
         const size_t i = (static_cast<size_t>(s) + j) % options.size();
         if (runs[i]) EPMOE_RETURN_IF_ERROR(step(i, *runs[i], s));
@@ -330,7 +331,7 @@ Status Run(const RunOptions& o, nlohmann::json* report, bool* is_root) {
     for (size_t i = 0; i < options.size(); ++i) {
       if (!results[i].refused.empty()) continue;
       EPMOE_ASSIGN_OR_RETURN(auto run, start(i));
-      for (int s = 0; s < o.warmup + steps; ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
+      for (int s = 0; s < all_steps; ++s) EPMOE_RETURN_IF_ERROR(step(i, *run, s));
       EPMOE_RETURN_IF_ERROR(run->Finish());
     }
   }
@@ -473,8 +474,8 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup,
-                  "Steps run before the timed ones and left out of every figure (they replay the first steps' "
-                  "rows and routing; live EPLB still sees them)")
+                  "The first N steps run as any other but are left out of every figure (they pay one-time costs); "
+                  "live EPLB and --record-load still see them")
       ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--layers", o->layers, "MoE layers per step")->check(kPositive)->capture_default_str();
