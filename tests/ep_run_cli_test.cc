@@ -378,7 +378,7 @@ TEST(EpRunCli, WarmupStepsAreLeftOutOfTheFigures) {
   }
   CommandRun run = Shell(Binary() + " run --warmup 1" + std::string(kSmall), false);
   ASSERT_EQ(run.exit_code, 0) << run.out;
-  EXPECT_NE(run.out.find("2 steps x 2 layers after 1 warm-up,"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("2 steps x 2 layers after 1 warm-up steps,"), std::string::npos) << run.out;
   const std::string trace = ::testing::TempDir() + "/epmoe_run_warmup_trace.bin";
   run = Shell(Binary() + " trace gen " + trace + " --model qwen3-30b-a3b --layers 2 --steps 2 --batch 9", true);
   ASSERT_EQ(run.exit_code, 0) << run.out;

@@ -411,7 +411,8 @@ void PrintText(const nlohmann::json& r) {
       "T = %lld rows per step, %d steps x %d layers%s, routing %s, %s rows, %s weights, rows travel %s, "
       "outputs return %s, %d thread(s) per rank\n",
       static_cast<long long>(r["tokens"].get<int64_t>()), r["steps"].get<int>(), r["layers"].get<int>(),
-      r["warmup_steps"].get<int>() > 0 ? fmt::format(" after {} warm-up", r["warmup_steps"].get<int>()).c_str() : "",
+      r["warmup_steps"].get<int>() > 0 ? fmt::format(" after {} warm-up steps", r["warmup_steps"].get<int>()).c_str()
+                                       : "",
       r["routing"].get<std::string>().c_str(), r["row_origin"].get<std::string>().c_str(),
       r["weight_format"].get<std::string>().c_str(), r["dispatch_format"].get<std::string>().c_str(),
       r["combine_format"].get<std::string>().c_str(), r["threads_per_rank"].get<int>());
