@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -145,6 +146,12 @@ struct CommPeers {
 };
 using CommPeersPtr = std::shared_ptr<CommPeers>;
 
+// The error of a wait on a request or exchange whose earlier wait timed out (its messages were
+// left to the transport).
+Status AbandonedAfterTimeout(int rank, std::string_view what) {
+  return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank, what));
+}
+
 // Polls requests until all complete or the deadline passes. peers: the rank each request waits
 // for (-1: a collective, any rank), named in the timeout's message with its node (comm).
 // statuses: empty, or one per request, set as each completes. some: when not null, returns as soon
@@ -246,7 +253,7 @@ class MpiRequest : public Request {
       EPMOE_RETURN_IF_ERROR(Wait());
       return std::vector<int>();
     }
-    if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
+    if (timed_out_) return AbandonedAfterTimeout(rank_, what_);
     const auto n = static_cast<size_t>(receives_);
     std::vector<int> completed;
     Status status =
@@ -311,7 +318,7 @@ class MpiRequest : public Request {
   CommPeersPtr comm_;
   // Waits for the first n requests.
   Status WaitFor(size_t n) {
-    if (timed_out_) return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, what_));
+    if (timed_out_) return AbandonedAfterTimeout(rank_, what_);
     Status status = WaitAll(std::span<MPI_Request>(requests_.data(), n), std::span<const int>(peers_.data(), n),
                             timeout_seconds_, what_, rank_, comm_.get(),
                             lengths_.empty() ? std::span<MPI_Status>() : std::span<MPI_Status>(statuses_.data(), n));
@@ -999,7 +1006,7 @@ class MpiCappedExchange : public CappedExchange {
         return FailedPrecondition(
             fmt::format("rank {}: {} started before the last exchange's receiving side completed", rank_, kWhat));
       case State::kAbandoned:
-        return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+        return AbandonedAfterTimeout(rank_, kWhat);
       case State::kIdle:
       case State::kReceived: break;
     }
@@ -1014,7 +1021,7 @@ class MpiCappedExchange : public CappedExchange {
   // Completes the receiving side of exchange `number` (a later exchange's receives are not its).
   Status WaitReceived(int64_t number) {
     if (state_ == State::kAbandoned)
-      return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+      return AbandonedAfterTimeout(rank_, kWhat);
     if (number != exchange_ || state_ != State::kReceiving) return Status::Ok();
     return Land(nullptr);
   }
@@ -1022,7 +1029,7 @@ class MpiCappedExchange : public CappedExchange {
   // peers (none once every block has).
   Result<std::vector<int>> WaitSomeReceived(int64_t number) {
     if (state_ == State::kAbandoned)
-      return Unavailable(fmt::format("rank {}: {} timed out before and was abandoned", rank_, kWhat));
+      return AbandonedAfterTimeout(rank_, kWhat);
     if (number != exchange_ || state_ != State::kReceiving) return std::vector<int>();
     std::vector<int> some;
     EPMOE_RETURN_IF_ERROR(Land(&some));
