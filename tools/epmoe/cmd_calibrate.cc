@@ -364,6 +364,10 @@ Result<double> InterNodeExchangeBandwidth(Communicator& comm, const CalibrateFla
   const int my_node = comm.node_of(comm.rank());
   int remote_ranks = 0;
   for (int r = 0; r < g; ++r) remote_ranks += comm.node_of(r) != my_node;
+  // Sized once for the largest size of the passes; every pass and size reuses them.
+  int64_t largest = int64_t{1} << 20;
+  while (largest * 4 <= f.max_link_bytes) largest *= 4;
+  std::vector<uint8_t> send(largest * remote_ranks, 1), recv(largest * remote_ranks);
   std::vector<double> rates;
   for (int pass = 0; pass < kInterNodePasses; ++pass) {
     for (int64_t bytes = int64_t{1} << 20; bytes <= f.max_link_bytes; bytes *= 4) {
@@ -372,7 +376,6 @@ Result<double> InterNodeExchangeBandwidth(Communicator& comm, const CalibrateFla
         if (comm.node_of(r) != my_node) sizes[r] = bytes;
       const std::vector<int64_t> offsets = PrefixOffsets(sizes);
       const auto at = std::span(offsets).first(g);
-      std::vector<uint8_t> send(bytes * remote_ranks, 1), recv(bytes * remote_ranks);
       EPMOE_ASSIGN_OR_RETURN(double us, TimeSlowestRank(comm, 5, [&] {
                                return comm.Alltoallv(send.data(), sizes, at, recv.data(), sizes, at);
                              }));
