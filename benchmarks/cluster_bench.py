@@ -7,9 +7,9 @@ rank run `epmoe run --option a2a` at each batch (--tokens, rows per step over al
 variant (--variants: flat and two-level exchange, normal and low-latency mode, with TBO or SBO).
 The variants' runs are interleaved (one run of each, --repeats times) and each figure is the median
 over runs of epmoe run's own median over its timed steps, which follow --warmup steps left out
-(the first steps pay one-time costs: at T = 1024 on 2 x 1 the first was 2 - 4 times the rest). Exposed exchange = the time a rank waits on the
-exchange: the step less its compute stages (route, pack, experts, unpack,
-shared), which with TBO counts only what neither micro-batch's compute hides. The planner's line for each run
+(the first steps pay one-time costs: at T = 1024 on 2 x 1 the first was 2 - 4 times the rest).
+Exposed exchange = the time a rank waits on the exchange: the step less its compute stages (route,
+pack, experts, unpack, shared), which with TBO counts only what neither micro-batch's compute hides. The planner's line for each run
 comes from `epmoe plan --hardware PROFILE` with the same shape and variant, where PROFILE is this
 machine measured first (`epmoe calibrate --formats` of the run's weight format, unless --base gives
 it) with its links measured on the cluster at the run's layout (`epmoe calibrate --links
